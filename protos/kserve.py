@@ -1,0 +1,120 @@
+"""KServe v2 / Triton inference protocol: messages, datatypes and the raw tensor codec.
+
+Tensors travel as `raw_input_contents` / `raw_output_contents`: little-endian, C-order bytes of
+exactly prod(shape) * itemsize. Decoding wraps the received bytes without copying; encoding
+costs the one copy protobuf needs to own the bytes. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+__all__ = [
+    "DATATYPES",
+    "Datatype",
+    "decode_tensor",
+    "encode_tensor",
+    "model_config_pb2",
+    "service_pb2",
+    "service_pb2_grpc",
+    "shape_numel",
+]
+
+# Received protobuf bytes are immutable; tensors over them are only read (inference_mode), so
+# torch's warning about non-writable buffers is noise on this path.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+@dataclass(frozen=True)
+class Datatype:
+    """One protocol datatype: its name on the wire, torch and numpy views, size, config enum."""
+
+    name: str
+    torch_dtype: torch.dtype
+    numpy_dtype: np.dtype
+    itemsize: int
+    config_type: int  # model_config_pb2.DataType value, for ModelConfig
+    contents_field: str | None  # typed InferTensorContents field, None when raw bytes only
+
+
+def _dt(name: str, tdt: torch.dtype, ndt: str, cfg: str, field: str | None) -> Datatype:
+    npd = np.dtype(ndt)
+    return Datatype(name, tdt, npd, npd.itemsize, model_config_pb2.DataType.Value(cfg), field)
+
+
+# BF16 has no numpy dtype: its bytes are carried as int16 and viewed as torch.bfloat16.
+DATATYPES: dict[str, Datatype] = {
+    d.name: d
+    for d in (
+        _dt("BOOL", torch.bool, "bool", "TYPE_BOOL", "bool_contents"),
+        _dt("UINT8", torch.uint8, "<u1", "TYPE_UINT8", "uint_contents"),
+        _dt("INT8", torch.int8, "<i1", "TYPE_INT8", "int_contents"),
+        _dt("INT16", torch.int16, "<i2", "TYPE_INT16", "int_contents"),
+        _dt("INT32", torch.int32, "<i4", "TYPE_INT32", "int_contents"),
+        _dt("INT64", torch.int64, "<i8", "TYPE_INT64", "int64_contents"),
+        _dt("FP16", torch.float16, "<f2", "TYPE_FP16", None),
+        _dt("BF16", torch.bfloat16, "<i2", "TYPE_BF16", None),
+        _dt("FP32", torch.float32, "<f4", "TYPE_FP32", "fp32_contents"),
+        _dt("FP64", torch.float64, "<f8", "TYPE_FP64", "fp64_contents"),
+    )
+}
+_BY_TORCH: dict[torch.dtype, Datatype] = {d.torch_dtype: d for d in DATATYPES.values()}
+
+
+def datatype(name: str) -> Datatype:
+    """The Datatype for a wire name; ValueError listing the supported names otherwise."""
+    try:
+        return DATATYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported datatype {name!r}; supported: {', '.join(DATATYPES)}"
+        ) from None
+
+
+def datatype_of(dtype: torch.dtype) -> Datatype:
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise ValueError(f"torch dtype {dtype} has no KServe v2 datatype") from None
+
+
+def shape_numel(shape: Sequence[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def decode_tensor(buf: bytes | memoryview, dt: Datatype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor viewing `buf` (no copy). The caller has checked len(buf) against the shape."""
+    arr = np.frombuffer(buf, dtype=dt.numpy_dtype)
+    t = torch.from_numpy(arr)
+    if dt.torch_dtype is torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.reshape(tuple(shape))
+
+
+def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
+                    shape: Sequence[int]) -> torch.Tensor:
+    """A tensor from typed `contents` (clients other than tritonclient may send them)."""
+    if dt.contents_field is None:
+        raise ValueError(f"datatype {dt.name} can only be sent as raw_input_contents")
+    values = getattr(contents, dt.contents_field)
+    arr = np.asarray(values, dtype=dt.numpy_dtype)
+    if arr.size != shape_numel(shape):
+        raise ValueError(f"{arr.size} values for shape {list(shape)} ({shape_numel(shape)} expected)")
+    return torch.from_numpy(arr).reshape(tuple(shape))
+
+
+def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """(datatype name, shape, raw bytes) of a CPU tensor; one copy, into the bytes object."""
+    dt = datatype_of(t.dtype)
+    src = t.contiguous()
+    if dt.torch_dtype is torch.bfloat16:
+        src = src.view(torch.int16)
+    return dt.name, list(t.shape), src.numpy().tobytes()

@@ -1,0 +1,79 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TeacherRecord(_message.Message):
+    __slots__ = ("instance_id", "endpoint", "model_name", "model_version", "max_batch_size", "inputs", "outputs", "device", "started_at", "instances", "tls")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    endpoint: str
+    model_name: str
+    model_version: str
+    max_batch_size: int
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    device: str
+    started_at: float
+    instances: int
+    tls: bool
+    def __init__(self, instance_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., device: _Optional[str] = ..., started_at: _Optional[float] = ..., instances: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class TeacherLoad(_message.Message):
+    __slots__ = ("instance_id", "queue_depth", "in_flight", "samples_per_s", "busy_fraction", "capacity_samples_per_s", "updated_at", "draining")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    queue_depth: int
+    in_flight: int
+    samples_per_s: float
+    busy_fraction: float
+    capacity_samples_per_s: float
+    updated_at: float
+    draining: bool
+    def __init__(self, instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., capacity_samples_per_s: _Optional[float] = ..., updated_at: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class StudentDemand(_message.Message):
+    __slots__ = ("student_id", "samples_per_s", "wait_fraction", "in_flight", "teachers_in_use", "updated_at")
+    STUDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TEACHERS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    student_id: str
+    samples_per_s: float
+    wait_fraction: float
+    in_flight: int
+    teachers_in_use: int
+    updated_at: float
+    def __init__(self, student_id: _Optional[str] = ..., samples_per_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., in_flight: _Optional[int] = ..., teachers_in_use: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
