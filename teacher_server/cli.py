@@ -1,0 +1,193 @@
+"""`teacher-server`: serve one PyTorch teacher over the KServe v2 gRPC protocol.
+
+    teacher-server --model examples.refteacher:build --name ref_teacher --port 9898 --device cpu
+
+SIGTERM or SIGINT drains: health goes NOT_SERVING, new requests get UNAVAILABLE, the registry
+entry is revoked, in-flight requests finish (bounded by --drain-grace), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+from teacher_server.batcher import BatchingConfig
+from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
+from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads
+from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
+
+log = logging.getLogger("teacher_server")
+
+# A registration hook: given the ready server, an async context manager that keeps it registered.
+Registration = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teacher-server",
+        description="Serve a PyTorch teacher over the Triton / KServe v2 gRPC inference protocol.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", required=True,
+                   help="package.module:factory (returns an nn.Module), a TorchScript file, "
+                   "or a torch.export .pt2 file")
+    m.add_argument("--name", default="teacher", help="model name clients ask for (default: %(default)s)")
+    m.add_argument("--version", default="1", help="model version (default: %(default)s)")
+    m.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
+                   help="declare an input, e.g. INPUT:FP32:3,32,32 (repeat, in forward() order)")
+    m.add_argument("--output", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
+                   help="declare an output, e.g. LOGITS:FP32:100 (repeat, in return order); inferred if omitted")
+    m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
+    m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
+    m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
+                   help="autocast dtype for the forward pass (default: %(default)s)")
+    m.add_argument("--instances", type=int, default=1, help="model instances, one thread each (default: 1)")
+    m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: all cores)")
+
+    b = p.add_argument_group("batching")
+    b.add_argument("--max-batch-size", type=int, default=None, help="largest batch a model instance runs (default 256)")
+    b.add_argument("--max-queue-delay-us", type=int, default=500,
+                   help="longest wait for more requests to fill a batch (default: %(default)s)")
+    b.add_argument("--max-queue-size", type=int, default=512,
+                   help="requests allowed to wait; beyond it: RESOURCE_EXHAUSTED (default: %(default)s)")
+    b.add_argument("--no-dynamic-batching", action="store_true", help="run every request as its own batch")
+
+    o = p.add_argument_group("outputs")
+    o.add_argument("--output-dtype", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES), default=None,
+                   help="default dtype of floating outputs; requests override with the output_dtype parameter")
+    o.add_argument("--top-k", type=int, default=0,
+                   help="default: send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors)")
+
+    n = p.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    n.add_argument("--port", type=int, default=8001, help="gRPC port, 0 for a free one (default: %(default)s)")
+    n.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)")
+    n.add_argument("--max-message-mb", type=int, default=256, help="largest request or response (default: 256)")
+    n.add_argument("--drain-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
+    n.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
+
+    r = p.add_argument_group("registry")
+    r.add_argument("--registry", default=None, help="etcd://host:2379[,host:2379]: register under a lease")
+    r.add_argument("--service", default=None, help="service name to register under (with --registry)")
+    r.add_argument("--advertise", default="", help="host:port students dial (default: --host:--port)")
+    r.add_argument("--ttl", type=float, default=10.0, help="registration lease TTL in seconds (default: 10)")
+    r.add_argument("--instance-id", default="", help="registry identity (default: name + random suffix)")
+
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: %(default)s)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    file_cfg = ModelFileConfig.load(args.model_config) if args.model_config else None
+    io: ModelIO | None = ModelIO.parse(args.input, args.output) if args.input else None
+    if io is None and file_cfg is not None:
+        io = file_cfg.io
+    elif args.output and not args.input:
+        raise SpecError("--output needs --input too (declare the inputs the outputs come from)")
+    max_batch = args.max_batch_size or (file_cfg.max_batch_size if file_cfg else None) or 256
+    return ServerConfig(
+        model=args.model, name=args.name, version=args.version, host=args.host, port=args.port,
+        device=args.device, io=io,
+        batching=BatchingConfig(max_batch, args.max_queue_delay_us, args.max_queue_size,
+                                enabled=not args.no_dynamic_batching),
+        instances=args.instances, output_dtype=args.output_dtype, top_k=args.top_k,
+        compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, max_message_mb=args.max_message_mb,
+        drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,
+    )
+
+
+def registration_from_args(args: argparse.Namespace) -> Registration | None:
+    """The registry hook for --registry/--service; None when the teacher runs unregistered."""
+    if not args.registry:
+        if args.service:
+            raise SpecError("--service needs --registry etcd://host:2379")
+        return None
+    if not args.service:
+        raise SpecError("--registry needs --service NAME (the name students ask the registry for)")
+    from discovery import open_registry
+
+    registry = open_registry(args.registry)
+
+    @contextlib.asynccontextmanager
+    async def register(server: TeacherServer) -> AsyncIterator[object]:
+        record = server.record()
+        async with registry, registry.register(record, service=args.service, ttl=args.ttl, load=server.load) as reg:
+            yield reg
+
+    return register
+
+
+async def serve(config: ServerConfig, registration: Registration | None = None,
+                ready_file: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain and return."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = TeacherServer(config)
+    try:
+        await server.start()
+        async with contextlib.AsyncExitStack() as stack:
+            if registration is not None:
+                await stack.enter_async_context(registration(server))
+            if ready_file:
+                _write_ready_file(ready_file, server)
+            await stop.wait()
+            log.info("signal received: draining")
+            await server.begin_drain()  # refuse new work first, then deregister (stack exit)
+        await server.stop()
+        log.info("stopped cleanly")
+    finally:
+        await server.stop(0)
+
+
+def _write_ready_file(path: str, server: TeacherServer) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"endpoint": server.endpoint, "port": server.port,
+                               "metrics_port": server.metrics_port, "pid": os.getpid(),
+                               "instance_id": server.instance_id}))
+    tmp.replace(path)
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where it exists (Linux, macOS), else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        config = config_from_args(args)
+        registration = registration_from_args(args)
+    except (SpecError, ValueError) as e:
+        parser.error(str(e))
+    configure_torch_threads(args.threads or None)
+    try:
+        run_async(serve(config, registration, args.ready_file))
+    except (ModelLoadError, SpecError) as e:
+        log.error("%s", e)
+        return 2
+    except OSError as e:
+        log.error("cannot serve: %s", e)
+        return 1
+    return 0

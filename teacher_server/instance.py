@@ -1,0 +1,107 @@
+"""A model instance: one thread (and one CUDA stream on GPU) that executes whole batches.
+
+Everything heavy happens here, off the event loop: concatenating the requests' inputs, the
+host-to-device copy, the forward pass, and splitting + encoding each request's outputs. torch
+releases the GIL inside its kernels, so N instances overlap their compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from teacher_server.model import EncodedOutput, LoadedModel, OutputRequest, encode_output
+
+
+@dataclass
+class Work:
+    """One request's share of a batch: decoded inputs (CPU, declared order) and wanted outputs."""
+
+    inputs: list[torch.Tensor]
+    batch_size: int
+    outputs: list[OutputRequest]
+
+
+@dataclass
+class BatchResult:
+    per_request: list[list[EncodedOutput]]
+    compute_ns: int
+
+
+class ModelInstance:
+    """Executes batches of one LoadedModel on a dedicated thread."""
+
+    def __init__(self, model: LoadedModel, index: int, max_batch_size: int) -> None:
+        self.model = model
+        self.index = index
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"instance-{index}")
+        self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
+        self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
+
+    def _pinned_staging(self, max_batch_size: int) -> list[torch.Tensor | None]:
+        """Pinned host buffers per input, so a batch is assembled once and copied to the GPU async."""
+        bufs: list[torch.Tensor | None] = []
+        for s in self.model.io.inputs:
+            if -1 in s.shape:
+                bufs.append(None)
+            else:
+                bufs.append(torch.empty((max_batch_size, *s.shape), dtype=s.torch_dtype, pin_memory=True))
+        return bufs
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        return self._executor
+
+    def run(self, works: Sequence[Work]) -> BatchResult:
+        """Run one batch (called on this instance's thread)."""
+        start = time.perf_counter_ns()
+        with torch.inference_mode():
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    outs = self.model.forward(self._gather_cuda(works))
+                    outs = [o.to("cpu") for o in outs]  # synchronous: the batch is done when this returns
+            else:
+                outs = self.model.forward(self._gather(works))
+            per_request = self._split(outs, works)
+        return BatchResult(per_request, time.perf_counter_ns() - start)
+
+    def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
+        if len(works) == 1:
+            return [x.to(self.model.device) for x in works[0].inputs]  # zero-copy on CPU
+        n_inputs = len(works[0].inputs)
+        return [torch.cat([w.inputs[i] for w in works]).to(self.model.device) for i in range(n_inputs)]
+
+    def _gather_cuda(self, works: Sequence[Work]) -> list[torch.Tensor]:
+        assert self._staging is not None
+        total = sum(w.batch_size for w in works)
+        xs = []
+        for i, buf in enumerate(self._staging):
+            parts = [w.inputs[i] for w in works]
+            if buf is None or total > buf.shape[0]:
+                host = torch.cat(parts).pin_memory()
+            else:
+                host = buf[:total]
+                torch.cat(parts, out=host)
+            xs.append(host.to(self.model.device, non_blocking=True))
+        return xs
+
+    def _split(self, outs: list[torch.Tensor], works: Sequence[Work]) -> list[list[EncodedOutput]]:
+        specs = self.model.io.outputs
+        result: list[list[EncodedOutput]] = []
+        offset = 0
+        for w in works:
+            encoded: list[EncodedOutput] = []
+            for want in w.outputs:
+                i = self._spec_index[want.name]
+                encoded.extend(encode_output(outs[i][offset : offset + w.batch_size], specs[i], want))
+            result.append(encoded)
+            offset += w.batch_size
+        return result
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=False)

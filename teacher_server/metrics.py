@@ -1,0 +1,159 @@
+"""Server metrics: Triton's Prometheus families, and the load figures the registry publishes.
+
+Families keep Triton's exact names (`nv_inference_count`, not `nv_inference_count_total`), so
+dashboards and alerts written for Triton work unchanged. prometheus-client insists on the
+`_total` suffix for counters, so these families are rendered here; the process collector
+(RSS, CPU seconds) comes from prometheus-client as usual.
+
+All counters are updated on the server's event loop only, so they need no locks; the HTTP
+thread reads a consistent-enough snapshot of plain floats.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
+_COUNTERS = {
+    "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
+    "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
+    "nv_inference_count": "Number of inferences performed (a batch of N counts N)",
+    "nv_inference_exec_count": "Number of model executions performed (batches)",
+    "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds",
+    "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds",
+}
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
+def _labels(d: dict[str, str]) -> str:
+    body = ",".join(f'{k}="{v}"' for k, v in d.items())
+    return "{" + body + "}"
+
+
+class ServerMetrics:
+    """Triton-named counters for one served model."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self.labels = {"model": model, "version": version}
+        self.request_success = 0
+        self.request_failure = dict.fromkeys(FAILURE_REASONS, 0)
+        self.inference_count = 0
+        self.exec_count = 0
+        self.request_duration_us = 0.0
+        self.queue_duration_us = 0.0
+        self.compute_infer_duration_us = 0.0
+        # Read at scrape time (from the HTTP thread): the batcher's queue length.
+        self.pending_source: Callable[[], int] = lambda: 0
+
+    def render(self) -> str:
+        lab = _labels(self.labels)
+        values: dict[str, list[tuple[str, float]]] = {
+            "nv_inference_request_success": [(lab, self.request_success)],
+            "nv_inference_request_failure": [
+                (_labels({**self.labels, "reason": r}), n) for r, n in self.request_failure.items()
+            ],
+            "nv_inference_count": [(lab, self.inference_count)],
+            "nv_inference_exec_count": [(lab, self.exec_count)],
+            "nv_inference_request_duration_us": [(lab, self.request_duration_us)],
+            "nv_inference_queue_duration_us": [(lab, self.queue_duration_us)],
+            "nv_inference_compute_infer_duration_us": [(lab, self.compute_infer_duration_us)],
+        }
+        lines: list[str] = []
+        for name, doc in _COUNTERS.items():
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+            lines += [f"{name}{labels} {float(v)}" for labels, v in values[name]]
+        name = "nv_inference_pending_request_count"
+        lines += [
+            f"# HELP {name} Instantaneous number of pending requests awaiting execution per-model.",
+            f"# TYPE {name} gauge",
+            f"{name}{lab} {float(self.pending_source())}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    samples_per_s: float
+    busy_fraction: float
+    capacity_samples_per_s: float
+
+
+class LoadMeter:
+    """Throughput, busy fraction and measured capacity over a sliding window of batches.
+
+    Capacity is what the instances deliver when fully busy: samples per compute-second times
+    the instance count. The autoscaler sizes the pool from it, so it is measured, never guessed;
+    it is 0 until the first batch ran.
+    """
+
+    def __init__(self, instances: int, window_s: float = 10.0) -> None:
+        self._instances = instances
+        self._window_s = window_s
+        self._batches: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._capacity = 0.0
+        self._started = time.monotonic()
+
+    def record(self, samples: int, requests: int, compute_ns: int) -> None:
+        del requests
+        now = time.monotonic()
+        self._batches.append((now, samples, compute_ns))
+        if compute_ns > 0:
+            rate = samples / (compute_ns / 1e9) * self._instances
+            # Large batches measure capacity best; weight by batch size so batch-1 stragglers don't drag it.
+            w = min(1.0, 0.05 * max(1, samples) / 8)
+            self._capacity = rate if self._capacity == 0 else (1 - w) * self._capacity + w * rate
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._batches and now - self._batches[0][0] > self._window_s:
+            self._batches.popleft()
+
+    def figures(self) -> LoadFigures:
+        now = time.monotonic()
+        self._trim(now)
+        span = min(self._window_s, max(now - self._started, 1e-3))
+        samples = sum(b[1] for b in self._batches)
+        compute_s = sum(b[2] for b in self._batches) / 1e9
+        busy = min(1.0, compute_s / (span * self._instances))
+        return LoadFigures(samples / span, busy, self._capacity)
+
+
+class MetricsHTTPServer:
+    """Serves /metrics on its own thread; close() stops it."""
+
+    def __init__(self, metrics: ServerMetrics, host: str, port: int) -> None:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404, "metrics are served at /metrics")
+                    return
+                body = (metrics.render() + generate_latest(registry).decode()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,230 @@
+"""Loading a teacher and running batches of it on a model instance.
+
+A teacher comes from one of three sources, all loaded only from what the command line names:
+`package.module:factory` (a callable returning an `nn.Module`), a TorchScript file, or a
+`torch.export` `.pt2` file. Its tensors are declared by flags, a JSON config, or an `io_spec`
+attribute (a `ModelIO`) on the module; undeclared outputs are inferred by a warm-up forward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protos.kserve import datatype, datatype_of, encode_tensor
+from teacher_server.spec import ModelIO, SpecError, TensorSpec
+
+log = logging.getLogger(__name__)
+
+FLOAT_OUTPUT_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded or does not run on its declared inputs."""
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """One output a request wants, and how: datatype for floating outputs, top-k or the full tensor."""
+
+    name: str
+    datatype: str | None = None  # None: keep the model's dtype
+    top_k: int = 0
+
+
+# (name, datatype, shape, raw bytes) of one encoded output tensor, ready for the response.
+EncodedOutput = tuple[str, str, list[int], bytes]
+
+
+@dataclass
+class LoadedModel:
+    """A module ready to serve: on its device, in eval mode, with its declared I/O."""
+
+    module: Callable[..., Any]
+    io: ModelIO
+    device: torch.device
+    compute_dtype: torch.dtype = torch.float32
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the module and return its outputs in declared order (callers hold inference_mode)."""
+        autocast = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            out = self.module(*inputs)
+        return _as_output_list(out, self.io.outputs)
+
+
+def _as_output_list(out: Any, declared: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        outs = [out]
+    elif isinstance(out, dict):
+        if declared:
+            missing = [s.name for s in declared if s.name not in out]
+            if missing:
+                raise ModelLoadError(f"model returned keys {sorted(out)}, missing declared outputs {missing}")
+            outs = [out[s.name] for s in declared]
+        else:
+            outs = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        outs = list(out)
+    else:
+        raise ModelLoadError(f"model returned {type(out).__name__}; expected a tensor, tuple or dict of tensors")
+    if declared and len(outs) != len(declared):
+        raise ModelLoadError(f"model returned {len(outs)} outputs, {len(declared)} declared")
+    return outs
+
+
+def _output_names(out: Any) -> list[str]:
+    if isinstance(out, dict):
+        return [str(k) for k in out]
+    n = 1 if isinstance(out, torch.Tensor) else len(out)
+    return [f"OUTPUT{i}" for i in range(n)]
+
+
+def import_factory(ref: str) -> Callable[[], Any]:
+    """Resolve `package.module:callable`."""
+    mod_name, _, attr = ref.partition(":")
+    if not mod_name or not attr:
+        raise ModelLoadError(f"bad model reference {ref!r}; expected package.module:factory or a model file")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ModelLoadError(f"cannot import {mod_name!r} for model {ref!r}: {e}") from e
+    obj: Any = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelLoadError(f"{mod_name!r} has no attribute {attr!r} (model {ref!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelLoadError(f"{ref!r} is not callable; it must return an nn.Module")
+    factory: Callable[[], Any] = obj
+    return factory
+
+
+def _load_module(source: str, device: torch.device) -> Any:
+    path = Path(source)
+    if path.suffix == ".pt2":
+        if not path.is_file():
+            raise ModelLoadError(f"exported program {source} does not exist")
+        # torch.export.load reads a zip of graph + weights; it does not unpickle arbitrary objects.
+        return torch.export.load(str(path)).module().to(device)
+    if path.suffix in {".pt", ".pth", ".ts", ".torchscript", ".jit"} or (path.is_file() and ":" not in source):
+        if not path.is_file():
+            raise ModelLoadError(f"TorchScript file {source} does not exist")
+        try:
+            return torch.jit.load(str(path), map_location=device)
+        except RuntimeError as e:
+            raise ModelLoadError(
+                f"{source} is not a TorchScript archive ({e}); save it with torch.jit.save or serve a "
+                "module:factory instead"
+            ) from e
+    module = import_factory(source)()
+    if not isinstance(module, torch.nn.Module):
+        raise ModelLoadError(f"factory {source!r} returned {type(module).__name__}, not a torch.nn.Module")
+    return module.to(device)
+
+
+def _eval(module: Any) -> None:
+    try:
+        module.eval()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        pass  # exported programs have no train/eval switch
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`None`/'auto' → cuda when available, else cpu."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+def load_model(
+    source: str,
+    *,
+    device: str | torch.device | None = None,
+    io: ModelIO | None = None,
+    compute_dtype: str = "FP32",
+) -> LoadedModel:
+    """Load, move to device, switch to eval, resolve the I/O declaration and warm up once."""
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if compute_dtype not in FLOAT_OUTPUT_DTYPES:
+        raise SpecError(f"compute dtype {compute_dtype!r}; use one of {', '.join(FLOAT_OUTPUT_DTYPES)}")
+    if os.path.isabs(source) or source.startswith("."):
+        source = str(Path(source).resolve())
+    module = _load_module(source, dev)
+    _eval(module)
+    declared = io or getattr(module, "io_spec", None)
+    if declared is None or not declared.inputs:
+        raise SpecError(
+            f"model {source!r} declares no inputs: pass --input NAME:DATATYPE:SHAPE (and --output), "
+            "a --model-config JSON file, or set an `io_spec` (teacher_server.ModelIO) on the module"
+        )
+    model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+    model.io = _probe(model)
+    return model
+
+
+def _probe(model: LoadedModel) -> ModelIO:
+    """One forward on zeros: proves the model runs on its declaration and fills in undeclared outputs."""
+    xs = [
+        torch.zeros((2, *[1 if d == -1 else d for d in s.shape]), dtype=s.torch_dtype, device=model.device)
+        for s in model.io.inputs
+    ]
+    try:
+        with torch.inference_mode():
+            autocast = model.compute_dtype != torch.float32
+            with torch.autocast(model.device.type, dtype=model.compute_dtype, enabled=autocast):
+                raw = model.module(*xs)
+            outs = _as_output_list(raw, model.io.outputs)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"model failed on a warm-up batch shaped like its declared inputs: {e}") from e
+    for o in outs:
+        if not isinstance(o, torch.Tensor) or o.dim() < 1 or o.shape[0] != 2:
+            raise ModelLoadError("every model output must be a tensor whose first dimension is the batch")
+    if model.io.outputs:
+        for spec, o in zip(model.io.outputs, outs, strict=True):
+            if not spec.matches(tuple(o.shape[1:])):
+                raise ModelLoadError(
+                    f"output {spec.name!r} declared with shape {list(spec.shape)} but the model returns "
+                    f"{list(o.shape[1:])} per sample"
+                )
+        return model.io
+    names = _output_names(raw)
+    specs = tuple(
+        TensorSpec(n, datatype_of(o.float().dtype if autocast else o.dtype).name, tuple(o.shape[1:]))
+        for n, o in zip(names, outs, strict=True)
+    )
+    log.info("outputs inferred from a warm-up forward: %s", ", ".join(f"{s.name}{list(s.shape)}" for s in specs))
+    return ModelIO(model.io.inputs, specs)
+
+
+def encode_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputRequest) -> list[EncodedOutput]:
+    """Convert one request's slice of an output as asked (top-k, dtype) and encode it for the wire."""
+    target = FLOAT_OUTPUT_DTYPES.get(want.datatype or spec.datatype)
+    if not tensor.is_floating_point():
+        target = None
+    if want.top_k:
+        k = min(want.top_k, tensor.shape[-1])
+        values, indices = torch.topk(tensor, k, dim=-1, sorted=True)
+        if target is not None:
+            values = values.to(target)
+        return [
+            (f"{spec.name}_TOPK_VALUES", *encode_tensor(values)),
+            (f"{spec.name}_TOPK_INDICES", *encode_tensor(indices.to(torch.int64))),
+        ]
+    if target is not None and tensor.dtype != target:
+        tensor = tensor.to(target)
+    elif target is None and tensor.dtype != spec.torch_dtype:
+        tensor = tensor.to(datatype(spec.datatype).torch_dtype)
+    return [(spec.name, *encode_tensor(tensor))]

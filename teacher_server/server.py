@@ -1,0 +1,298 @@
+"""TeacherServer: one model behind the KServe v2 gRPC protocol, from load to drain.
+
+Lifecycle, in the order a student can observe it:
+  start()   the port answers at once; health is NOT_SERVING and ModelInfer UNAVAILABLE while the
+            model loads and warms up (off the event loop), then SERVING.
+  drain()   health NOT_SERVING, new requests UNAVAILABLE (students re-route at once), requests
+            already accepted finish, bounded by a grace period.
+  stop()    drain, then close gRPC, the batcher, the instance threads and the metrics endpoint.
+The registry hook (discovery) sits between: registered once ready, deregistered before the drain
+waits, so a student learns of the stop from two sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from protos import registry_pb2
+from protos.kserve import service_pb2_grpc
+from teacher_server.batcher import BatchingConfig, DynamicBatcher
+from teacher_server.instance import ModelInstance
+from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
+from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, load_model, resolve_device
+from teacher_server.requests import InferError, OutputDefaults
+from teacher_server.service import InferenceService
+from teacher_server.spec import ModelIO, SpecError
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a TeacherServer needs; the CLI flags map onto it one to one."""
+
+    model: str
+    name: str = "teacher"
+    version: str = "1"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, see TeacherServer.port
+    device: str | None = None  # None: cuda when available, else cpu
+    io: ModelIO | None = None
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    instances: int = 1
+    output_dtype: str | None = None  # default for floating outputs; None keeps the model's
+    top_k: int = 0  # default top-k for every output; 0 sends full tensors
+    compute_dtype: str = "FP32"
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
+    max_message_mb: int = 256
+    drain_grace_s: float = 30.0
+    instance_id: str = ""  # registry identity; generated when empty
+    advertise: str = ""  # host:port students should dial; defaults to host:port
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise SpecError(f"--instances must be >= 1, got {self.instances}")
+        if self.output_dtype is not None and self.output_dtype not in FLOAT_OUTPUT_DTYPES:
+            raise SpecError(f"--output-dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {self.output_dtype}")
+        if self.top_k < 0:
+            raise SpecError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.max_message_mb < 1:
+            raise SpecError(f"--max-message-mb must be >= 1, got {self.max_message_mb}")
+        if not 0 <= self.port < 65536:
+            raise SpecError(f"--port must be in 0..65535, got {self.port}")
+
+
+class TeacherServer:
+    """Serves one model; use `async with TeacherServer(cfg) as srv:` or start()/stop()."""
+
+    def __init__(self, config: ServerConfig, model: LoadedModel | None = None) -> None:
+        self.config = config
+        self._model = model
+        self.device = model.device if model is not None else resolve_device(config.device)
+        self.metrics = ServerMetrics(config.name, config.version)
+        self.output_defaults = OutputDefaults(config.output_dtype, config.top_k)
+        self.instance_id = config.instance_id or f"{config.name}-{uuid.uuid4().hex[:12]}"
+        self.last_inference_ms = 0.0
+        self.started_at = time.time()
+        self._grpc: grpc.aio.Server | None = None
+        self._health = HealthServicer()
+        self._batcher: DynamicBatcher | None = None
+        self._load = LoadMeter(config.instances)
+        self._metrics_http: MetricsHTTPServer | None = None
+        self._port = 0
+        self._ready = False
+        self._draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- properties students and the registry read -----------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.config.name
+
+    @property
+    def model_version(self) -> str:
+        return self.config.version
+
+    @property
+    def io(self) -> ModelIO:
+        if self._model is None:
+            raise InferError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        return self._model.io
+
+    @property
+    def batcher(self) -> DynamicBatcher:
+        assert self._batcher is not None
+        return self._batcher
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.advertise or f"{self.config.host}:{self._port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_http.port if self._metrics_http else None
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def unavailable_reason(self) -> str:
+        if self._draining:
+            return "the teacher is draining (shutting down); retry on another teacher"
+        return "the model is still loading; retry shortly"
+
+    def check_model(self, name: str, version: str) -> None:
+        if name != self.config.name:
+            raise InferError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} is not served here; this server serves {self.config.name!r}",
+            )
+        if version not in ("", self.config.version):
+            raise InferError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} has no version {version!r}; served version is {self.config.version!r}",
+            )
+
+    def begin_request(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def end_request(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        max_bytes = cfg.max_message_mb * MiB
+        self._grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_bytes),
+                ("grpc.max_send_message_length", max_bytes),
+                ("grpc.so_reuseport", 0),
+                # Students ping idle channels to notice a dead teacher fast; allow it.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self._port == 0:
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port}; is the port in use?")
+        await self._grpc.start()
+        if cfg.metrics_port is not None:
+            self._metrics_http = MetricsHTTPServer(self.metrics, cfg.host, cfg.metrics_port)
+        try:
+            if self._model is None:
+                log.info("loading %s on %s", cfg.model, self.device)
+                self._model = await asyncio.to_thread(
+                    load_model, cfg.model, device=self.device, io=cfg.io, compute_dtype=cfg.compute_dtype
+                )
+            instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size) for i in range(cfg.instances)]
+            self._batcher = DynamicBatcher(instances, cfg.batching)
+            self._batcher.on_batch(self._on_batch)
+            batcher = self._batcher
+            self.metrics.pending_source = lambda: batcher.queue_depth
+            self._batcher.start()
+        except BaseException:
+            await self._close_transport(0)
+            raise
+        self._ready = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving %s (version %s) on %s, device %s, %d instance(s), max batch %d%s",
+            cfg.name, cfg.version, self.endpoint, self.device, cfg.instances, cfg.batching.max_batch_size,
+            f", metrics on :{self.metrics_port}" if self._metrics_http else "",
+        )
+
+    def _on_batch(self, samples: int, requests: int, compute_ns: int) -> None:
+        self.metrics.exec_count += 1
+        self._load.record(samples, requests, compute_ns)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        await self._health.set("", status)
+        await self._health.set(self.config.name, status)
+        await self._health.set("inference.GRPCInferenceService", status)
+
+    async def begin_drain(self) -> None:
+        """Stop taking new requests (health NOT_SERVING, ModelInfer UNAVAILABLE); return at once."""
+        if self._draining:
+            return
+        self._draining = True
+        await self._health.enter_graceful_shutdown()
+        log.info("draining: %d request(s) in flight", self._in_flight)
+
+    async def drain(self, grace_s: float | None = None) -> bool:
+        """begin_drain(), then wait for accepted requests to finish; False if the grace ran out."""
+        await self.begin_drain()
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+            return True
+        except TimeoutError:
+            log.warning("drain grace of %.1fs ran out with %d request(s) in flight", grace, self._in_flight)
+            return False
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._grpc is None:
+            return
+        await self.drain(grace_s)
+        await self._close_transport(1.0)
+
+    async def _close_transport(self, grace: float) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
+        if self._batcher is not None:
+            await self._batcher.close()
+            self._batcher = None
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+            self._metrics_http = None
+
+    async def __aenter__(self) -> TeacherServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- what the registry publishes --------------------------------------------------------
+    def record(self) -> registry_pb2.TeacherRecord:
+        io = self.io
+        rec = registry_pb2.TeacherRecord(
+            instance_id=self.instance_id, endpoint=self.endpoint, model_name=self.config.name,
+            model_version=self.config.version, max_batch_size=self.config.batching.max_batch_size,
+            device=str(self.device), started_at=self.started_at, instances=self.config.instances,
+        )
+        for s in io.inputs:
+            rec.inputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
+        for s in io.outputs:
+            rec.outputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
+        return rec
+
+    def load(self) -> registry_pb2.TeacherLoad:
+        f = self._load.figures()
+        return registry_pb2.TeacherLoad(
+            instance_id=self.instance_id,
+            queue_depth=self._batcher.queue_depth if self._batcher else 0,
+            in_flight=self._in_flight, samples_per_s=f.samples_per_s, busy_fraction=f.busy_fraction,
+            capacity_samples_per_s=f.capacity_samples_per_s, updated_at=time.time(), draining=self._draining,
+        )
+
+
+def configure_torch_threads(threads: int | None) -> None:
+    """Intra-op threads for the model; several instances on few cores want fewer each."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
