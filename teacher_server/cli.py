@@ -96,7 +96,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         io = file_cfg.io
     elif args.output and not args.input:
         raise SpecError("--output needs --input too (declare the inputs the outputs come from)")
-    max_batch = args.max_batch_size or (file_cfg.max_batch_size if file_cfg else None) or 256
+    max_batch = args.max_batch_size
+    if max_batch is None:
+        max_batch = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size is not None else 256
     return ServerConfig(
         model=args.model, name=args.name, version=args.version, host=args.host, port=args.port,
         device=args.device, io=io,
@@ -123,7 +125,7 @@ def registration_from_args(args: argparse.Namespace) -> Registration | None:
     @contextlib.asynccontextmanager
     async def register(server: TeacherServer) -> AsyncIterator[object]:
         record = server.record()
-        async with registry, registry.register(record, service=args.service, ttl=args.ttl, load=server.load) as reg:
+        async with registry, registry.register(args.service, record, ttl=args.ttl, load=server.load) as reg:
             yield reg
 
     return register

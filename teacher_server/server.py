@@ -185,9 +185,13 @@ class TeacherServer:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        try:
+            self._port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError:
+            self._port = 0
         if self._port == 0:
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}; is the port in use?")
+            self._grpc = None
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port}; is the port in use? (--port 0 picks a free one)")
         await self._grpc.start()
         if cfg.metrics_port is not None:
             self._metrics_http = MetricsHTTPServer(self.metrics, cfg.host, cfg.metrics_port)

@@ -1,0 +1,84 @@
+"""Small real models for tests, importable by teacher-server subprocesses as tests.models:<factory>."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from teacher_server.spec import ModelIO
+
+
+class Affine(nn.Module):
+    """y = x @ W + b over a flat [D] input: cheap, deterministic, exact in fp32."""
+
+    io_spec = ModelIO.parse(["X:FP32:8"], ["Y:FP32:4"])
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.w = nn.Parameter(torch.randn(8, 4, generator=g))
+        self.b = nn.Parameter(torch.randn(4, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+class Sleepy(Affine):
+    """Affine plus a fixed sleep per batch (GIL released): an emulated accelerator.
+
+    The sleep comes from TEST_SLEEP_MS (default 50) so a subprocess teacher can be made slow.
+    """
+
+    def __init__(self, sleep_ms: float | None = None) -> None:
+        super().__init__()
+        self.sleep_s = (float(os.environ.get("TEST_SLEEP_MS", "50")) if sleep_ms is None else sleep_ms) / 1000
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return super().forward(x)
+
+
+class TwoHeads(nn.Module):
+    """Two inputs, dict outputs: checks names map by key and several tensors travel."""
+
+    io_spec = ModelIO.parse(["A:FP32:4", "B:INT64:4"], ["SUM:FP32:4", "ARGMAX:INT64:"])
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = a + b.to(a.dtype)
+        return {"ARGMAX": s.argmax(dim=1), "SUM": s}
+
+
+def affine() -> Affine:
+    return Affine()
+
+
+def sleepy() -> Sleepy:
+    return Sleepy()
+
+
+def two_heads() -> TwoHeads:
+    return TwoHeads()
+
+
+def slow_load() -> Affine:
+    """Takes a while to load, like a big checkpoint: health must say NOT_SERVING meanwhile."""
+    time.sleep(float(os.environ.get("TEST_LOAD_S", "1.5")))
+    return Affine()
+
+
+def undeclared() -> nn.Module:
+    """No io_spec: inputs come from flags, outputs are inferred."""
+    return nn.Sequential(nn.Linear(8, 3))
+
+
+def broken() -> nn.Module:
+    class Broken(Affine):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if float(x.sum()) > 1e6:
+                raise RuntimeError("boom")
+            return super().forward(x)
+
+    return Broken()

@@ -1,0 +1,90 @@
+"""Real teacher servers for tests: in a background event loop, or as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from teacher_server import ServerConfig, TeacherServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ServerThread:
+    """A TeacherServer on its own event loop thread; `with ServerThread(cfg) as s: s.port`."""
+
+    def __init__(self, config: ServerConfig, start_timeout: float = 60.0) -> None:
+        self.config = config
+        self.server: TeacherServer | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="test-server")
+        self._start_timeout = start_timeout
+
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+
+        async def start() -> TeacherServer:
+            srv = TeacherServer(self.config)
+            await srv.start()
+            return srv
+
+        self.server = self.call(start(), self._start_timeout)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.server is not None:
+                self.call(self.server.stop(5.0))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+
+@contextlib.contextmanager
+def teacher_process(
+    args: Sequence[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
+    """`python -m teacher_server ARGS --port 0 --ready-file F`; yields (process, ready info)."""
+    ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
+    log = open(tmp_path / f"teacher-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "--port", "0", "--ready-file", str(ready), *args],
+        cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"teacher-server exited with {proc.returncode}: {Path(log.name).read_text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"teacher-server not ready in {timeout}s: {Path(log.name).read_text()}")
+            time.sleep(0.05)
+        yield proc, json.loads(ready.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        log.close()

@@ -1,0 +1,64 @@
+"""The committed registry_pb2 matches registry.proto, and the tensor codec round-trips every datatype."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from protos import registry_pb2
+from protos.kserve import DATATYPES, datatype, decode_tensor, encode_tensor
+
+PROTOS = Path(__file__).resolve().parent.parent / "protos"
+# Lines that name the generator's own version, not the schema: they may differ between patch releases.
+_VERSION_LINES = re.compile(r"^(# Protobuf Python Version:.*|\s+\d+,\s*)$", re.M)
+
+
+def _normalise(text: str) -> str:
+    return _VERSION_LINES.sub("", text)
+
+
+def test_generated_modules_are_fresh(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}", f"--python_out={tmp_path}",
+         f"--pyi_out={tmp_path}", str(PROTOS / "registry.proto")],
+        check=True, capture_output=True, timeout=60,
+    )
+    for name in ("registry_pb2.py", "registry_pb2.pyi"):
+        fresh = _normalise((tmp_path / name).read_text())
+        committed = _normalise((PROTOS / name).read_text())
+        assert fresh == committed, f"protos/{name} is stale: run `make protos` and commit the result"
+
+
+def test_registry_messages_round_trip() -> None:
+    rec = registry_pb2.TeacherRecord(instance_id="t1", endpoint="127.0.0.1:9", model_name="m", max_batch_size=8)
+    rec.inputs.add(name="INPUT", datatype="FP32", shape=[3, 32, 32])
+    again = registry_pb2.TeacherRecord.FromString(rec.SerializeToString())
+    assert again == rec and list(again.inputs[0].shape) == [3, 32, 32]
+
+
+@pytest.mark.parametrize("name", list(DATATYPES))
+def test_codec_round_trips_every_datatype(name: str) -> None:
+    dt = DATATYPES[name]
+    src = (torch.arange(24) % 7 - 3).reshape(2, 3, 4).to(dt.torch_dtype)
+    wire_name, shape, raw = encode_tensor(src)
+    assert wire_name == name and shape == [2, 3, 4] and len(raw) == 24 * dt.itemsize
+    back = decode_tensor(raw, datatype(wire_name), shape)
+    assert back.dtype == src.dtype and torch.equal(back, src)
+
+
+def test_decode_is_zero_copy() -> None:
+    raw = bytes(torch.arange(6, dtype=torch.float32).numpy().tobytes())
+    t = decode_tensor(raw, DATATYPES["FP32"], [2, 3])
+    import numpy as np
+
+    assert np.shares_memory(t.numpy(), np.frombuffer(raw, dtype=np.float32))
+
+
+def test_unknown_datatype_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="supported: BOOL"):
+        datatype("STRING")
