@@ -118,3 +118,34 @@ def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     if dt.torch_dtype is torch.bfloat16:
         src = src.view(torch.int16)
     return dt.name, list(t.shape), src.numpy().tobytes()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+_RAW_INPUT_TAG = bytes([(7 << 3) | 2])  # ModelInferRequest.raw_input_contents, length-delimited
+
+
+def serialize_infer_request(header: service_pb2.ModelInferRequest, raws: Sequence[object]) -> bytes:
+    """Wire bytes of `header` plus `raws` as its raw_input_contents, copying each buffer once.
+
+    Building the message through protobuf copies every input into its arena and again on
+    serialization; here the small header is serialized by protobuf and each raw buffer (anything
+    exposing the buffer protocol: a contiguous numpy array, memoryview, bytes) is appended as
+    field 7 by one join. Protobuf parsers accept fields in any order, so the result is a valid
+    ModelInferRequest for any server.
+    """
+    parts: list[object] = [header.SerializeToString()]
+    for raw in raws:
+        view = memoryview(raw).cast("B")  # type: ignore[arg-type]
+        parts += [_RAW_INPUT_TAG, _varint(view.nbytes), view]
+    return b"".join(parts)  # type: ignore[arg-type]

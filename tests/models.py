@@ -82,3 +82,43 @@ def broken() -> nn.Module:
             return super().forward(x)
 
     return Broken()
+
+
+class Affine2(Affine):
+    """Same tensors as Affine, other weights: a second teacher for mixture tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.w.mul_(-0.5)
+
+
+def affine2() -> Affine2:
+    return Affine2()
+
+
+def sleepy_20() -> Sleepy:
+    return Sleepy(20)
+
+
+def sleepy_200() -> Sleepy:
+    """Ten times slower than sleepy_20: a straggler."""
+    return Sleepy(200)
+
+
+def linear4() -> nn.Module:
+    """Four input features: a teacher whose input does not match the students' eight."""
+    return nn.Sequential(nn.Linear(4, 3))
+
+
+class Bf16In(nn.Module):
+    """Takes BF16 inputs and answers FP32: checks bf16 bytes travel untouched."""
+
+    io_spec = ModelIO.parse(["X:BF16:8"], ["Y:FP32:8"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * 2
+
+
+def bf16_in() -> Bf16In:
+    return Bf16In()

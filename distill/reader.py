@@ -1,0 +1,266 @@
+"""DistillReader: the training loop's view of the mesh.
+
+    with DistillReader(loader, teachers="127.0.0.1:9898", inputs=["INPUT"], outputs=["LOGITS"]) as reader:
+        for batch, teacher in reader:          # teacher: {"LOGITS": tensor}
+            ...
+
+It is a plain iterator: the asyncio engine runs on its own thread (uvloop when available), reads
+ahead up to `prefetch` batches, and has their teacher outputs ready by the time the loop asks.
+Each `iter(reader)` is one pass over `loader` (an epoch). Every batch the loader yields comes out
+exactly once, with its teacher outputs, in loader order unless `ordered=False`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from distill.engine import BATCH, END, ERROR, Engine, EngineOptions, as_device, iterate_queue
+from distill.errors import ReaderClosedError
+from distill.fields import InputSpec, normalize_inputs
+from distill.flags import distill_options_from_args
+from distill.router import RouterConfig
+from distill.stats import ConsumptionMeter, ReaderStats
+
+log = logging.getLogger("distill.reader")
+
+_FLOAT_DTYPES = ("FP32", "FP16", "BF16")
+
+
+def default_student_id() -> str:
+    """host-pid, plus the torchrun rank when there is one: unique per training process."""
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
+    base = f"{socket.gethostname()}-{os.getpid()}"
+    return f"{base}-rank{rank}" if rank is not None else base
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class DistillReader:
+    """Wraps a loader; yields (batch, teacher_outputs). See the module docstring.
+
+    Args:
+        loader: any iterable of batches (a DataLoader, a generator factory's result, a list).
+        teachers: fixed teachers, "host:port,host:port"; or {service: "host:port,..."} for several.
+        registry: "etcd://host:2379[,host:2379]" to find teachers under `service` as they come and go.
+        service: the service name(s) in the registry; several give a mixture of teachers, and the
+            outputs come per service: {service: {name: tensor}}.
+        inputs: teacher input names taken from batch fields of the same name, or a mapping
+            {teacher_input: batch_key_or_position}.
+        outputs: teacher outputs to fetch (default: all the teacher has).
+        model: model name on the teachers (default: what each teacher registered / serves).
+        timeout: deadline per chunk, seconds; a chunk that misses it goes to another teacher.
+        no_teacher_timeout: seconds without any usable teacher before NoTeacherError (or fallback).
+        fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher.
+        max_teachers: use at most this many teachers (a stable per-student subset); 0 for all.
+        prefetch: batches read ahead of the training loop.
+        teacher_batch_size: largest chunk to send (default: each teacher's max_batch_size).
+        hedge_after: seconds after which a late chunk is raced on a second teacher (None: off).
+        ordered: deliver in loader order (default) or as soon as each batch is ready.
+        device: put teacher outputs on this device (via pinned memory on CUDA).
+        top_k: ask teachers for top-k outputs (<OUT>_TOPK_VALUES / _TOPK_INDICES) instead of full tensors.
+        output_dtype: ask for FP16 / BF16 outputs to halve the bytes on the wire.
+        student_id: identity in the registry (default: host-pid[-rankN]).
+        registry_options: passed to the etcd client (TLS files, user, password).
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        inputs: InputSpec,
+        outputs: Sequence[str] | None = None,
+        teachers: str | Mapping[str, str] | None = None,
+        registry: str | None = None,
+        service: str | Sequence[str] | None = None,
+        model: str | None = None,
+        model_version: str = "",
+        timeout: float = 10.0,
+        no_teacher_timeout: float = 60.0,
+        fallback: str = "error",
+        max_teachers: int = 0,
+        prefetch: int = 4,
+        teacher_batch_size: int = 0,
+        hedge_after: float | None = None,
+        ordered: bool = True,
+        device: str | torch.device | None = None,
+        top_k: int = 0,
+        output_dtype: str | None = None,
+        student_id: str | None = None,
+        registry_options: Mapping[str, Any] | None = None,
+        router: RouterConfig | None = None,
+    ) -> None:
+        if (teachers is None) == (registry is None):
+            raise ValueError("pass exactly one of teachers='host:port,...' and registry='etcd://host:2379'")
+        if isinstance(teachers, str):
+            static: dict[str, str] | None = {service if isinstance(service, str) else "teachers": teachers}
+        elif teachers is not None:
+            static = dict(teachers)
+        else:
+            static = None
+        if static is not None:
+            services = tuple(static)
+        elif isinstance(service, str):
+            services = (service,)
+        elif service:
+            services = tuple(service)
+        else:
+            raise ValueError("registry= needs service='NAME' (the name teachers registered under)")
+        if fallback not in ("error", "hard_labels"):
+            raise ValueError(f"fallback must be 'error' or 'hard_labels', got {fallback!r}")
+        for name, value in (("timeout", timeout), ("no_teacher_timeout", no_teacher_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if max_teachers < 0 or teacher_batch_size < 0 or top_k < 0:
+            raise ValueError("max_teachers, teacher_batch_size and top_k must be >= 0")
+        if hedge_after is not None and not 0 < hedge_after < timeout:
+            raise ValueError(f"hedge_after must be between 0 and timeout ({timeout}), got {hedge_after}")
+        if output_dtype is not None and output_dtype.upper() not in _FLOAT_DTYPES:
+            raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {output_dtype!r}")
+        self._loader = loader
+        self._device = torch.device(device) if device is not None else None
+        self._options = EngineOptions(
+            inputs=normalize_inputs(inputs), outputs=tuple(outputs) if outputs else None, services=services,
+            static=static, registry=registry, registry_options=dict(registry_options or {}), model=model,
+            model_version=model_version, timeout=float(timeout), no_teacher_timeout=float(no_teacher_timeout),
+            fallback=fallback, max_teachers=max_teachers, prefetch=prefetch, teacher_batch_size=teacher_batch_size,
+            hedge_after=hedge_after, ordered=ordered, top_k=top_k,
+            output_dtype=output_dtype.upper() if output_dtype else None,
+            student_id=student_id or default_student_id(),
+            pin_memory=self._device is not None and self._device.type == "cuda",
+            router=router or RouterConfig(),
+        )
+        self._meter = ConsumptionMeter()
+        self._out: queue.Queue[tuple[int, str, Any]] = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._engine: Engine | None = None
+        self._closed = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, loader: Iterable[Any], **kwargs: Any) -> DistillReader:
+        """Build from `add_distill_args` flags; keyword arguments (inputs, outputs, ...) are added."""
+        options = distill_options_from_args(args)
+        options.update(kwargs)
+        return cls(loader, **options)
+
+    @property
+    def student_id(self) -> str:
+        return self._options.student_id
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> DistillReader:
+        """Connect, find teachers and check them; raises NoTeacherError / TeacherMismatchError here."""
+        if self._closed:
+            raise ReaderClosedError("this reader is closed; make a new one")
+        if self._engine is not None:
+            return self
+        loop = _new_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="distill-reader", daemon=True)
+        self._thread.start()
+
+        async def boot() -> Engine:
+            engine = Engine(self._options, self._out, self._meter)
+            try:
+                await engine.start()
+            except BaseException:
+                await engine.close()
+                raise
+            return engine
+
+        try:
+            self._engine = asyncio.run_coroutine_threadsafe(boot(), loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Cancel all work, close channels and registry sessions, and join the engine thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine is not None and self._loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._engine.close(), self._loop).result(30)
+            except Exception:
+                log.exception("closing the reader's engine failed")
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            if not thread.is_alive():
+                loop.close()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> DistillReader:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_engine", None) is not None:
+            self.close()
+
+    # ---- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        self.start()
+        assert self._loop is not None and self._engine is not None
+        engine, loop = self._engine, self._loop
+        epoch = asyncio.run_coroutine_threadsafe(_call(engine.begin_epoch, self._loader), loop).result(30)
+        return self._iterate(engine, loop, epoch)
+
+    def _iterate(self, engine: Engine, loop: asyncio.AbstractEventLoop, epoch: int) -> Iterator[tuple[Any, Any]]:
+        thread = self._thread
+        items = iterate_queue(self._out, epoch, lambda: thread is not None and thread.is_alive() and not self._closed)
+        while True:
+            started = time.perf_counter()
+            if self._closed:
+                raise ReaderClosedError("the reader was closed during iteration")
+            kind, payload = next(items)
+            waited = time.perf_counter() - started
+            if kind == END:
+                return
+            if kind == ERROR:
+                raise payload
+            assert kind == BATCH
+            batch, outputs, size = payload
+            loop.call_soon_threadsafe(engine.consumed, epoch)
+            self._meter.record(size, waited)
+            yield batch, as_device(outputs, self._device)
+
+    def stats(self) -> ReaderStats:
+        """Throughput, wait fraction, and per-teacher latency/errors (see ReaderStats)."""
+        if self._engine is None or self._loop is None:
+            rate, wait = self._meter.figures()
+            return ReaderStats(self._meter.batches, self._meter.samples, rate, wait, 0, 0, 0, 0, 0)
+        stats: ReaderStats = asyncio.run_coroutine_threadsafe(_call(self._engine.stats), self._loop).result(10)
+        return stats
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)

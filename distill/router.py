@@ -1,0 +1,241 @@
+"""Choosing a teacher for each chunk, and learning how much each teacher can take.
+
+Per teacher the router keeps: requests in flight, an adaptive in-flight limit, an EWMA of chunk
+latency, and a failure streak. Choice is power-of-two-choices on expected completion time
+((in_flight + 1) x EWMA latency) among teachers with a free slot, so a slow teacher gets less
+work without the herd effect of always picking the single best.
+
+The in-flight limit follows the latency gradient: it grows by about one per round trip while
+latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
+and shrinks when latency climbs (requests only queue there). EDL kept one request in flight per
+teacher; a dynamic-batching teacher needs several to stay busy across network round trips.
+
+Failures eject a teacher with exponential backoff (connection and deadline errors), halve its
+limit (overload), or mark it incompatible (it refused our request as malformed: wrong model,
+dtype, shape), logged once with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from distill.teacher_client import TeacherClient, TeacherMetadata
+
+log = logging.getLogger(__name__)
+
+_EJECT_CODES = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+}
+_MISMATCH_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    initial_limit: float = 2.0
+    max_limit: int = 16
+    backoff_base_s: float = 0.25
+    backoff_max_s: float = 30.0
+
+
+@dataclass(eq=False)
+class Teacher:
+    """The router's view of one teacher instance."""
+
+    key: str
+    endpoint: str
+    client: TeacherClient
+    limit: float
+    meta: TeacherMetadata | None = None
+    in_flight: int = 0
+    ewma_s: float = 0.0
+    best_s: float = math.inf
+    streak: int = 0
+    ejected_until: float = 0.0
+    incompatible: str | None = None
+    removed: bool = False
+    ok: int = 0
+    errors: int = 0
+    samples: int = 0
+    last_error: str = ""
+    checked: set[tuple[object, ...]] = field(default_factory=set)
+
+    def usable(self, now: float) -> bool:
+        return not self.removed and self.meta is not None and self.incompatible is None and now >= self.ejected_until
+
+    def has_slot(self) -> bool:
+        return self.in_flight < max(1, int(self.limit))
+
+    def describe(self) -> str:
+        state = (
+            "removed" if self.removed else f"incompatible: {self.incompatible}" if self.incompatible
+            else "waiting for metadata" if self.meta is None
+            else f"ejected ({self.last_error})" if time.monotonic() < self.ejected_until else "ok"
+        )
+        return f"{self.endpoint} [{state}]"
+
+
+class Router:
+    """Teachers of one service; lives on the engine's event loop."""
+
+    def __init__(self, service: str, config: RouterConfig | None = None) -> None:
+        self.service = service
+        self.config = config or RouterConfig()
+        self.teachers: dict[str, Teacher] = {}
+        self._changed = asyncio.Event()
+        self._no_teacher_since: float | None = time.monotonic()
+
+    # ---- membership ------------------------------------------------------------------------
+    def add(self, key: str, endpoint: str, client: TeacherClient, meta: TeacherMetadata | None) -> Teacher:
+        t = Teacher(key, endpoint, client, self.config.initial_limit, meta)
+        self.teachers[key] = t
+        self.notify()
+        return t
+
+    def remove(self, key: str) -> Teacher | None:
+        t = self.teachers.pop(key, None)
+        if t is not None:
+            t.removed = True
+            self.notify()
+        return t
+
+    def set_metadata(self, t: Teacher, meta: TeacherMetadata) -> None:
+        t.meta = meta
+        t.checked.clear()
+        self.notify()
+
+    def mark_incompatible(self, t: Teacher, reason: str) -> None:
+        if t.incompatible is None:
+            log.error("teacher %s of service %r ejected: %s", t.endpoint, self.service, reason)
+        t.incompatible = reason
+        self.notify()
+
+    def check_signature(self, t: Teacher, signature: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bool:
+        """Whether teacher `t` accepts inputs of this (name, datatype, sample shape) signature."""
+        if signature in t.checked:
+            return True
+        assert t.meta is not None
+        for name, dtype, shape in signature:
+            want = t.meta.inputs.get(name)
+            if want is None:
+                self.mark_incompatible(t, f"it has no input {name!r} (its inputs: {sorted(t.meta.inputs)})")
+                return False
+            if not want.accepts(dtype, shape):
+                self.mark_incompatible(
+                    t, f"input {name!r} is {dtype}{list(shape)} per sample here, the teacher expects "
+                       f"{want.datatype}{list(want.shape)}",
+                )
+                return False
+        t.checked.add(signature)
+        return True
+
+    # ---- choosing ---------------------------------------------------------------------------
+    def notify(self) -> None:
+        self._changed.set()
+
+    def usable(self) -> list[Teacher]:
+        now = time.monotonic()
+        ts = [t for t in self.teachers.values() if t.usable(now)]
+        if ts:
+            self._no_teacher_since = None
+        elif self._no_teacher_since is None:
+            self._no_teacher_since = now
+        return ts
+
+    def no_teacher_for(self) -> float:
+        """Seconds without any usable teacher (0 while there is one)."""
+        self.usable()
+        return 0.0 if self._no_teacher_since is None else time.monotonic() - self._no_teacher_since
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> Teacher | None:
+        """A teacher with a free slot by power of two choices; None when all are full or unusable."""
+        free = [t for t in self.usable() if t.has_slot() and t.key not in exclude]
+        if not free:
+            return None
+        if len(free) == 1:
+            return free[0]
+        known = [t.ewma_s for t in free if t.ewma_s > 0]
+        default = sorted(known)[len(known) // 2] if known else 1.0
+        a, b = random.sample(free, 2)
+
+        def cost(t: Teacher) -> float:
+            return (t.in_flight + 1) * (t.ewma_s or default)
+
+        return a if cost(a) <= cost(b) else b
+
+    async def wait_change(self, timeout: float | None) -> None:
+        """Until a slot frees, membership changes, or an ejection ends (or `timeout`)."""
+        now = time.monotonic()
+        pending = [t.ejected_until - now for t in self.teachers.values() if t.ejected_until > now and not t.removed]
+        if pending:
+            timeout = min(pending) if timeout is None else min(timeout, *pending)
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    # ---- outcomes ---------------------------------------------------------------------------
+    def started(self, t: Teacher) -> None:
+        t.in_flight += 1
+
+    def succeeded(self, t: Teacher, latency_s: float, samples: int) -> None:
+        t.in_flight -= 1
+        t.ok += 1
+        t.samples += samples
+        t.streak = 0
+        t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
+        # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
+        t.best_s = min(t.best_s * 1.002, latency_s)
+        if latency_s <= 1.5 * t.best_s:
+            t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
+        elif latency_s > 2.5 * t.best_s:
+            t.limit = max(1.0, t.limit * 0.9)
+        self.notify()
+
+    def failed(self, t: Teacher, code: grpc.StatusCode | None, message: str) -> None:
+        """Account a failed chunk; the caller re-routes it."""
+        t.in_flight -= 1
+        t.errors += 1
+        t.last_error = f"{code.name if code else 'ERROR'}: {message}"[:300]
+        if code in _MISMATCH_CODES:
+            self.mark_incompatible(t, f"it refused the request ({t.last_error})")
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            t.limit = max(1.0, t.limit / 2)
+        else:
+            t.streak += 1
+            t.limit = 1.0
+            backoff = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (t.streak - 1))
+            t.ejected_until = time.monotonic() + backoff * random.uniform(0.8, 1.2)
+            if t.streak == 1:
+                log.warning("teacher %s of service %r failed (%s); retrying elsewhere, ejected for %.2fs",
+                            t.endpoint, self.service, t.last_error, backoff)
+        self.notify()
+
+    def cancelled(self, t: Teacher) -> None:
+        """A chunk we gave up on ourselves (hedge lost, reader closing): no judgement on the teacher."""
+        t.in_flight -= 1
+        self.notify()
+
+    def snapshot(self) -> Mapping[str, dict[str, object]]:
+        now = time.monotonic()
+        return {
+            t.endpoint: {
+                "in_flight": t.in_flight, "limit": round(t.limit, 2), "latency_ms": round(t.ewma_s * 1000, 2),
+                "ok": t.ok, "errors": t.errors, "samples": t.samples, "usable": t.usable(now),
+                "last_error": t.last_error, "state": t.describe(),
+            }
+            for t in self.teachers.values()
+        }

@@ -1,0 +1,61 @@
+"""What the training loop experiences: samples consumed per second and the share of time it waited.
+
+Written by the training loop's thread, read by the engine thread (to publish StudentDemand) and
+by `reader.stats()`; a lock keeps the window consistent between them.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReaderStats:
+    """A snapshot of a reader's counters; `teachers` maps service -> endpoint -> figures."""
+
+    batches: int
+    samples: int
+    samples_per_s: float  # over the recent window
+    wait_fraction: float  # recent window: time the loop waited for teacher outputs / wall time
+    in_flight: int  # chunks sent and not answered
+    teachers_in_use: int
+    fallback_batches: int
+    retries: int
+    hedges: int
+    teachers: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+
+class ConsumptionMeter:
+    """Sliding-window rate and wait fraction of the training loop."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._events: collections.deque[tuple[float, int, float]] = collections.deque()
+        self._start = time.monotonic()
+        self.batches = 0
+        self.samples = 0
+
+    def record(self, samples: int, waited_s: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.batches += 1
+            self.samples += samples
+            self._events.append((now, samples, waited_s))
+            while self._events and now - self._events[0][0] > self._window_s:
+                self._events.popleft()
+
+    def figures(self) -> tuple[float, float]:
+        """(samples/s, wait fraction) over the window (or since the start, when younger)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._events and now - self._events[0][0] > self._window_s:
+                self._events.popleft()
+            span = max(min(self._window_s, now - self._start), 1e-6)
+            samples = sum(e[1] for e in self._events)
+            waited = sum(e[2] for e in self._events)
+        return samples / span, min(1.0, waited / span)

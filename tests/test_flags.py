@@ -1,0 +1,234 @@
+"""The --distill_* flags and the reader options built from them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from distill import add_distill_args, distill_options_from_args
+
+KEYS = {
+    "teachers",
+    "registry",
+    "service",
+    "timeout",
+    "fallback",
+    "no_teacher_timeout",
+    "max_teachers",
+    "prefetch",
+    "teacher_batch_size",
+    "hedge_after",
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return add_distill_args(argparse.ArgumentParser(prog="train")).parse_args(argv)
+
+
+def options(argv: list[str]) -> dict[str, object]:
+    return distill_options_from_args(parse(argv))
+
+
+def parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_static_teachers_with_defaults() -> None:
+    opts = options(["--distill_teachers", "127.0.0.1:9898,127.0.0.1:9899"])
+    assert opts == {
+        "teachers": "127.0.0.1:9898,127.0.0.1:9899",
+        "registry": None,
+        "service": None,
+        "timeout": 10.0,
+        "fallback": "error",
+        "no_teacher_timeout": 60.0,
+        "max_teachers": 0,
+        "prefetch": 4,
+        "teacher_batch_size": 0,
+        "hedge_after": None,
+    }
+
+
+def test_registry_with_service_and_every_flag() -> None:
+    opts = options(
+        [
+            "--distill_registry", "etcd://10.0.0.5:2379,10.0.0.6:2379",
+            "--distill_service", "cifar-teacher",
+            "--distill_timeout", "2.5",
+            "--distill_fallback", "hard_labels",
+            "--distill_no_teacher_timeout", "30",
+            "--distill_max_teachers", "3",
+            "--distill_prefetch", "8",
+            "--distill_teacher_batch_size", "128",
+            "--distill_hedge_ms", "250",
+        ]
+    )  # fmt: skip
+    assert set(opts) == KEYS
+    assert opts["teachers"] is None
+    assert opts["registry"] == "etcd://10.0.0.5:2379,10.0.0.6:2379"
+    assert opts["service"] == "cifar-teacher"
+    assert opts["timeout"] == 2.5
+    assert opts["fallback"] == "hard_labels"
+    assert opts["no_teacher_timeout"] == 30.0
+    assert opts["max_teachers"] == 3
+    assert opts["prefetch"] == 8
+    assert opts["teacher_batch_size"] == 128
+    assert opts["hedge_after"] == pytest.approx(0.25)
+
+
+def test_addresses_are_normalised() -> None:
+    assert options(["--distill_teachers", " a:1 , b:0002"])["teachers"] == "a:1,b:2"
+    assert options(["--distill_teachers", "a:1,b:2,a:1"])["teachers"] == "a:1,b:2"  # duplicates dropped
+    assert options(["--distill_teachers", "static://h:9898"])["teachers"] == "h:9898"
+    assert options(["--distill_teachers", "[::1]:9898,[fe80::1]:1"])["teachers"] == "[::1]:9898,[fe80::1]:1"
+    reg = options(["--distill_registry", "etcd://h1:2379, h2", "--distill_service", "s"])["registry"]
+    assert reg == "etcd://h1:2379,h2:2379"  # etcd's default port when left out
+
+
+def test_group_is_named_distillation_and_parser_is_returned() -> None:
+    parser = argparse.ArgumentParser()
+    assert add_distill_args(parser) is parser
+    group = next(g for g in parser._action_groups if g.title == "distillation")
+    flags = {opt for action in group._group_actions for opt in action.option_strings}
+    assert flags == {
+        "--distill_teachers",
+        "--distill_registry",
+        "--distill_service",
+        "--distill_timeout",
+        "--distill_fallback",
+        "--distill_no_teacher_timeout",
+        "--distill_max_teachers",
+        "--distill_prefetch",
+        "--distill_teacher_batch_size",
+        "--distill_hedge_ms",
+    }
+
+
+def test_help_lists_the_group(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    assert "distillation:" in out
+    assert "--distill_registry" in out and "(default: 10.0)" in out
+
+
+# ---------------------------------------------------------------- cross-field checks (ValueError)
+
+
+def test_neither_source_says_which_flag_to_pass() -> None:
+    with pytest.raises(ValueError, match=r"--distill_teachers host:port.*--distill_registry etcd://"):
+        options([])
+
+
+def test_both_sources_rejected() -> None:
+    with pytest.raises(ValueError, match=r"only one of --distill_teachers .* and --distill_registry"):
+        options(["--distill_teachers", "a:1", "--distill_registry", "etcd://e:2379", "--distill_service", "s"])
+
+
+def test_registry_requires_service() -> None:
+    with pytest.raises(ValueError, match="--distill_registry needs --distill_service"):
+        options(["--distill_registry", "etcd://e:2379"])
+
+
+def test_service_without_registry_rejected() -> None:
+    with pytest.raises(ValueError, match="--distill_service applies only with --distill_registry"):
+        options(["--distill_teachers", "a:1", "--distill_service", "s"])
+
+
+def test_hedge_not_shorter_than_timeout_rejected() -> None:
+    with pytest.raises(ValueError, match="--distill_hedge_ms 10000 is not shorter than --distill_timeout 10"):
+        options(["--distill_teachers", "a:1", "--distill_hedge_ms", "10000"])
+    assert options(["--distill_teachers", "a:1", "--distill_hedge_ms", "9999"])["hedge_after"] == 9.999
+
+
+def test_hand_built_namespace_is_validated_too() -> None:
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_prefetch = 0
+    with pytest.raises(ValueError, match="--distill_prefetch: must be an integer >= 1"):
+        distill_options_from_args(args)
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_teachers = "nonsense"
+    with pytest.raises(ValueError, match="--distill_teachers: bad teacher list 'nonsense'"):
+        distill_options_from_args(args)
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_fallback = "retry"
+    with pytest.raises(ValueError, match="--distill_fallback: must be one of error, hard_labels"):
+        distill_options_from_args(args)
+
+
+def test_namespace_without_the_flags() -> None:
+    with pytest.raises(ValueError, match="add_distill_args"):
+        distill_options_from_args(argparse.Namespace(lr=0.1))
+
+
+# ---------------------------------------------------------------- per-flag checks (argparse errors)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("host", "'host' has no port"),
+        (":9898", "':9898' has no host"),
+        ("h:port", "port 'port' is not a number"),
+        ("h:0", "1..65535"),
+        ("h:65536", "1..65535"),
+        ("::1:9898", "without brackets"),
+        ("a:1,,b:2", "empty endpoint"),
+        ("bad host:1", "not a valid host name"),
+        ("etcd://e:2379", "for a registry use --distill_registry"),
+        ("static://", "no endpoints"),
+    ],
+)
+def test_bad_teachers(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["--distill_teachers", value], capsys)
+    assert "--distill_teachers" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("e:2379", "expected etcd://HOST:PORT"),
+        ("static://a:1", "use --distill_teachers"),
+        ("http://e:2379", "unknown scheme 'http://'"),
+        ("etcd://", "no endpoints"),
+        ("etcd://e:x", "port 'x' is not a number"),
+    ],
+)
+def test_bad_registry(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["--distill_registry", value], capsys)
+    assert "--distill_registry" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("", "must not be empty"), ("a/b", "must not contain '/'"), ("x\ty", "control characters")],
+)
+def test_bad_service(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error([f"--distill_service={value}"], capsys)
+    assert "--distill_service" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--distill_timeout", "0", "must be > 0"),
+        ("--distill_timeout", "-1", "must be > 0"),
+        ("--distill_timeout", "nan", "finite"),
+        ("--distill_timeout", "soon", "expected a number"),
+        ("--distill_no_teacher_timeout", "0", "must be > 0"),
+        ("--distill_max_teachers", "-1", "must be an integer >= 0"),
+        ("--distill_max_teachers", "2.5", "expected an integer"),
+        ("--distill_prefetch", "0", "must be an integer >= 1"),
+        ("--distill_teacher_batch_size", "-8", "must be an integer >= 0"),
+        ("--distill_hedge_ms", "-5", "must be >= 0"),
+        ("--distill_hedge_ms", "inf", "finite"),
+        ("--distill_fallback", "retry", "invalid choice"),
+    ],
+)
+def test_bad_numbers_and_choices(flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error([f"{flag}={value}"], capsys)
+    assert flag in err and message in err
