@@ -1,0 +1,156 @@
+"""Teachers registering in a real etcd, students finding them there: the mesh end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from discovery import open_registry
+from discovery.local_etcd import LocalEtcd
+from distill import DistillReader, NoTeacherError
+from tests.etcd_fixtures import arun, unique_service
+from tests.models import Affine
+from tests.servers import teacher_process
+
+AFFINE = Affine()
+ARGS = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8",
+        "--ttl", "3"]
+ENV = {"TEST_SLEEP_MS": "5"}
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as server:
+        yield server
+
+
+def _batches(n: int, rows: int = 8) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"X": torch.randn(rows, 8, generator=g), "idx": torch.full((rows,), i)} for i in range(n)]
+
+
+def _registered(etcd: LocalEtcd, service: str) -> dict[str, object]:
+    async def read() -> dict[str, object]:
+        async with open_registry(etcd.address) as reg:
+            snapshot = await reg.teachers(service)
+            return {iid: entry for iid, entry in snapshot.items()}
+
+    return arun(read())
+
+
+def test_teacher_server_registers_publishes_load_and_deregisters_on_sigterm(etcd: LocalEtcd,
+                                                                            tmp_path: Path) -> None:
+    service = unique_service("reg")
+    args = [*ARGS, "--registry", etcd.address, "--service", service, "--instance-id", "t-1"]
+    with teacher_process(args, tmp_path, env=ENV) as (proc, info):
+        entries = _registered(etcd, service)
+        assert list(entries) == ["t-1"]
+        rec = entries["t-1"].record  # type: ignore[attr-defined]
+        assert rec.endpoint == info["endpoint"] and rec.model_name == "affine" and rec.max_batch_size == 8
+        assert [(t.name, t.datatype, list(t.shape)) for t in rec.inputs] == [("X", "FP32", [8])]
+        # Traffic, then the published load shows a measured capacity.
+        with DistillReader(_batches(20), registry=etcd.address, service=service, inputs=["X"]) as reader:
+            assert sum(1 for _ in reader) == 20
+
+        async def load_seen() -> float:
+            async with open_registry(etcd.address) as reg:
+                for _ in range(50):
+                    loads = await reg.loads(service)
+                    if "t-1" in loads and loads["t-1"].capacity_samples_per_s > 0:
+                        return loads["t-1"].capacity_samples_per_s
+                    await asyncio.sleep(0.1)
+            return 0.0
+
+        assert arun(load_seen()) > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert _registered(etcd, service) == {}, "a drained teacher leaves no key behind"
+
+
+def test_student_uses_a_teacher_that_joins_mid_epoch(etcd: LocalEtcd, tmp_path: Path) -> None:
+    service = unique_service("join")
+    joined = threading.Event()
+
+    class SlowLoader:
+        """Paced so the epoch outlasts the second teacher's start-up by a few seconds."""
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            for b in _batches(400, rows=8):
+                if joined.is_set():
+                    time.sleep(0.01)
+                yield b
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(teacher_process([*ARGS, "--registry", etcd.address, "--service", service,
+                                             "--instance-id", "first"], tmp_path, env=ENV))
+        reader = stack.enter_context(DistillReader(SlowLoader(), registry=etcd.address, service=service,
+                                                   inputs=["X"], prefetch=2))
+        seen = []
+        second_endpoint = ""
+        for batch, teacher in reader:
+            i = int(batch["idx"][0])
+            seen.append(i)
+            assert torch.allclose(teacher["Y"], AFFINE(batch["X"]).detach(), atol=1e-5)
+            if i == 20:
+                _, info = stack.enter_context(teacher_process(
+                    [*ARGS, "--registry", etcd.address, "--service", service, "--instance-id", "second"],
+                    tmp_path, env=ENV))
+                second_endpoint = info["endpoint"]
+                joined.set()
+        stats = reader.stats()
+    assert seen == list(range(400))
+    assert stats.teachers[service][second_endpoint]["samples"] > 0, "the new teacher got work mid-epoch"
+
+
+def test_demand_is_published_while_training(etcd: LocalEtcd, tmp_path: Path) -> None:
+    service = unique_service("demand")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(teacher_process([*ARGS, "--registry", etcd.address, "--service", service],
+                                            tmp_path, env=ENV))
+        reader = stack.enter_context(DistillReader(_batches(300), registry=etcd.address, service=service,
+                                                   inputs=["X"], student_id="student-7"))
+
+        async def demand() -> list[object]:
+            async with open_registry(etcd.address) as reg:
+                return list(await reg.demand(service))
+
+        published = []
+        for batch, _ in reader:
+            if int(batch["idx"][0]) % 100 == 99:
+                published = arun(demand())
+                time.sleep(1.2)  # at least one publish period
+        published = arun(demand())
+    assert [d.student_id for d in published] == ["student-7"]  # type: ignore[attr-defined]
+    assert published[0].samples_per_s > 0 and published[0].teachers_in_use == 1  # type: ignore[attr-defined]
+
+
+def test_sigkilled_registered_teacher_loses_no_batch(etcd: LocalEtcd, tmp_path: Path) -> None:
+    service = unique_service("kill")
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(teacher_process(
+            [*ARGS, "--registry", etcd.address, "--service", service], tmp_path, env=ENV)) for _ in range(3)]
+        reader = stack.enter_context(DistillReader(_batches(120), registry=etcd.address, service=service,
+                                                   inputs=["X"], timeout=5.0))
+        seen = []
+        for batch, teacher in reader:
+            i = int(batch["idx"][0])
+            seen.append(i)
+            assert torch.allclose(teacher["Y"], AFFINE(batch["X"]).detach(), atol=1e-5)
+            if i == 40:
+                procs[0][0].send_signal(signal.SIGKILL)
+    assert seen == list(range(120))
+
+
+def test_empty_service_raises_no_teacher_error_naming_it(etcd: LocalEtcd) -> None:
+    service = unique_service("empty")
+    with pytest.raises(NoTeacherError, match=f"service '{service}'.*registry {etcd.address}"):
+        DistillReader(_batches(1), registry=etcd.address, service=service, inputs=["X"],
+                      no_teacher_timeout=1.0).start()
