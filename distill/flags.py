@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from discovery.address import parse_address, parse_endpoints
 from discovery.keys import validate_name
+from discovery.options import etcd_options
 
 __all__ = ["FALLBACKS", "add_distill_args", "distill_options_from_args"]
 
@@ -237,6 +238,11 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="send a second copy of a chunk to another teacher after MS milliseconds without a "
         "reply, and take whichever answers first; 0 = off (default: %(default)s)",
     )
+    g.add_argument("--distill_registry_ca_cert", metavar="FILE", help="CA certificate for etcd over TLS")
+    g.add_argument("--distill_registry_cert", metavar="FILE", help="client certificate for etcd (with the key)")
+    g.add_argument("--distill_registry_key", metavar="FILE", help="client key for etcd (with the certificate)")
+    g.add_argument("--distill_registry_user", metavar="USER",
+                   help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD")
     return parser
 
 
@@ -321,4 +327,8 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             _non_negative_int, "--distill_teacher_batch_size", _get(args, "distill_teacher_batch_size")
         ),
         "hedge_after": hedge_after,
+        "registry_options": etcd_options(
+            getattr(args, "distill_registry_ca_cert", None), getattr(args, "distill_registry_cert", None),
+            getattr(args, "distill_registry_key", None), getattr(args, "distill_registry_user", None),
+        ) if registry is not None else {},
     }

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--advertise", default="", help="host:port students dial (default: --host:--port)")
     r.add_argument("--ttl", type=float, default=10.0, help="registration lease TTL in seconds (default: 10)")
     r.add_argument("--instance-id", default="", help="registry identity (default: name + random suffix)")
+    r.add_argument("--registry-ca-cert", help="CA certificate for etcd over TLS")
+    r.add_argument("--registry-cert", help="client certificate for etcd (with --registry-key)")
+    r.add_argument("--registry-key", help="client key for etcd (with --registry-cert)")
+    r.add_argument("--registry-user", help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD")
 
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: %(default)s)")
@@ -119,8 +123,10 @@ def registration_from_args(args: argparse.Namespace) -> Registration | None:
     if not args.service:
         raise SpecError("--registry needs --service NAME (the name students ask the registry for)")
     from discovery import open_registry
+    from discovery.options import etcd_options
 
-    registry = open_registry(args.registry)
+    registry = open_registry(args.registry, **etcd_options(args.registry_ca_cert, args.registry_cert,
+                                                           args.registry_key, args.registry_user))
 
     @contextlib.asynccontextmanager
     async def register(server: TeacherServer) -> AsyncIterator[object]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ KEYS = {
     "prefetch",
     "teacher_batch_size",
     "hedge_after",
+    "registry_options",
 }
 
 
@@ -50,6 +52,7 @@ def test_static_teachers_with_defaults() -> None:
         "prefetch": 4,
         "teacher_batch_size": 0,
         "hedge_after": None,
+        "registry_options": {},
     }
 
 
@@ -105,7 +108,29 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_prefetch",
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
+        "--distill_registry_ca_cert",
+        "--distill_registry_cert",
+        "--distill_registry_key",
+        "--distill_registry_user",
     }
+
+
+def test_registry_security_options_pass_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca, cert, key = (tmp_path / n for n in ("ca.pem", "client.pem", "client.key"))
+    for f in (ca, cert, key):
+        f.write_text("x")
+    monkeypatch.setenv("DISTILL_REGISTRY_PASSWORD", "s3cret")
+    opts = options(["--distill_registry", "etcd://h:2379", "--distill_service", "s",
+                    "--distill_registry_ca_cert", str(ca), "--distill_registry_cert", str(cert),
+                    "--distill_registry_key", str(key), "--distill_registry_user", "student"])
+    assert opts["registry_options"] == {"ca_cert": str(ca), "cert_cert": str(cert), "cert_key": str(key),
+                                        "username": "student", "password": "s3cret"}
+    monkeypatch.delenv("DISTILL_REGISTRY_PASSWORD")
+    with pytest.raises(ValueError, match="DISTILL_REGISTRY_PASSWORD is not set"):
+        options(["--distill_registry", "etcd://h:2379", "--distill_service", "s", "--distill_registry_user", "u"])
+    with pytest.raises(ValueError, match="needs both the certificate and its key"):
+        options(["--distill_registry", "etcd://h:2379", "--distill_service", "s",
+                 "--distill_registry_cert", str(cert)])
 
 
 def test_help_lists_the_group(capsys: pytest.CaptureFixture[str]) -> None:

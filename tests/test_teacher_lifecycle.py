@@ -169,6 +169,11 @@ def test_cli_help_lists_the_flags() -> None:
     (["--model", "tests.models:affine", "--input", "X:FP32"], "expected NAME:DATATYPE:D1,D2"),
     (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379"], "--registry needs --service"),
     (["--model", "tests.models:affine", "--instances", "0"], "--instances must be >= 1"),
+    (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379", "--service", "s",
+      "--registry-cert", "/etc/hostname"], "needs both the certificate and its key"),
+    (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379", "--service", "s",
+      "--registry-ca-cert", "/nonexistent/ca.pem"], "CA certificate /nonexistent/ca.pem does not exist"),
+    (["--model", "tests.models:affine", "--registry", "etcd://", "--service", "s"], "etcd://HOST:PORT"),
     (["--model", "tests.models:affine", "--max-batch-size", "0"], "max_batch_size must be >= 1"),
 ])
 def test_cli_bad_arguments_fail_clearly(args: list[str], message: str) -> None:
