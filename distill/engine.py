@@ -61,7 +61,8 @@ class EngineOptions:
     max_teachers: int
     prefetch: int
     teacher_batch_size: int
-    hedge_after: float | None
+    hedge_after: float | None  # fixed hedge delay in seconds; None: adaptive (see _hedge_delay) or off
+    adaptive_hedge: bool
     ordered: bool
     top_k: int
     output_dtype: str | None
@@ -95,6 +96,7 @@ class Chunk:
     start: int
     stop: int
     done: bool = False
+    winner: str = ""
     sends: set[asyncio.Task[None]] = field(default_factory=set)
     tried: set[str] = field(default_factory=set)
 
@@ -451,8 +453,18 @@ class Engine:
         chunk.sends.add(task)
         chunk.tried.add(t.key)
         task.add_done_callback(chunk.sends.discard)
-        if self.opts.hedge_after is not None and len(chunk.tried) == 1:
-            asyncio.get_running_loop().call_later(self.opts.hedge_after, self._hedge, svc, chunk)
+        delay = self._hedge_delay(svc)
+        if delay is not None and len(chunk.tried) == 1:
+            asyncio.get_running_loop().call_later(delay, self._hedge, svc, chunk)
+
+    def _hedge_delay(self, svc: _Service) -> float | None:
+        """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at
+        most half the deadline, so healthy variance never hedges but a hung teacher costs < 1 s."""
+        if self.opts.hedge_after is not None or not self.opts.adaptive_hedge:
+            return self.opts.hedge_after
+        known = sorted(t.ewma_s for t in svc.router.teachers.values() if t.ewma_s > 0)
+        typical = known[len(known) // 2] if known else 0.25
+        return min(max(0.25, 4 * typical), self.opts.timeout / 2)
 
     def _hedge(self, svc: _Service, chunk: Chunk) -> None:
         """The chunk is late: if another teacher has a free slot, race it there."""
@@ -493,10 +505,15 @@ class Engine:
             response = await t.client.infer(wire, self.opts.timeout)
             outputs = self._decode(response, chunk, t)
         except asyncio.CancelledError:
-            router.cancelled(t)
+            if chunk.done and chunk.winner != t.key:
+                router.outpaced(t)
+                self._probe_if_ejected(svc, t)
+            else:
+                router.cancelled(t)
             raise
         except grpc.aio.AioRpcError as e:
             router.failed(t, e.code(), e.details() or "")
+            self._probe_if_ejected(svc, t)
             self._retry(svc, chunk)
             return
         except (ValueError, grpc.RpcError) as e:
@@ -508,10 +525,32 @@ class Engine:
         if chunk.done:
             return
         chunk.done = True
+        chunk.winner = t.key
         for other in list(chunk.sends):
             if other is not asyncio.current_task():
                 other.cancel()
         self._fill(chunk, outputs)
+
+    def _probe_if_ejected(self, svc: _Service, t: Teacher) -> None:
+        if t.needs_probe and not t.probing and not t.removed:
+            t.probing = True
+            self._spawn(self._probe(svc, t), f"probe-{t.endpoint}")
+
+    async def _probe(self, svc: _Service, t: Teacher) -> None:
+        """Readmit an ejected teacher only once a ModelReady answers within the probe deadline."""
+        try:
+            while t.needs_probe and not t.removed and t.meta is not None:
+                delay = t.ejected_until - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                try:
+                    ok = await t.client.ready(t.meta.model_name, timeout=svc.router.config.probe_timeout_s)
+                    detail = "" if ok else "ModelReady answered not ready"
+                except grpc.aio.AioRpcError as e:
+                    ok, detail = False, f"probe: {e.code().name}: {e.details()}"
+                svc.router.probed(t, ok, detail)
+        finally:
+            t.probing = False
 
     def _retry(self, svc: _Service, chunk: Chunk) -> None:
         others = [s for s in chunk.sends if s is not asyncio.current_task() and not s.done()]

@@ -9,7 +9,8 @@ per-flag checks run again there, so a hand-built ``argparse.Namespace`` gets the
 
 Flag names use underscores (``--distill_teachers``) to match the call form the users' scripts
 already have; the reader's keyword names are the flag names without the ``distill_`` prefix,
-except ``--distill_hedge_ms`` which becomes ``hedge_after`` in seconds (None when off).
+except ``--distill_hedge_ms`` which becomes ``hedge_after`` in seconds ("auto" when not given, None
+when 0: off).
 """
 
 from __future__ import annotations
@@ -233,10 +234,11 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--distill_hedge_ms",
         type=_argtype(_non_negative_float, "milliseconds"),
-        default=0.0,
+        default=None,
         metavar="MS",
         help="send a second copy of a chunk to another teacher after MS milliseconds without a "
-        "reply, and take whichever answers first; 0 = off (default: %(default)s)",
+        "reply, and take whichever answers first; 0 = off (default: adaptive, 4x the teachers' "
+        "median latency and at least 250 ms)",
     )
     g.add_argument("--distill_registry_ca_cert", metavar="FILE", help="CA certificate for etcd over TLS")
     g.add_argument("--distill_registry_cert", metavar="FILE", help="client certificate for etcd (with the key)")
@@ -268,8 +270,8 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     Returns a dict with keys ``teachers`` (``"host:port,host:port"`` or None), ``registry``
     (``"etcd://..."`` or None), ``service``, ``timeout``, ``fallback``, ``no_teacher_timeout``,
     ``max_teachers``, ``prefetch``, ``teacher_batch_size`` (0 = the teacher's max) and
-    ``hedge_after`` (seconds, or None when hedging is off). Raises ``ValueError`` naming the flag
-    to pass or fix.
+    ``hedge_after`` (seconds; "auto" when the flag is absent; None when it is 0: off). Raises
+    ``ValueError`` naming the flag to pass or fix.
     """
     teachers = _get(args, "distill_teachers")
     registry = _get(args, "distill_registry")
@@ -301,9 +303,10 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         service = _checked(_service, "--distill_service", service)
 
     timeout = _checked(_positive_float, "--distill_timeout", _get(args, "distill_timeout"))
-    hedge_ms = _checked(_non_negative_float, "--distill_hedge_ms", _get(args, "distill_hedge_ms"))
-    hedge_after = hedge_ms / 1000.0 if hedge_ms > 0 else None
-    if hedge_after is not None and hedge_after >= timeout:
+    raw_hedge = _get(args, "distill_hedge_ms")
+    hedge_ms = None if raw_hedge is None else _checked(_non_negative_float, "--distill_hedge_ms", raw_hedge)
+    hedge_after: float | str | None = "auto" if hedge_ms is None else (hedge_ms / 1000.0 if hedge_ms > 0 else None)
+    if isinstance(hedge_after, float) and hedge_after >= timeout:
         raise ValueError(
             f"--distill_hedge_ms {hedge_ms:g} is not shorter than --distill_timeout {timeout:g} s, "
             "so a hedge would never be sent before the chunk is re-routed anyway; "

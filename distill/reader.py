@@ -72,7 +72,8 @@ class DistillReader:
         max_teachers: use at most this many teachers (a stable per-student subset); 0 for all.
         prefetch: batches read ahead of the training loop.
         teacher_batch_size: largest chunk to send (default: each teacher's max_batch_size).
-        hedge_after: seconds after which a late chunk is raced on a second teacher (None: off).
+        hedge_after: seconds after which a late chunk is raced on a second teacher; "auto" (default):
+            4x the pool's median latency, at least 0.25 s; None: never hedge.
         ordered: deliver in loader order (default) or as soon as each batch is ready.
         device: put teacher outputs on this device (via pinned memory on CUDA).
         top_k: ask teachers for top-k outputs (<OUT>_TOPK_VALUES / _TOPK_INDICES) instead of full tensors.
@@ -98,7 +99,7 @@ class DistillReader:
         max_teachers: int = 0,
         prefetch: int = 4,
         teacher_batch_size: int = 0,
-        hedge_after: float | None = None,
+        hedge_after: float | str | None = "auto",
         ordered: bool = True,
         device: str | torch.device | None = None,
         top_k: int = 0,
@@ -132,7 +133,10 @@ class DistillReader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if max_teachers < 0 or teacher_batch_size < 0 or top_k < 0:
             raise ValueError("max_teachers, teacher_batch_size and top_k must be >= 0")
-        if hedge_after is not None and not 0 < hedge_after < timeout:
+        if isinstance(hedge_after, str):
+            if hedge_after != "auto":
+                raise ValueError(f"hedge_after must be seconds, 'auto' or None, got {hedge_after!r}")
+        elif hedge_after is not None and not 0 < hedge_after < timeout:
             raise ValueError(f"hedge_after must be between 0 and timeout ({timeout}), got {hedge_after}")
         if output_dtype is not None and output_dtype.upper() not in _FLOAT_DTYPES:
             raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {output_dtype!r}")
@@ -143,7 +147,8 @@ class DistillReader:
             static=static, registry=registry, registry_options=dict(registry_options or {}), model=model,
             model_version=model_version, timeout=float(timeout), no_teacher_timeout=float(no_teacher_timeout),
             fallback=fallback, max_teachers=max_teachers, prefetch=prefetch, teacher_batch_size=teacher_batch_size,
-            hedge_after=hedge_after, ordered=ordered, top_k=top_k,
+            hedge_after=None if isinstance(hedge_after, str) else hedge_after,
+            adaptive_hedge=hedge_after == "auto", ordered=ordered, top_k=top_k,
             output_dtype=output_dtype.upper() if output_dtype else None,
             student_id=student_id or default_student_id(),
             pin_memory=self._device is not None and self._device.type == "cuda",

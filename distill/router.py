@@ -12,7 +12,11 @@ teacher; a dynamic-batching teacher needs several to stay busy across network ro
 
 Failures eject a teacher with exponential backoff (connection and deadline errors), halve its
 limit (overload), or mark it incompatible (it refused our request as malformed: wrong model,
-dtype, shape), logged once with the reason.
+dtype, shape), logged once with the reason. An ejected teacher gets real work again only after
+a cheap readiness probe answers in time: a hung teacher (stopped process, dead GPU, partition)
+accepts connections but never answers, and without the probe every retry would cost a deadline.
+A teacher that keeps losing hedge races is treated as slow: its limit halves, and after
+`outpaced_eject` losses in a row it is ejected like a failing one.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class RouterConfig:
     max_limit: int = 16
     backoff_base_s: float = 0.25
     backoff_max_s: float = 30.0
+    probe_timeout_s: float = 1.0
+    outpaced_eject: int = 3
 
 
 @dataclass(eq=False)
@@ -65,6 +71,9 @@ class Teacher:
     streak: int = 0
     ejected_until: float = 0.0
     incompatible: str | None = None
+    needs_probe: bool = False
+    probing: bool = False
+    outpaced: int = 0
     removed: bool = False
     ok: int = 0
     errors: int = 0
@@ -73,7 +82,8 @@ class Teacher:
     checked: set[tuple[object, ...]] = field(default_factory=set)
 
     def usable(self, now: float) -> bool:
-        return not self.removed and self.meta is not None and self.incompatible is None and now >= self.ejected_until
+        return (not self.removed and self.meta is not None and self.incompatible is None and not self.needs_probe
+                and now >= self.ejected_until)
 
     def has_slot(self) -> bool:
         return self.in_flight < max(1, int(self.limit))
@@ -82,7 +92,8 @@ class Teacher:
         state = (
             "removed" if self.removed else f"incompatible: {self.incompatible}" if self.incompatible
             else "waiting for metadata" if self.meta is None
-            else f"ejected ({self.last_error})" if time.monotonic() < self.ejected_until else "ok"
+            else f"ejected ({self.last_error})" if self.needs_probe or time.monotonic() < self.ejected_until
+            else "ok"
         )
         return f"{self.endpoint} [{state}]"
 
@@ -192,15 +203,18 @@ class Router:
         t.in_flight += 1
 
     def succeeded(self, t: Teacher, latency_s: float, samples: int) -> None:
+        was_full = t.in_flight >= max(1, int(t.limit))
         t.in_flight -= 1
         t.ok += 1
         t.samples += samples
         t.streak = 0
+        t.outpaced = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
         t.best_s = min(t.best_s * 1.002, latency_s)
         if latency_s <= 1.5 * t.best_s:
-            t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
+            if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
+                t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
         elif latency_s > 2.5 * t.best_s:
             t.limit = max(1.0, t.limit * 0.9)
         self.notify()
@@ -215,18 +229,49 @@ class Router:
         elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             t.limit = max(1.0, t.limit / 2)
         else:
+            self._eject(t)
+        self.notify()
+
+    def _eject(self, t: Teacher) -> None:
+        t.streak += 1
+        t.limit = 1.0
+        t.needs_probe = True
+        backoff = self.backoff(t)
+        t.ejected_until = time.monotonic() + backoff
+        if t.streak == 1:
+            log.warning("teacher %s of service %r failed (%s); its work goes elsewhere until it answers a "
+                        "readiness probe (first in %.2fs)", t.endpoint, self.service, t.last_error, backoff)
+
+    def backoff(self, t: Teacher) -> float:
+        base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** max(0, t.streak - 1))
+        return base * random.uniform(0.8, 1.2)
+
+    def probed(self, t: Teacher, ok: bool, detail: str = "") -> None:
+        """Outcome of a readiness probe of an ejected teacher: back in service, or wait longer."""
+        if ok:
+            t.needs_probe = False
+            t.ejected_until = 0.0
+            log.info("teacher %s of service %r answers again; back in service", t.endpoint, self.service)
+        else:
             t.streak += 1
-            t.limit = 1.0
-            backoff = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (t.streak - 1))
-            t.ejected_until = time.monotonic() + backoff * random.uniform(0.8, 1.2)
-            if t.streak == 1:
-                log.warning("teacher %s of service %r failed (%s); retrying elsewhere, ejected for %.2fs",
-                            t.endpoint, self.service, t.last_error, backoff)
+            t.last_error = detail[:300] or t.last_error
+            t.ejected_until = time.monotonic() + self.backoff(t)
         self.notify()
 
     def cancelled(self, t: Teacher) -> None:
-        """A chunk we gave up on ourselves (hedge lost, reader closing): no judgement on the teacher."""
+        """A chunk we gave up on ourselves (the reader closing, an epoch abandoned): no judgement."""
         t.in_flight -= 1
+        self.notify()
+
+    def outpaced(self, t: Teacher) -> None:
+        """Another teacher answered this chunk first (a hedge race): treat `t` as slow."""
+        t.in_flight -= 1
+        t.outpaced += 1
+        t.limit = max(1.0, t.limit / 2)
+        if t.outpaced >= self.config.outpaced_eject:
+            t.outpaced = 0
+            t.last_error = f"lost {self.config.outpaced_eject} hedge races in a row"
+            self._eject(t)
         self.notify()
 
     def snapshot(self) -> Mapping[str, dict[str, object]]:

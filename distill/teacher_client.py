@@ -22,6 +22,7 @@ _INFER = "/inference.GRPCInferenceService/ModelInfer"
 _METADATA = "/inference.GRPCInferenceService/ModelMetadata"
 _CONFIG = "/inference.GRPCInferenceService/ModelConfig"
 _INDEX = "/inference.GRPCInferenceService/RepositoryIndex"
+_READY = "/inference.GRPCInferenceService/ModelReady"
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 1 << 30),
@@ -90,6 +91,14 @@ class TeacherClient:
         """One ModelInfer with a pre-serialized request; raises grpc.aio.AioRpcError on failure."""
         response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout)
         return response
+
+    async def ready(self, model: str, timeout: float) -> bool:
+        """ModelReady: the cheap probe that tells a hung teacher from one that answers again."""
+        response = await self._channel.unary_unary(
+            _READY, request_serializer=service_pb2.ModelReadyRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelReadyResponse.FromString,
+        )(service_pb2.ModelReadyRequest(name=model), timeout=timeout)
+        return bool(response.ready)
 
     async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given."""

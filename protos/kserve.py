@@ -149,3 +149,64 @@ def serialize_infer_request(header: service_pb2.ModelInferRequest, raws: Sequenc
         view = memoryview(raw).cast("B")  # type: ignore[arg-type]
         parts += [_RAW_INPUT_TAG, _varint(view.nbytes), view]
     return b"".join(parts)  # type: ignore[arg-type]
+
+
+class WireFormatError(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise WireFormatError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            raise WireFormatError("varint longer than 64 bits")
+
+
+def parse_infer_request(data: bytes) -> tuple[service_pb2.ModelInferRequest, list[memoryview]]:
+    """Split a serialized ModelInferRequest into its header and zero-copy views of the raw inputs.
+
+    The mirror of `serialize_infer_request`: protobuf parses only the small fields; each
+    raw_input_contents (field 7) stays a view into the received bytes, so a multi-megabyte input
+    is never copied on the way to the model (protobuf copies it on parse and again on every access).
+    """
+    view = memoryview(data)
+    header: list[memoryview] = []
+    raws: list[memoryview] = []
+    pos, end = 0, len(view)
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(view, pos)
+        field_number, wire_type = tag >> 3, tag & 7
+        if field_number == 0:
+            raise WireFormatError("field number 0")
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, body = _read_varint(view, pos)
+            pos = body + length
+            if pos > end:
+                raise WireFormatError(f"field {field_number}: {length} bytes announced, {end - body} left")
+            if field_number == 7:
+                raws.append(view[body:pos])
+                continue
+        else:
+            raise WireFormatError(f"field {field_number}: unsupported wire type {wire_type}")
+        if pos > end:
+            raise WireFormatError(f"field {field_number} runs past the end of the message")
+        header.append(view[start:pos])
+    try:
+        return service_pb2.ModelInferRequest.FromString(b"".join(header)), raws
+    except Exception as e:  # protobuf's DecodeError, or a nested message out of shape
+        raise WireFormatError(str(e)) from None

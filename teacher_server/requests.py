@@ -6,12 +6,21 @@ INVALID_ARGUMENT and costs everyone else nothing. Input bytes are wrapped, not c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 import torch
 
-from protos.kserve import DATATYPES, decode_contents, decode_tensor, service_pb2, shape_numel
+from protos.kserve import (
+    DATATYPES,
+    WireFormatError,
+    decode_contents,
+    decode_tensor,
+    parse_infer_request,
+    service_pb2,
+    shape_numel,
+)
 from teacher_server.instance import Work
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, EncodedOutput, OutputRequest
 from teacher_server.spec import ModelIO
@@ -65,17 +74,41 @@ def _output_options(params: object, where: str, base: OutputRequest, allowed: tu
     return OutputRequest(base.name, dtype, top_k)
 
 
+@dataclass(frozen=True)
+class InferWire:
+    """A received ModelInferRequest: its header, and zero-copy views of its raw inputs (or why it is
+    not a valid message at all)."""
+
+    header: service_pb2.ModelInferRequest
+    raws: Sequence[bytes | memoryview]
+    error: str = ""
+
+
+def deserialize_infer(data: bytes) -> InferWire:
+    """gRPC request deserializer for ModelInfer / ModelStreamInfer; never raises, so malformed bytes
+    become INVALID_ARGUMENT from the handler instead of an opaque INTERNAL from gRPC."""
+    try:
+        header, raws = parse_infer_request(data)
+    except WireFormatError as e:
+        return InferWire(service_pb2.ModelInferRequest(), [], f"malformed ModelInferRequest: {e}")
+    return InferWire(header, raws)
+
+
 def parse_request(
-    req: service_pb2.ModelInferRequest, io: ModelIO, max_batch_size: int, defaults: OutputDefaults
+    req: service_pb2.ModelInferRequest, raws: Sequence[bytes | memoryview], io: ModelIO, max_batch_size: int,
+    defaults: OutputDefaults,
 ) -> Work:
-    """Validate and decode one request; raise InferError naming the first problem found."""
+    """Validate and decode one request; raise InferError naming the first problem found.
+
+    `raws` are the raw_input_contents (views into the received message, see deserialize_infer).
+    """
     if any(k.startswith("shared_memory") for t in req.inputs for k in t.parameters) or any(
         k.startswith("shared_memory") for t in req.outputs for k in t.parameters
     ):
         raise invalid("shared-memory tensors are not supported; send raw_input_contents")
-    if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):
+    if raws and len(raws) != len(req.inputs):
         raise invalid(
-            f"{len(req.raw_input_contents)} raw_input_contents for {len(req.inputs)} inputs; "
+            f"{len(raws)} raw_input_contents for {len(req.inputs)} inputs; "
             "send one raw buffer per input, in the same order"
         )
     seen: dict[str, torch.Tensor] = {}
@@ -101,8 +134,8 @@ def parse_request(
             raise invalid(f"input {t.name!r}: batch size {n} differs from the other inputs' {batch}")
         batch = n
         dt = DATATYPES[spec.datatype]
-        if req.raw_input_contents:
-            buf = req.raw_input_contents[i]
+        if raws:
+            buf = raws[i]
             want = shape_numel(shape) * dt.itemsize
             if len(buf) != want:
                 raise invalid(

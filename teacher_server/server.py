@@ -25,13 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from protos import registry_pb2
-from protos.kserve import service_pb2_grpc
 from teacher_server.batcher import BatchingConfig, DynamicBatcher
 from teacher_server.instance import ModelInstance
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, load_model, resolve_device
 from teacher_server.requests import InferError, OutputDefaults
-from teacher_server.service import InferenceService
+from teacher_server.service import InferenceService, add_inference_service
 from teacher_server.spec import ModelIO, SpecError
 
 log = logging.getLogger(__name__)
@@ -182,7 +181,7 @@ class TeacherServer:
                 ("grpc.http2.max_ping_strikes", 0),
             ]
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self), self._grpc)
+        add_inference_service(InferenceService(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:

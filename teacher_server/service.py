@@ -17,7 +17,7 @@ import grpc
 
 from protos.kserve import DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
 from teacher_server.batcher import BatcherClosedError, QueueFullError
-from teacher_server.requests import InferError, build_response, parse_request
+from teacher_server.requests import InferError, InferWire, build_response, deserialize_infer, parse_request
 
 if TYPE_CHECKING:
     from teacher_server.server import TeacherServer
@@ -116,16 +116,20 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
 
     # ---- inference -----------------------------------------------------------------------
-    async def _infer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+    async def _infer(self, wire: InferWire) -> service_pb2.ModelInferResponse:
         srv = self._server
         m = srv.metrics
+        request = wire.header
         start = time.perf_counter_ns()
         srv.begin_request()
         try:
+            if wire.error:
+                raise InferError(grpc.StatusCode.INVALID_ARGUMENT, wire.error)
             srv.check_model(request.model_name, request.model_version)
             if not srv.accepting:
                 raise InferError(grpc.StatusCode.UNAVAILABLE, srv.unavailable_reason())
-            work = parse_request(request, srv.io, srv.config.batching.max_batch_size, srv.output_defaults)
+            work = parse_request(request, wire.raws, srv.io, srv.config.batching.max_batch_size,
+                                 srv.output_defaults)
             try:
                 outputs, timing = await srv.batcher.submit(work)
             except QueueFullError as e:
@@ -163,16 +167,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise  # unreachable: abort raises
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: Any
+        self, request_iterator: AsyncIterator[InferWire], context: Any
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Bidirectional stream: requests run concurrently, answers go out as they complete."""
         out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         slots = asyncio.Semaphore(_STREAM_MAX_IN_FLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def one(req: service_pb2.ModelInferRequest) -> None:
+        async def one(wire: InferWire) -> None:
+            req = wire.header
             try:
-                resp = await self._infer(req)
+                resp = await self._infer(wire)
                 await out.put(service_pb2.ModelStreamInferResponse(infer_response=resp))
             except InferError as e:
                 await out.put(service_pb2.ModelStreamInferResponse(
@@ -212,6 +217,24 @@ def _unimplemented(name: str) -> Any:
 
     handler.__name__ = name
     return handler
+
+
+def add_inference_service(servicer: InferenceService, server: grpc.aio.Server) -> None:
+    """Register the service from its descriptor, as the generated helper would, except that the two
+    inference methods receive `InferWire` (header + zero-copy raw input views) instead of a parsed
+    ModelInferRequest, whose accessors copy every raw buffer."""
+    service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(service_pb2, method.input_type.name)
+        response_type = getattr(service_pb2, method.output_type.name)
+        inference = method.name in ("ModelInfer", "ModelStreamInfer")
+        deserialize = deserialize_infer if inference else request_type.FromString
+        factory = (grpc.stream_stream_rpc_method_handler if method.client_streaming and method.server_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=deserialize,
+                                        response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 for _name in (

@@ -51,7 +51,7 @@ def test_static_teachers_with_defaults() -> None:
         "max_teachers": 0,
         "prefetch": 4,
         "teacher_batch_size": 0,
-        "hedge_after": None,
+        "hedge_after": "auto",
         "registry_options": {},
     }
 
@@ -168,6 +168,7 @@ def test_hedge_not_shorter_than_timeout_rejected() -> None:
     with pytest.raises(ValueError, match="--distill_hedge_ms 10000 is not shorter than --distill_timeout 10"):
         options(["--distill_teachers", "a:1", "--distill_hedge_ms", "10000"])
     assert options(["--distill_teachers", "a:1", "--distill_hedge_ms", "9999"])["hedge_after"] == 9.999
+    assert options(["--distill_teachers", "a:1", "--distill_hedge_ms", "0"])["hedge_after"] is None  # off
 
 
 def test_hand_built_namespace_is_validated_too() -> None:

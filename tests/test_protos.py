@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protos import registry_pb2
 from protos.kserve import DATATYPES, datatype, decode_tensor, encode_tensor
@@ -62,3 +64,29 @@ def test_decode_is_zero_copy() -> None:
 def test_unknown_datatype_names_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="supported: BOOL"):
         datatype("STRING")
+
+
+def test_parse_infer_request_round_trips_and_keeps_views() -> None:
+    import numpy as np
+
+    from protos.kserve import parse_infer_request, serialize_infer_request, service_pb2
+
+    header = service_pb2.ModelInferRequest(model_name="m", id="9")
+    header.inputs.add(name="X", datatype="FP32", shape=[2, 3])
+    header.parameters["top_k"].int64_param = 4
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    wire = serialize_infer_request(header, [a])
+    parsed, raws = parse_infer_request(wire)
+    assert parsed == header and len(raws) == 1 and bytes(raws[0]) == a.tobytes()
+    assert raws[0].obj is wire, "raw inputs are views into the received bytes, not copies"
+
+
+@given(st.binary(max_size=256))
+@settings(max_examples=400, deadline=None)
+def test_parse_infer_request_rejects_garbage_with_its_own_error(data: bytes) -> None:
+    from protos.kserve import WireFormatError, parse_infer_request
+
+    try:
+        parse_infer_request(data)
+    except WireFormatError:
+        pass

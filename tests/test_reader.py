@@ -351,3 +351,38 @@ def test_bf16_inputs_travel_untouched() -> None:
         with DistillReader([{"X": x} for x in xs], teachers=srv.url, inputs=["X"]) as reader:
             for batch, teacher in reader:
                 assert torch.equal(teacher["Y"], batch["X"].float() * 2)
+
+
+def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_path: Path) -> None:
+    """SIGSTOP: the port still accepts connections but nothing answers. Hedging and the readiness
+    probe keep the loop going; after SIGCONT the teacher passes the probe and gets work again."""
+    args = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8"]
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "5"})) for _ in range(3)]
+        hung_proc, hung = procs[0]
+        stack.callback(lambda: hung_proc.poll() is None and hung_proc.send_signal(signal.SIGCONT))
+        data = _batches(240, rows=8)
+        reader = stack.enter_context(DistillReader(
+            data, teachers=",".join(i["endpoint"] for _, i in procs), inputs=["X"], timeout=5.0,
+            router=RouterConfig(backoff_max_s=0.5)))
+        seen, gaps, last = [], [], time.monotonic()
+        ok_at_resume = 0
+        for batch, teacher in reader:
+            i = int(batch["idx"][0])
+            seen.append(i)
+            assert torch.allclose(teacher["Y"], _expected(batch["X"]), atol=1e-5)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if i == 40:
+                hung_proc.send_signal(signal.SIGSTOP)
+            if i == 140:
+                hung_proc.send_signal(signal.SIGCONT)
+                ok_at_resume = int(reader.stats().teachers["teachers"][hung["endpoint"]]["ok"])
+            if i > 140:
+                time.sleep(0.01)  # leave the probe time to readmit it before the epoch ends
+        final = reader.stats().teachers["teachers"][hung["endpoint"]]
+    assert seen == list(range(240))
+    # A deadline is 5 s; a hung teacher must not cost one per batch, nor even one in total.
+    assert max(gaps) < 5.0, f"the loop stalled {max(gaps):.2f}s on a hung teacher"
+    assert int(final["ok"]) > ok_at_resume, "the resumed teacher passed its probe and served again"

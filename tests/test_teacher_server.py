@@ -322,6 +322,18 @@ def test_bad_request_gets_precise_status(ref_server: ServerThread, ref_model: to
         assert torch.allclose(got, _expected(ref_model, x), atol=1e-5)
 
 
+def test_malformed_message_bytes_are_invalid_argument(ref_server: ServerThread) -> None:
+    with grpc.insecure_channel(ref_server.url) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                              response_deserializer=service_pb2.ModelInferResponse.FromString)
+        for garbage in (b"\x3a\xff\xff\xff\xff\x0f", b"\x0b", b"\x3a\x05ab"):
+            with pytest.raises(grpc.RpcError) as e:
+                call(garbage, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed ModelInferRequest" in (e.value.details() or "")
+        assert service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(_raw_request(_images(1)), timeout=30).outputs
+
+
 def test_batch_over_max_is_invalid(client: tg.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as e:
         client.infer("ref_teacher", [_input(_images(65))])
