@@ -1,0 +1,497 @@
+"""The ``local`` backend: teachers as ``teacher-server`` subprocesses of the autoscaler.
+
+This is the embedded default: on one machine with spare GPUs (or on a laptop, on CPU), the
+autoscaler itself starts and stops teacher processes from a command template:
+
+    distill-autoscaler --registry etcd://... --service S --devices cuda:0,cuda:1 \\
+        -- teacher-server --model examples.refteacher:build --name ref_teacher
+
+The template may use ``{port}``, ``{device}``, ``{instance_id}``, ``{registry}`` and ``{service}``
+(write ``{{``/``}}`` for literal braces); the flags ``--port``, ``--device``, ``--instance-id``,
+``--registry`` and ``--service`` are appended when the template does not set them, so the short
+form above works. Each teacher gets a free loopback port and the least used device (at most
+``teachers_per_device`` per accelerator; CPU has no limit). ``teacher-server`` is run as
+``python -m teacher_server`` from this interpreter when it is not on ``PATH``.
+
+Lifecycle: a teacher counts as *starting* until it appears in the registry (teacher-server
+registers once its model is loaded and warmed up). Scale-down stops the least loaded teachers
+first (ones not registered yet before any), with SIGTERM: teacher-server then refuses new work,
+deregisters, finishes what it accepted and exits; SIGKILL follows after ``grace`` seconds. A
+teacher that exits on its own is a crash: it is logged with the tail of its output and replaced,
+with exponential backoff when teachers keep dying young, so a broken template cannot fork-bomb the
+machine. ``close()`` stops every process it started (also on Ctrl-C, through the CLI); on Linux
+the children also get SIGTERM from the kernel if the autoscaler itself dies (``PR_SET_PDEATHSIG``),
+so even a SIGKILLed autoscaler leaves no teacher behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from discovery import keys
+from distill.autoscale._aio import cancel_and_wait
+from distill.autoscale.backends.base import Backend, BackendState
+from distill.autoscale.errors import BackendError
+
+__all__ = ["PLACEHOLDERS", "LocalBackend"]
+
+log = logging.getLogger("distill.autoscale.local")
+
+PLACEHOLDERS: tuple[str, ...] = ("port", "device", "instance_id", "registry", "service")
+# A teacher that dies younger than this counts toward the crash backoff.
+_YOUNG = 30.0
+_APPENDED: tuple[tuple[str, str], ...] = (
+    ("--port", "{port}"),
+    ("--device", "{device}"),
+    ("--instance-id", "{instance_id}"),
+    ("--registry", "{registry}"),
+    ("--service", "{service}"),
+)
+
+# Run the teacher through a tiny shim that asks the kernel to SIGTERM it when its parent (the
+# autoscaler) dies, then execs the real command. `-S` skips site: the shim starts in ~10 ms.
+# PR_SET_PDEATHSIG = 1. The getppid check closes the race of a parent dying before the prctl.
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL(None,use_errno=True).prctl(1,int(signal.SIGTERM),0,0,0)\n"
+    "if os.getppid()!=int(sys.argv[1]): os._exit(1)\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+@dataclass
+class _Child:
+    instance_id: str
+    device: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+    term_at: float | None = None
+    warned_slow: bool = False
+
+    @property
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+
+def _free_port(host: str, taken: set[int]) -> int:
+    for _ in range(50):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            return port
+    raise BackendError(f"no free TCP port found on {host}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no output)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:]) or "    (no output)"
+
+
+class LocalBackend(Backend):
+    """Teachers as subprocesses; see the module docstring.
+
+    Args:
+        command: the teacher command template (argv list), e.g. ``["teacher-server", "--model", ...]``.
+        registry: the registry address the teachers register with (fills ``{registry}``).
+        service: the service they register under (fills ``{service}``).
+        devices: where teachers run, spread evenly: ``["cuda:0", "cuda:1"]`` or ``["cpu"]``.
+        teachers_per_device: most teachers per accelerator (default 1); CPU is never limited.
+        grace: seconds between SIGTERM (drain) and SIGKILL.
+        start_timeout: seconds after which a teacher that has not registered is reported (once).
+        host: the address whose free ports the teachers get.
+        log_dir: where each teacher's output goes (``<instance_id>.log``); a temporary directory,
+            removed on close, when None.
+        env: extra environment variables for the teachers.
+        append_flags: append ``--port``/``--device``/... when the template lacks them.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        registry: str,
+        service: str,
+        devices: Sequence[str] = ("cpu",),
+        teachers_per_device: int = 1,
+        grace: float = 40.0,
+        start_timeout: float = 120.0,
+        host: str = "127.0.0.1",
+        log_dir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        append_flags: bool = True,
+        supervise_interval: float = 0.25,
+        max_crash_backoff: float = 30.0,
+    ) -> None:
+        self.service = keys.validate_name("service name", service)
+        self.registry = registry
+        self.devices = tuple(d.strip() for d in devices if d.strip())
+        if not self.devices:
+            raise BackendError("--devices is empty; give cpu or cuda:0[,cuda:1...]")
+        for d in self.devices:
+            if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()) and d not in ("cuda", "mps"):
+                raise BackendError(f"unknown device {d!r}; use cpu, cuda:N (comma-separated for several) or mps")
+        if len(set(self.devices)) != len(self.devices):
+            raise BackendError(f"device listed twice in {','.join(self.devices)}")
+        if teachers_per_device < 1:
+            raise BackendError(f"teachers_per_device must be at least 1, not {teachers_per_device}")
+        if not grace > 0:
+            raise BackendError(f"grace must be a positive number of seconds, not {grace}")
+        self.teachers_per_device = int(teachers_per_device)
+        self.grace = float(grace)
+        self.start_timeout = float(start_timeout)
+        self.host = host
+        self.env = dict(env or {})
+        self.supervise_interval = float(supervise_interval)
+        self.max_crash_backoff = float(max_crash_backoff)
+        self.command = self._check_template(list(command), append_flags)
+        self._own_log_dir = log_dir is None
+        self._log_dir_arg = log_dir
+        self.log_dir: Path | None = None
+        self._children: dict[str, _Child] = {}  # running, counted toward the target
+        self._draining: dict[str, _Child] = {}  # SIGTERMed, waiting to exit
+        self._target = 0
+        self._next_spawn_at = 0.0
+        self._crash_streak = 0
+        self._supervisor: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        self.crashes = 0  # teachers that exited on their own (for tests and metrics)
+        self.stopped: dict[str, int] = {}  # exit codes of the teachers this backend stopped
+        self.spawned = 0
+
+    # -- template -----------------------------------------------------------------------------------
+    def _check_template(self, command: list[str], append: bool) -> list[str]:
+        if not command:
+            raise BackendError(
+                "the local backend needs a teacher command after '--', e.g. "
+                "-- teacher-server --model examples.refteacher:build --name ref_teacher"
+            )
+        if append:
+            for flag, value in _APPENDED:
+                if not any(tok == flag or tok.startswith(flag + "=") for tok in command):
+                    command += [flag, value]
+        sample = dict.fromkeys(PLACEHOLDERS, "x")
+        for tok in command:
+            try:
+                tok.format_map(sample)
+            except KeyError as e:
+                raise BackendError(
+                    f"unknown placeholder {{{e.args[0]}}} in teacher command argument {tok!r}; "
+                    f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)} (write {{{{ and }}}} for braces)"
+                ) from None
+            except (ValueError, IndexError) as e:
+                raise BackendError(
+                    f"bad braces in teacher command argument {tok!r}: {e}; write {{{{ and }}}}"
+                ) from None
+        exe = command[0]
+        if os.sep not in exe and shutil.which(exe) is None:
+            if exe == "teacher-server":
+                return [sys.executable, "-m", "teacher_server", *command[1:]]
+            raise BackendError(f"teacher command {exe!r} not found on PATH")
+        return command
+
+    def argv(self, *, port: int, device: str, instance_id: str) -> list[str]:
+        """The command for one teacher, placeholders filled in."""
+        values = {
+            "port": str(port),
+            "device": device,
+            "instance_id": instance_id,
+            "registry": self.registry,
+            "service": self.service,
+        }
+        return [tok.format_map(values) for tok in self.command]
+
+    # -- Backend ------------------------------------------------------------------------------------
+    @property
+    def limit(self) -> int | None:
+        accelerators = [d for d in self.devices if d != "cpu"]
+        if len(accelerators) < len(self.devices):
+            return None
+        return len(accelerators) * self.teachers_per_device
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        if self._closed:
+            raise BackendError("this backend is closed")
+        if self._log_dir_arg is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix=f"distill-autoscaler-{self.service}-"))
+        else:
+            self.log_dir = Path(self._log_dir_arg)
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise BackendError(f"cannot create the teacher log directory {str(self.log_dir)!r}: {e}") from None
+        self._started = True
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="autoscaler-local-supervisor")
+        log.info(
+            "local backend: teachers run `%s` on %s (logs in %s)",
+            " ".join(self.command),
+            ",".join(self.devices),
+            self.log_dir,
+        )
+
+    async def observe(self, teachers: Mapping[str, object]) -> BackendState:
+        self._supervise_once()
+        now = time.monotonic()
+        starting = []
+        for child in self._children.values():
+            if child.instance_id in teachers:
+                continue
+            starting.append(child.started_at)
+            if not child.warned_slow and now - child.started_at > self.start_timeout:
+                child.warned_slow = True
+                log.warning(
+                    "teacher %s (pid %d) has not registered %.0f s after starting; its output (%s):\n%s",
+                    child.instance_id,
+                    child.proc.pid,
+                    now - child.started_at,
+                    child.log_path,
+                    _tail(child.log_path),
+                )
+        detail = f"{len(self._children)} running"
+        if self._draining:
+            detail += f", {len(self._draining)} draining"
+        return BackendState(
+            current=self._target,
+            starting=tuple(sorted(starting)),
+            managed=frozenset(self._children) | frozenset(self._draining),
+            detail=detail,
+        )
+
+    async def scale(self, desired: int, teachers: Mapping[str, object]) -> None:
+        if not self._started or self._closed:
+            raise BackendError("the local backend is not running (start() it first)")
+        desired = max(0, int(desired))
+        limit = self.limit
+        if limit is not None and desired > limit:
+            log.warning(
+                "asked for %d teachers but %s fit %d; running %d", desired, ",".join(self.devices), limit, limit
+            )
+            desired = limit
+        self._target = desired
+        excess = len(self._children) - desired
+        if excess > 0:
+            for child in self._victims(excess, teachers):
+                self._terminate(child, "scale-down")
+        self._fill()
+
+    async def stand_down(self) -> None:
+        """Leadership lost: the new leader runs its own pool, so drain ours."""
+        if self._started and not self._closed and (self._children or self._target):
+            log.info("local backend: standing down; draining %d teacher(s)", len(self._children))
+            self._target = 0
+            for child in list(self._children.values()):
+                self._terminate(child, "stand-down")
+
+    async def close(self) -> None:
+        """SIGTERM every teacher, wait up to ``grace`` seconds for the drains, SIGKILL the rest."""
+        if self._closed:
+            return
+        self._closed = True
+        self._target = 0
+        if self._supervisor is not None:
+            await cancel_and_wait(self._supervisor)
+        for child in list(self._children.values()):
+            self._terminate(child, "shutdown")
+        deadline = time.monotonic() + self.grace
+        while self._draining and time.monotonic() < deadline:
+            self._reap_draining(kill_late=False)
+            if self._draining:
+                await asyncio.sleep(0.05)
+        for child in list(self._draining.values()):
+            if not child.exited:
+                log.warning(
+                    "teacher %s (pid %d) did not drain within %.0f s; killing it",
+                    child.instance_id,
+                    child.proc.pid,
+                    self.grace,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+        for iid, child in list(self._draining.items()):
+            # Reaping a SIGKILLed child is immediate; bounded anyway, off the loop.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.stopped[iid] = await asyncio.to_thread(child.proc.wait, 5.0)
+        self._draining.clear()
+        if self._own_log_dir and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # -- internals ----------------------------------------------------------------------------------
+    @property
+    def processes(self) -> dict[str, int]:
+        """``instance_id -> pid`` of the running (not draining) teachers."""
+        return {iid: c.proc.pid for iid, c in self._children.items()}
+
+    @property
+    def draining(self) -> dict[str, int]:
+        """``instance_id -> pid`` of the teachers being drained."""
+        return {iid: c.proc.pid for iid, c in self._draining.items()}
+
+    def _victims(self, n: int, teachers: Mapping[str, object]) -> list[_Child]:
+        """The ``n`` teachers to stop: unregistered ones first (newest first: they are furthest from
+        being useful), then registered ones from the least loaded."""
+
+        def load_key(child: _Child) -> tuple[int, float, float, float]:
+            entry = teachers.get(child.instance_id)
+            load = getattr(entry, "load", None)
+            if entry is None:
+                return (0, 0.0, 0.0, -child.started_at)
+            if load is None:
+                return (1, 0.0, 0.0, -child.started_at)
+            work = float(getattr(load, "in_flight", 0)) + float(getattr(load, "queue_depth", 0))
+            return (2, work, float(getattr(load, "samples_per_s", 0.0)), -child.started_at)
+
+        return sorted(self._children.values(), key=load_key)[:n]
+
+    def _terminate(self, child: _Child, why: str) -> None:
+        self._children.pop(child.instance_id, None)
+        if child.exited:
+            return
+        log.info(
+            "stopping teacher %s (pid %d, %s) for %s: SIGTERM, drain",
+            child.instance_id,
+            child.proc.pid,
+            child.device,
+            why,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            child.proc.send_signal(signal.SIGTERM)
+        child.term_at = time.monotonic()
+        self._draining[child.instance_id] = child
+
+    def _device_for_next(self) -> str | None:
+        used = {d: 0 for d in self.devices}
+        for child in (*self._children.values(), *self._draining.values()):
+            if child.device in used:
+                used[child.device] += 1
+        free = [d for d in self.devices if d == "cpu" or used[d] < self.teachers_per_device]
+        if not free:
+            return None
+        return min(free, key=lambda d: (used[d], self.devices.index(d)))
+
+    def _fill(self) -> None:
+        """Start teachers until the target is met (respecting crash backoff and device slots)."""
+        while len(self._children) < self._target and not self._closed:
+            if time.monotonic() < self._next_spawn_at:
+                return
+            device = self._device_for_next()
+            if device is None:
+                return  # slots still held by draining teachers; the supervisor tries again
+            try:
+                self._spawn(device)
+            except (OSError, BackendError) as e:
+                self._crashed_young(time.monotonic())
+                log.warning(
+                    "cannot start a teacher (%s); trying again in %.1f s", e, self._next_spawn_at - time.monotonic()
+                )
+                return
+
+    def _spawn(self, device: str) -> _Child:
+        assert self.log_dir is not None
+        instance_id = f"{self.service}-{secrets.token_hex(4)}"
+        taken = {c.port for c in (*self._children.values(), *self._draining.values())}
+        port = _free_port(self.host, taken)
+        argv = self.argv(port=port, device=device, instance_id=instance_id)
+        if sys.platform.startswith("linux"):
+            argv = [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+        log_path = self.log_dir / f"{instance_id}.log"
+        with open(log_path, "wb") as out:
+            # Popen forks and execs (posix_spawn/vfork): milliseconds, no waiting on the child. It
+            # runs on the loop thread on purpose: PR_SET_PDEATHSIG fires when the *thread* that
+            # forked the child exits, and the loop thread lives as long as the autoscaler.
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                start_new_session=True,  # Ctrl-C reaches the autoscaler, which drains in order
+            )
+        child = _Child(instance_id, device, port, proc, log_path, time.monotonic())
+        self._children[instance_id] = child
+        self.spawned += 1
+        log.info("started teacher %s (pid %d) on %s, port %d", instance_id, proc.pid, device, port)
+        return child
+
+    def _reap_draining(self, *, kill_late: bool) -> None:
+        now = time.monotonic()
+        for iid, child in list(self._draining.items()):
+            code = child.proc.poll()
+            if code is not None:
+                del self._draining[iid]
+                self.stopped[iid] = code
+                level = logging.INFO if code == 0 else logging.WARNING
+                log.log(level, "teacher %s (pid %d) stopped, exit code %d", iid, child.proc.pid, code)
+            elif kill_late and child.term_at is not None and now - child.term_at > self.grace:
+                log.warning("teacher %s (pid %d) did not drain within %.0f s; SIGKILL", iid, child.proc.pid, self.grace)
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                child.term_at = now - self.grace + 5.0  # look again in 5 s
+
+    def _supervise_once(self) -> None:
+        if self._closed:
+            return
+        now = time.monotonic()
+        for iid, child in list(self._children.items()):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            del self._children[iid]
+            self.crashes += 1
+            lived = now - child.started_at
+            if lived < _YOUNG:
+                self._crashed_young(now)
+            else:
+                self._crash_streak = 0
+            delay = max(0.0, self._next_spawn_at - now)
+            log.warning(
+                "teacher %s (pid %d, %s) exited with code %d after %.1f s; replacing it%s. Its output (%s):\n%s",
+                iid,
+                child.proc.pid,
+                child.device,
+                code,
+                lived,
+                f" in {delay:.1f} s" if delay else "",
+                child.log_path,
+                _tail(child.log_path),
+            )
+        self._reap_draining(kill_late=True)
+        self._fill()
+
+    def _crashed_young(self, now: float) -> None:
+        """Back off before the next start: 0.5 s, doubling per consecutive early death."""
+        self._crash_streak += 1
+        self._next_spawn_at = now + min(self.max_crash_backoff, 0.5 * 2 ** (self._crash_streak - 1))
+
+    async def _supervise(self) -> None:
+        """Reap exits, replace crashed teachers and escalate late drains, also between the
+        controller's periods and while it does not lead."""
+        while True:
+            try:
+                self._supervise_once()
+            except Exception:  # keep supervising; a bug here must not orphan the teachers
+                log.exception("local backend supervisor failed; continuing")
+            await asyncio.sleep(self.supervise_interval)
