@@ -34,7 +34,7 @@ from distill.errors import NoTeacherError, TeacherMismatchError
 from distill.fields import FieldArray, extract_inputs
 from distill.router import Router, RouterConfig, Teacher
 from distill.stats import ConsumptionMeter, ReaderStats
-from distill.teacher_client import TeacherClient, TeacherMetadata
+from distill.teacher_client import ClientTLS, TeacherClient, TeacherMetadata
 from protos import registry_pb2
 from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
 
@@ -68,6 +68,7 @@ class EngineOptions:
     output_dtype: str | None
     student_id: str
     pin_memory: bool
+    tls: ClientTLS | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
 
 
@@ -192,6 +193,7 @@ class Engine:
         self.fallback_batches = 0
         self.retries = 0
         self.hedges = 0
+        self._tls = options.tls.credentials() if options.tls is not None else None
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -287,12 +289,20 @@ class Engine:
             if key in router.teachers or (entry.load is not None and entry.load.draining):
                 continue
             meta = self._metadata_from(entry.record)
-            t = router.add(key, entry.endpoint, TeacherClient(entry.endpoint), meta)
+            t = router.add(key, entry.endpoint, self._client(entry.endpoint, entry.record.tls), meta)
             log.info("teacher %s joined service %r", t.endpoint, svc.name)
             if meta is None:
                 self._spawn(self._fetch_metadata(svc, t), f"metadata-{t.endpoint}")
             else:
                 self._check_model(svc, t)
+
+    def _client(self, endpoint: str, registered_tls: bool) -> TeacherClient:
+        """Plaintext, unless the reader was given TLS settings or the teacher registered as TLS
+        (then the system's root certificates verify it)."""
+        credentials = self._tls if self._tls is not None else (grpc.ssl_channel_credentials() if registered_tls
+                                                               else None)
+        server_name = self.opts.tls.server_name if self.opts.tls is not None else None
+        return TeacherClient(endpoint, credentials, server_name)
 
     def _metadata_from(self, record: registry_pb2.TeacherRecord) -> TeacherMetadata | None:
         return TeacherMetadata.from_record(record)

@@ -240,6 +240,9 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "reply, and take whichever answers first; 0 = off (default: adaptive, 4x the teachers' "
         "median latency and at least 250 ms)",
     )
+    g.add_argument("--distill_tls_ca", metavar="FILE", help="CA certificate that signed the teachers' TLS certificates")
+    g.add_argument("--distill_tls_cert", metavar="FILE", help="this student's certificate (teachers with mutual TLS)")
+    g.add_argument("--distill_tls_key", metavar="FILE", help="the key of --distill_tls_cert")
     g.add_argument("--distill_registry_ca_cert", metavar="FILE", help="CA certificate for etcd over TLS")
     g.add_argument("--distill_registry_cert", metavar="FILE", help="client certificate for etcd (with the key)")
     g.add_argument("--distill_registry_key", metavar="FILE", help="client key for etcd (with the certificate)")
@@ -330,6 +333,9 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             _non_negative_int, "--distill_teacher_batch_size", _get(args, "distill_teacher_batch_size")
         ),
         "hedge_after": hedge_after,
+        "tls_ca": getattr(args, "distill_tls_ca", None),
+        "tls_cert": getattr(args, "distill_tls_cert", None),
+        "tls_key": getattr(args, "distill_tls_key", None),
         "registry_options": etcd_options(
             getattr(args, "distill_registry_ca_cert", None), getattr(args, "distill_registry_cert", None),
             getattr(args, "distill_registry_key", None), getattr(args, "distill_registry_user", None),

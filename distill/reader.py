@@ -31,6 +31,7 @@ from distill.fields import InputSpec, normalize_inputs
 from distill.flags import distill_options_from_args
 from distill.router import RouterConfig
 from distill.stats import ConsumptionMeter, ReaderStats
+from distill.teacher_client import ClientTLS
 
 log = logging.getLogger("distill.reader")
 
@@ -80,6 +81,10 @@ class DistillReader:
         output_dtype: ask for FP16 / BF16 outputs to halve the bytes on the wire.
         student_id: identity in the registry (default: host-pid[-rankN]).
         registry_options: passed to the etcd client (TLS files, user, password).
+        tls_ca, tls_cert, tls_key: TLS towards the teachers: the CA that signed their certificates,
+            and this student's certificate and key when they require mutual TLS.
+        tls_server_name: the name to verify in the teachers' certificates, when it differs from the
+            endpoint's host.
     """
 
     def __init__(
@@ -106,6 +111,10 @@ class DistillReader:
         output_dtype: str | None = None,
         student_id: str | None = None,
         registry_options: Mapping[str, Any] | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
         router: RouterConfig | None = None,
     ) -> None:
         if (teachers is None) == (registry is None):
@@ -152,6 +161,8 @@ class DistillReader:
             output_dtype=output_dtype.upper() if output_dtype else None,
             student_id=student_id or default_student_id(),
             pin_memory=self._device is not None and self._device.type == "cuda",
+            tls=ClientTLS(tls_ca, tls_cert, tls_key, tls_server_name)
+            if any((tls_ca, tls_cert, tls_key, tls_server_name)) else None,
             router=router or RouterConfig(),
         )
         self._meter = ConsumptionMeter()

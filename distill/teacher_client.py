@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,6 +39,31 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS towards teachers: the CA that signed their certificates, and this student's own
+    certificate and key when teachers require mutual TLS. `server_name` overrides the name checked
+    against the teacher's certificate (when endpoints are IPs the certificate does not list)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate for mutual TLS needs both tls_cert and tls_key")
+        for label, path in (("tls_ca", self.ca), ("tls_cert", self.cert), ("tls_key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{label} {path} does not exist")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 @dataclass(frozen=True)
@@ -77,12 +103,14 @@ class TeacherMetadata:
 class TeacherClient:
     """Owns the channel to one teacher endpoint; close() releases it."""
 
-    def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None) -> None:
         self.endpoint = endpoint
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.secure_channel(endpoint, credentials, options=CHANNEL_OPTIONS)
+            options = [*CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+            self._channel = grpc.aio.secure_channel(endpoint, credentials, options=options)
         self._infer = self._channel.unary_unary(
             _INFER, request_serializer=None, response_deserializer=service_pb2.ModelInferResponse.FromString
         )

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
     n.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
+    n.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    n.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    n.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
 
     r = p.add_argument_group("registry")
     r.add_argument("--registry", default=None, help="etcd://host:2379[,host:2379]: register under a lease")
@@ -111,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         instances=args.instances, output_dtype=args.output_dtype, top_k=args.top_k,
         compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, max_message_mb=args.max_message_mb,
         drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
     )
 
 

@@ -18,6 +18,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -58,6 +59,9 @@ class ServerConfig:
     drain_grace_s: float = 30.0
     instance_id: str = ""  # registry identity; generated when empty
     advertise: str = ""  # host:port students should dial; defaults to host:port
+    tls_cert: str | None = None  # PEM certificate chain: serve TLS
+    tls_key: str | None = None  # its PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates signed by it (mutual TLS)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -70,6 +74,25 @@ class ServerConfig:
             raise SpecError(f"--max-message-mb must be >= 1, got {self.max_message_mb}")
         if not 0 <= self.port < 65536:
             raise SpecError(f"--port must be in 0..65535, got {self.port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SpecError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SpecError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                           ("--tls-client-ca", self.tls_client_ca)):
+            if path is not None and not Path(path).is_file():
+                raise SpecError(f"{flag} {path} does not exist")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials from the PEM files; None for plaintext. Client certificates are required
+        exactly when a client CA is given."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        client_ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None,
+        )
 
 
 class TeacherServer:
@@ -184,8 +207,13 @@ class TeacherServer:
         add_inference_service(InferenceService(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        credentials = cfg.server_credentials()
+        address = f"{cfg.host}:{cfg.port}"
         try:
-            self._port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            if credentials is None:
+                self._port = self._grpc.add_insecure_port(address)
+            else:
+                self._port = self._grpc.add_secure_port(address, credentials)
         except RuntimeError:
             self._port = 0
         if self._port == 0:
@@ -212,8 +240,10 @@ class TeacherServer:
         self._ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving %s (version %s) on %s, device %s, %d instance(s), max batch %d%s",
-            cfg.name, cfg.version, self.endpoint, self.device, cfg.instances, cfg.batching.max_batch_size,
+            "serving %s (version %s) on %s%s, device %s, %d instance(s), max batch %d%s",
+            cfg.name, cfg.version, self.endpoint,
+            "" if cfg.tls_cert is None else " (mutual TLS)" if cfg.tls_client_ca else " (TLS)",
+            self.device, cfg.instances, cfg.batching.max_batch_size,
             f", metrics on :{self.metrics_port}" if self._metrics_http else "",
         )
 
@@ -276,6 +306,7 @@ class TeacherServer:
             instance_id=self.instance_id, endpoint=self.endpoint, model_name=self.config.name,
             model_version=self.config.version, max_batch_size=self.config.batching.max_batch_size,
             device=str(self.device), started_at=self.started_at, instances=self.config.instances,
+            tls=self.config.tls_cert is not None,
         )
         for s in io.inputs:
             rec.inputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))

@@ -6,8 +6,6 @@ talks to such an etcd (the TLS code path is ours: aetcd 1.0 has none)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,31 +15,15 @@ import pytest
 
 from discovery import EtcdRegistry, RegistryUnavailableError
 from discovery.local_etcd import LocalEtcd
+from tests.certs import make_certs
 from tests.etcd_fixtures import arun, ids, next_matching, record, unique_service
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    d = tmp_path_factory.mktemp("certs")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
-    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        (d / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
-        _openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
-            cwd=d,
-        )  # fmt: skip
-    return d
+    return make_certs(tmp_path_factory.mktemp("certs")).dir
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,9 @@ KEYS = {
     "prefetch",
     "teacher_batch_size",
     "hedge_after",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
     "registry_options",
 }
 
@@ -52,6 +55,9 @@ def test_static_teachers_with_defaults() -> None:
         "prefetch": 4,
         "teacher_batch_size": 0,
         "hedge_after": "auto",
+        "tls_ca": None,
+        "tls_cert": None,
+        "tls_key": None,
         "registry_options": {},
     }
 
@@ -108,6 +114,9 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_prefetch",
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
+        "--distill_tls_ca",
+        "--distill_tls_cert",
+        "--distill_tls_key",
         "--distill_registry_ca_cert",
         "--distill_registry_cert",
         "--distill_registry_key",
