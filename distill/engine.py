@@ -279,7 +279,7 @@ class Engine:
             entry = wanted.get(key)
             if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
                 router.remove(key)
-                self._spawn(self._close_when_idle(router, t), f"close-{t.endpoint}")
+                self._spawn(self._close_when_idle(router, t), f"close-{t.endpoint}", critical=False)
                 log.info("teacher %s left service %r", t.endpoint, svc.name)
             elif t.meta is None or t.meta != self._metadata_from(entry.record):
                 meta = self._metadata_from(entry.record)
@@ -292,7 +292,7 @@ class Engine:
             t = router.add(key, entry.endpoint, self._client(entry.endpoint, entry.record.tls), meta)
             log.info("teacher %s joined service %r", t.endpoint, svc.name)
             if meta is None:
-                self._spawn(self._fetch_metadata(svc, t), f"metadata-{t.endpoint}")
+                self._spawn(self._fetch_metadata(svc, t), f"metadata-{t.endpoint}", critical=False)
             else:
                 self._check_model(svc, t)
 
@@ -327,6 +327,8 @@ class Engine:
                                                      timeout=min(self.opts.timeout, 10.0))
             except grpc.aio.AioRpcError as e:
                 t.last_error = f"{e.code().name}: {e.details()}"
+            except grpc.aio.UsageError:
+                return  # the teacher left and its channel was closed
             except ValueError as e:
                 svc.router.mark_incompatible(t, str(e))
                 return
@@ -526,6 +528,10 @@ class Engine:
             self._probe_if_ejected(svc, t)
             self._retry(svc, chunk)
             return
+        except grpc.aio.UsageError:  # the teacher left and its channel closed under this call
+            router.failed(t, grpc.StatusCode.UNAVAILABLE, "channel closed: the teacher left")
+            self._retry(svc, chunk)
+            return
         except (ValueError, grpc.RpcError) as e:
             router.failed(t, grpc.StatusCode.INTERNAL, str(e))
             router.mark_incompatible(t, f"its answer did not fit the request: {e}")
@@ -544,7 +550,7 @@ class Engine:
     def _probe_if_ejected(self, svc: _Service, t: Teacher) -> None:
         if t.needs_probe and not t.probing and not t.removed:
             t.probing = True
-            self._spawn(self._probe(svc, t), f"probe-{t.endpoint}")
+            self._spawn(self._probe(svc, t), f"probe-{t.endpoint}", critical=False)
 
     async def _probe(self, svc: _Service, t: Teacher) -> None:
         """Readmit an ejected teacher only once a ModelReady answers within the probe deadline."""
@@ -553,11 +559,15 @@ class Engine:
                 delay = t.ejected_until - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if t.removed:
+                    return  # it left the registry meanwhile; its channel may already be closed
                 try:
                     ok = await t.client.ready(t.meta.model_name, timeout=svc.router.config.probe_timeout_s)
                     detail = "" if ok else "ModelReady answered not ready"
                 except grpc.aio.AioRpcError as e:
                     ok, detail = False, f"probe: {e.code().name}: {e.details()}"
+                except grpc.aio.UsageError:
+                    return  # the channel was closed because the teacher left
                 svc.router.probed(t, ok, detail)
         finally:
             t.probing = False
@@ -675,10 +685,13 @@ class Engine:
             teachers={s: dict(svc.router.snapshot()) for s, svc in self._services.items()},
         )
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Any, name: str, critical: bool = True) -> asyncio.Task[Any]:
+        """An owned task, cancelled on close. A critical task's failure (data path: reading, dispatch,
+        a chunk) ends the epoch with the error; an auxiliary one's (probe, metadata, closing a
+        departed teacher's channel) is logged, since the teacher it served is at worst unusable."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(self._task_done if critical else self._aux_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
@@ -688,11 +701,18 @@ class Engine:
             log.error("reader task %s failed", task.get_name(), exc_info=error)
             self._fatal(error)
 
+    def _aux_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.warning("reader task %s failed: %r", task.get_name(), error)
+
     async def close(self) -> None:
         """Cancel everything, withdraw demand, close channels and registries."""
         tasks = list(self._tasks)
         for task in tasks:
             task.remove_done_callback(self._task_done)
+            task.remove_done_callback(self._aux_done)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for cm in reversed(self._closing):

@@ -88,9 +88,11 @@ class LoadFigures:
 class LoadMeter:
     """Throughput, busy fraction and measured capacity over a sliding window of batches.
 
-    Capacity is what the instances deliver when fully busy: samples per compute-second times
-    the instance count. The autoscaler sizes the pool from it, so it is measured, never guessed;
-    it is 0 until the first batch ran.
+    Capacity is what the instances deliver when fully busy: samples per compute-second over the
+    whole window, times the instance count. The autoscaler sizes the pool from it, so it is
+    measured, never guessed, and it is a ratio of window totals rather than a per-batch rate, so
+    one slow batch (a GC pause, a cold cache) cannot make a teacher look half as fast. It keeps its
+    last value while the teacher idles, and is 0 until the first batch ran.
     """
 
     def __init__(self, instances: int, window_s: float = 10.0) -> None:
@@ -104,11 +106,6 @@ class LoadMeter:
         del requests
         now = time.monotonic()
         self._batches.append((now, samples, compute_ns))
-        if compute_ns > 0:
-            rate = samples / (compute_ns / 1e9) * self._instances
-            # Large batches measure capacity best; weight by batch size so batch-1 stragglers don't drag it.
-            w = min(1.0, 0.05 * max(1, samples) / 8)
-            self._capacity = rate if self._capacity == 0 else (1 - w) * self._capacity + w * rate
         self._trim(now)
 
     def _trim(self, now: float) -> None:
@@ -122,6 +119,8 @@ class LoadMeter:
         samples = sum(b[1] for b in self._batches)
         compute_s = sum(b[2] for b in self._batches) / 1e9
         busy = min(1.0, compute_s / (span * self._instances))
+        if compute_s > 0:
+            self._capacity = samples / compute_s * self._instances
         return LoadFigures(samples / span, busy, self._capacity)
 
 

@@ -448,3 +448,52 @@ def test_bad_config_is_rejected_with_a_clear_message(kwargs: dict[str, object], 
 def test_gpu_budget_lowers_the_effective_max() -> None:
     assert PolicyConfig(max_teachers=8, gpu_budget=6, gpus_per_teacher=2).upper == 3
     assert PolicyConfig(max_teachers=2, gpu_budget=6).upper == 2
+
+
+def test_default_config_scales_up_on_the_first_pressured_sample() -> None:
+    cfg = PolicyConfig(max_teachers=8)  # defaults: no up window
+    teachers, students = observe(1, [2500.0])
+    d = decide(ScaleSnapshot(current=1, teachers=teachers, students=students), cfg, PolicyState(), 0.0)
+    assert (d.action, d.desired) == ("up", 4), d.reason  # ceil(2500 / (1000 * 0.8))
+
+
+def test_no_second_scale_up_while_new_teachers_settle() -> None:
+    """Teachers that just registered: the students' 10 s figures still show the old shortage."""
+    cfg = PolicyConfig(max_teachers=8, settle=10.0)
+    state = PolicyState()
+    teachers, students = observe(1, [2500.0])
+    # t=0: scale up; t=1..4: the three new teachers start; t=5: they registered.
+    d = decide(ScaleSnapshot(current=1, teachers=teachers, students=students), cfg, state, 0.0)
+    assert d.desired == 4
+    for t in range(1, 5):
+        d = decide(ScaleSnapshot(current=4, teachers=teachers, students=students, starting=(0.0,) * 3),
+                   cfg, d.new_state, float(t))
+        assert d.desired == 4, d.reason
+    # Registered, but lagging figures still look like pressure (and a low capacity reading asks for more).
+    laggy, _ = observe(4, [2500.0], capacity=600.0)
+    _, still_waiting = observe(1, [2500.0])
+    for t in range(5, 14):
+        d = decide(ScaleSnapshot(current=4, teachers=tuple(dataclasses.replace(x, queue_depth=3) for x in laggy),
+                                 students=still_waiting), cfg, d.new_state, float(t))
+        assert d.desired == 4 and d.cause == "starting", (t, d.reason)
+    # Past the settle period, real remaining pressure scales up again.
+    d = decide(ScaleSnapshot(current=4, teachers=tuple(dataclasses.replace(x, queue_depth=3) for x in laggy),
+                             students=still_waiting), cfg, d.new_state, 15.0)
+    assert d.action == "up", d.reason
+
+
+def test_scale_down_held_by_the_down_window_says_so() -> None:
+    cfg = PolicyConfig(max_teachers=8, down_window=30, max_step=8)
+    state = PolicyState()
+    teachers, students = observe(4, [2500.0])
+    for t in range(0, 31, 5):
+        state = decide(ScaleSnapshot(current=4, teachers=teachers, students=students), cfg, state, float(t)).new_state
+    teachers, students = observe(4, [400.0])
+    d = None
+    for t in range(31, 70):
+        d = decide(ScaleSnapshot(current=4, teachers=teachers, students=students), cfg, state, float(t))
+        state = d.new_state
+        if d.action == "down":
+            break
+    assert d is not None and d.action == "down" and d.desired == 1, d.reason if d else None
+    assert "fewer per step" not in d.reason

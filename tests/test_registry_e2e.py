@@ -154,3 +154,24 @@ def test_empty_service_raises_no_teacher_error_naming_it(etcd: LocalEtcd) -> Non
     with pytest.raises(NoTeacherError, match=f"service '{service}'.*registry {etcd.address}"):
         DistillReader(_batches(1), registry=etcd.address, service=service, inputs=["X"],
                       no_teacher_timeout=1.0).start()
+
+
+def test_draining_registered_teacher_mid_epoch_loses_nothing(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """SIGTERM: the teacher refuses new work, deregisters, finishes what it holds and exits. The
+    student's probe of it may then meet a closed channel; that must never reach the training loop."""
+    service = unique_service("drain")
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(teacher_process(
+            [*ARGS, "--registry", etcd.address, "--service", service], tmp_path, env={"TEST_SLEEP_MS": "20"}))
+            for _ in range(3)]
+        reader = stack.enter_context(DistillReader(_batches(150), registry=etcd.address, service=service,
+                                                   inputs=["X"], timeout=5.0))
+        seen = []
+        for batch, teacher in reader:
+            i = int(batch["idx"][0])
+            seen.append(i)
+            assert torch.allclose(teacher["Y"], AFFINE(batch["X"]).detach(), atol=1e-5)
+            if i in (30, 80):
+                procs[0 if i == 30 else 1][0].send_signal(signal.SIGTERM)
+        assert procs[0][0].wait(30) == 0 and procs[1][0].wait(30) == 0
+    assert seen == list(range(150))

@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a higher count must be wanted before scaling up (default %(default)s)",
     )
     s.add_argument(
+        "--settle",
+        type=_nonneg_float,
+        default=_DEFAULTS.settle,
+        help="seconds after new teachers registered before another scale-up (default %(default)s)",
+    )
+    s.add_argument(
         "--down-window",
         type=_nonneg_float,
         default=_DEFAULTS.down_window,
@@ -246,6 +252,7 @@ def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
         busy_threshold=args.busy_threshold,
         queue_threshold=args.queue_threshold,
         up_window=args.up_window,
+        settle=args.settle,
         down_window=args.down_window,
         max_step=args.max_step,
         start_timeout=args.start_timeout,

@@ -92,6 +92,9 @@ class PolicyConfig:
             reacts faster than the busy fraction, which is a 10 s average.
         up_window: seconds a higher recommendation must persist before scaling up (0: at once).
         down_window: seconds demand must stay low before scaling down.
+        settle: seconds after the last started teacher registered during which no further scale-up
+            happens: the students' wait figures are 10 s averages and still show the shortage the
+            new teachers just fixed.
         max_step: most teachers added or removed by one decision.
         start_timeout: seconds a started teacher counts as capacity before it registers.
         gpu_budget: accelerators the pool may use in all (None: no limit).
@@ -107,8 +110,9 @@ class PolicyConfig:
     stall_threshold: float = 0.1
     busy_threshold: float = 0.9
     queue_threshold: float = 2.0
-    up_window: float = 2.0
+    up_window: float = 0.0
     down_window: float = 60.0
+    settle: float = 10.0
     max_step: int = 4
     start_timeout: float = 120.0
     gpu_budget: int | None = None
@@ -274,11 +278,13 @@ class PolicyState:
     ``since``: time of the first decision (the history covers ``now - since`` seconds).
     ``capacity``: the last measured per-teacher capacity, used while no teacher reports one (the
     only teacher crashed, say).
+    ``settle_until``: no scale-up before this time (see ``PolicyConfig.settle``).
     """
 
     history: tuple[tuple[float, int], ...] = ()
     since: float | None = None
     capacity: float = 0.0
+    settle_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -326,6 +332,9 @@ def decide(snapshot: ScaleSnapshot, config: PolicyConfig, state: PolicyState, no
     since = now if state.since is None else state.since
     horizon = now - max(cfg.up_window, cfg.down_window)
     history = tuple((t, r) for t, r in state.history if t >= horizon)
+    # While started teachers come up, and `settle` seconds after, the students' figures lag.
+    starting_now = any(now - s < cfg.start_timeout for s in snapshot.starting)
+    settle_until = max(state.settle_until, now + cfg.settle) if starting_now else state.settle_until
 
     def clamp(n: int) -> int:
         return max(lo, min(hi, n))
@@ -377,14 +386,16 @@ def decide(snapshot: ScaleSnapshot, config: PolicyConfig, state: PolicyState, no
                 reason = f"{reason}; at most {cfg.max_step} more per step"
         elif desired < current:
             action = "down"
-            if desired > rec:
+            if desired == current - cfg.max_step and desired > rec:
                 reason = f"{reason}; at most {cfg.max_step} fewer per step"
+            elif desired > rec:
+                reason = f"{reason}; {desired} is the highest need of the last {cfg.down_window:g} s down window"
         verb = {"up": f"scale up {current} -> {desired}", "down": f"scale down {current} -> {desired}"}
         head = verb.get(action, f"hold {desired}")
         return Decision(
             desired=desired,
             reason=f"{head}: {reason}",
-            new_state=PolicyState(history=hist, since=since, capacity=capacity_state),
+            new_state=PolicyState(history=hist, since=since, capacity=capacity_state, settle_until=settle_until),
             action=action,
             cause=cause,
             demand=demand,
@@ -483,6 +494,14 @@ def decide(snapshot: ScaleSnapshot, config: PolicyConfig, state: PolicyState, no
                 "starting",
                 f"students wait and {busy_text}, but {len(starting_live)} started teacher(s) are not ready yet; "
                 f"judging again once they are ({pool}; {sizing})",
+                needed=needed_est,
+            )
+        if managed_need > current and now < settle_until:
+            return done(
+                current,
+                "starting",
+                f"students wait and {busy_text}, but teachers joined within the last {cfg.settle:g} s and the "
+                f"students' figures still lag; judging again in {settle_until - now:.0f} s ({pool}; {sizing})",
                 needed=needed_est,
             )
         if managed_need > current:
