@@ -543,3 +543,102 @@ def start_all(stack: contextlib.ExitStack, servers: Sequence[TeacherProcess]) ->
     for server in servers:
         server.wait_ready()
     return list(servers)
+
+
+# ---- process helpers (W4 and any benchmark that runs a process tree) -------------------------
+# A tiny shim that asks the kernel to SIGTERM the real command when its parent dies, then execs
+# it. `-S` skips site, so it costs ~10 ms. PR_SET_PDEATHSIG = 1; the getppid check closes the race
+# of a parent that died before the prctl.
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "ctypes.CDLL(None,use_errno=True).prctl(1,int(signal.SIGTERM),0,0,0)\n"
+    "if os.getppid()!=int(sys.argv[1]): os._exit(1)\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def pdeathsig_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` wrapped so that the process gets SIGTERM if this benchmark dies (Linux only).
+
+    `finally:` clauses stop what a benchmark started on errors, Ctrl-C and SIGTERM, but not on
+    SIGKILL or an OOM kill; then nothing would stop a long-running child. The kernel can: the
+    signal fires when the *thread* that spawned the child exits, so spawn from the main thread.
+    Elsewhere the command is returned unchanged.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process, from /proc (empty if it is gone or /proc lacks `children`).
+
+    Lets a benchmark count what another process (an autoscaler) started without asking it.
+    """
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                found.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return sorted(set(found))
+
+
+def process_cmdline(pid: int) -> list[str]:
+    """The argv of a process (empty if it is gone): to recognise a child, and to make sure a pid
+    was not reused by someone else's process before signalling it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (exited, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def process_start_monotonic(pid: int) -> float | None:
+    """When a process started, on the `time.monotonic()` clock (None if it is gone).
+
+    /proc gives the start in clock ticks since boot (CLOCK_BOOTTIME); the offset between the two
+    clocks converts it. It times a spawn exactly even when the benchmark only notices the process
+    a sampling period later.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    start_ticks = int(raw.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    offset = time.clock_gettime(time.CLOCK_BOOTTIME) - time.monotonic()
+    return start_ticks / _CLK_TCK - offset
+
+
+def stop_process(proc: subprocess.Popen[Any], *, term_timeout_s: float = 20.0, sig: int = signal.SIGTERM) -> int:
+    """Signal `proc` (SIGTERM: drain), wait, SIGKILL when it hangs; returns the exit code.
+
+    Idempotent, and safe to call from `finally:`: a process that already exited is only reaped.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+        try:
+            proc.wait(term_timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    return int(proc.returncode)
