@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
-from discovery._util import cancel_and_wait, deadline
+from discovery.aio import cancel_and_wait, deadline
 from protos import registry_pb2
 
 __all__ = [

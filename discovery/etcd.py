@@ -37,7 +37,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from discovery import keys
-from discovery._util import Backoff, StateLog, cancel_and_wait, deadline
 from discovery.address import (
     DEFAULT_ETCD_PORT,
     Endpoint,
@@ -45,6 +44,7 @@ from discovery.address import (
     parse_address,
     parse_endpoints,
 )
+from discovery.aio import Backoff, StateLog, cancel_and_wait, deadline
 from discovery.base import (
     Registration,
     Registry,

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
+from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry, RegistryError, TeacherSet
-from distill.autoscale._aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from distill.autoscale.backends.base import Backend, BackendState
 from distill.autoscale.election import LeaderElection
 from distill.autoscale.errors import BackendError, BackendUnavailableError, PolicyConfigError

@@ -40,8 +40,8 @@ import aetcd.rpc as etcd_rpc
 import grpc
 
 from discovery import keys
+from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry
-from distill.autoscale._aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from distill.autoscale.errors import ElectionError
 
 __all__ = ["LeaderElection", "leader_key"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from distill.autoscale._aio import bounded, describe
+from discovery.aio import bounded, describe
 from distill.autoscale.backends.base import Backend, BackendState
 from distill.autoscale.errors import BackendError, BackendUnavailableError
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from discovery import keys
-from distill.autoscale._aio import cancel_and_wait
+from discovery.aio import cancel_and_wait
 from distill.autoscale.backends.base import Backend, BackendState
 from distill.autoscale.errors import BackendError
 

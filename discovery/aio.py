@@ -1,4 +1,4 @@
-"""Small asyncio helpers shared by the backends (not public API).
+"""Small asyncio helpers shared by discovery and the autoscaler.
 
 Timeouts use ``asyncio.timeout`` (via :data:`deadline`), not ``asyncio.wait_for``: before Python
 3.12, ``wait_for`` drops a cancellation that arrives just as the awaited call completes, and a
@@ -12,8 +12,10 @@ import contextlib
 import logging
 import random
 import sys
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
@@ -56,6 +58,25 @@ else:  # pragma: no cover - Python 3.10
         finally:
             if handle is not None:
                 handle.cancel()
+
+
+async def bounded(aw: Awaitable[_T], timeout: float) -> _T:
+    """Await ``aw`` for at most ``timeout`` seconds (``TimeoutError`` after that), via :data:`deadline`."""
+    async with deadline(timeout):
+        return await aw
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message`` for a log line (gRPC errors as ``CODE: details``)."""
+    code = getattr(e, "code", None)
+    details = getattr(e, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{code().name}: {details()}"
+        except Exception:  # not a grpc error after all
+            pass
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Backoff:
