@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from teacher_server import ServerConfig, TeacherServer
+from teacher_server import ServerConfig, TeacherServer, launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,24 +63,7 @@ class ServerThread:
 def teacher_process(
     args: Sequence[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 60.0
 ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, Any]]]:
-    """`python -m teacher_server ARGS --port 0 --ready-file F`; yields (process, ready info)."""
-    ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
-    log = open(tmp_path / f"teacher-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "teacher_server", "--port", "0", "--ready-file", str(ready), *args],
-        cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"teacher-server exited with {proc.returncode}: {Path(log.name).read_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"teacher-server not ready in {timeout}s: {Path(log.name).read_text()}")
-            time.sleep(0.05)
-        yield proc, json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        log.close()
+    """A real `python -m teacher_server ARGS` on a free port; its log stays in `tmp_path`."""
+    log = tmp_path / f"teacher-{time.monotonic_ns()}.log"
+    with launch.teacher_process(args, env=env, cwd=REPO, log=log, ready_timeout=timeout, stop_grace=5.0) as started:
+        yield started

@@ -1,0 +1,38 @@
+"""The ``distill`` command: tools for people running a distillation mesh.
+
+    distill top --registry etcd://10.0.0.5:2379 [--service NAME] [--interval 1] [--once]
+
+Subcommands live in their own modules (``distill.top``); this module only dispatches, so adding
+one does not touch the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from distill import top
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distill", description="Tools for a knowledge-distillation mesh.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    top.add_arguments(sub.add_parser(
+        "top", help="live view of teachers, students and the autoscaler, read from etcd",
+        description="A live view of the mesh read from etcd, refreshing like top: per service, the teachers "
+        "(endpoint, device, model, queue, in-flight, samples/s, busy, capacity), the students (samples/s, "
+        "stall) and the autoscaler's records. --once prints one snapshot and exits (exit 1: registry unreachable).",
+    ))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "top":
+        return top.run(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

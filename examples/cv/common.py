@@ -1,0 +1,228 @@
+"""Helpers the example scripts share (CV, NLP, elastic): where trained weights live, seeding,
+accuracy, result files, progress bars, and a teacher-server subprocess that always stops.
+
+Why a cache directory: training the teacher is the slow step; the scripts that serve or export it
+(and `make demo`) find its weights at one well-known path instead of retraining every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import distill
+
+CACHE_ENV = "DISTILL_MESH_CACHE"
+
+Outputs = dict[str, torch.Tensor] | None
+"""A batch's teacher outputs ({name: tensor}), or None (no KD, or the reader's hard-label fallback)."""
+
+Source = Callable[[Iterable[Any]], AbstractContextManager[Iterable[tuple[Any, Outputs]]]]
+"""Given a run's loader, a context manager yielding an iterable of ``(batch, teacher outputs)``, one
+pass per epoch: a ``DistillReader`` in real use (``reader_source``), no teacher for the baseline
+(``no_teacher``), or an in-process teacher in experiments."""
+
+
+@dataclass(frozen=True)
+class StudentResult:
+    """The outcome of one student run. ``stall_fraction``: share of wall time the training loop
+    waited for its next batch (teacher outputs included); ``teachers_in_use`` at the end."""
+
+    seed: int
+    kd: bool
+    test_accuracy: float
+    seconds: float
+    samples: int
+    samples_per_s: float
+    stall_fraction: float
+    teachers_in_use: int = 0
+
+
+class StallTimer:
+    """Adds up how long each ``next()`` of the wrapped iterable took: the loop's stall time."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def wrap(self, items: Iterable[Any]) -> Iterator[Any]:
+        it = iter(items)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self.waited += time.perf_counter() - t0
+                return
+            self.waited += time.perf_counter() - t0
+            yield item
+
+
+class _Plain:
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[tuple[Any, Outputs]]:
+        return ((b, None) for b in self._loader)
+
+
+@contextlib.contextmanager
+def no_teacher(loader: Iterable[Any]) -> Iterator[Iterable[tuple[Any, Outputs]]]:
+    """The baseline's source: the loader's batches, each with ``None`` teacher outputs."""
+    yield _Plain(loader)
+
+
+def reader_source(*, inputs: Sequence[str], outputs: Sequence[str], **options: Any) -> Source:
+    """A source that distils through the mesh: ``DistillReader(loader, inputs=..., outputs=..., **options)``.
+
+    ``options`` say where the teachers are (``teachers=`` or ``registry=`` + ``service=``, as
+    ``distill.distill_options_from_args`` returns them) and how to ask (``top_k=``, ``output_dtype=``).
+    """
+
+    @contextlib.contextmanager
+    def source(loader: Iterable[Any]) -> Iterator[Iterable[tuple[Any, Outputs]]]:
+        with distill.DistillReader(loader, inputs=list(inputs), outputs=list(outputs), **options) as reader:
+            yield reader
+
+    return source
+
+
+def teachers_in_use(batches: object) -> int:
+    """How many teachers a source used (a ``DistillReader``'s stats), 0 for other sources."""
+    stats = getattr(batches, "stats", None)
+    return int(stats().teachers_in_use) if callable(stats) else 0
+
+
+def cache_dir() -> Path:
+    """``$DISTILL_MESH_CACHE``, else ``$XDG_CACHE_HOME/distill-mesh``, else ``~/.cache/distill-mesh``.
+
+    Not created here; writers create it. An environment variable rather than a flag because the
+    teacher-server imports ``module:factory`` with no arguments: the cache path must reach it
+    through the environment.
+    """
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "distill-mesh"
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python's and torch's global generators; return a fresh generator for data order.
+
+    KD and no-KD runs with the same seed then start from the same student weights and see the
+    same batches in the same order, so the loss is the only difference between them.
+    """
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+@torch.inference_mode()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512) -> float:
+    """Top-1 accuracy of ``model`` on ``(x, y)``, in eval mode (restores the previous mode)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), batch_size):
+        correct += int((model(x[i : i + batch_size]).argmax(dim=1) == y[i : i + batch_size]).sum())
+    model.train(was_training)
+    return correct / max(1, len(x))
+
+
+def write_json(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
+    """Write ``data`` as indented JSON, atomically (a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(target)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` → ``[0, 1, 2]`` (for ``--seeds``)."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed")
+    return seeds
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True) -> Any:
+    """A tqdm bar (``leave=False``), or None when disabled or tqdm is missing; callers check for None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with the examples extra
+        return None
+    return tqdm(total=total, desc=desc, unit="epoch", leave=False)
+
+
+@contextlib.contextmanager
+def teacher_server_process(args: Sequence[str], timeout: float = 60.0) -> Iterator[str]:
+    """Run ``python -m teacher_server ARGS`` until the block ends; yield its endpoint.
+
+    Pass ``--port 0`` in ``args`` for a free port. Readiness comes from ``--ready-file`` (written
+    once the server serves), not from sleeping. On exit, SIGTERM (the server drains and
+    deregisters), then SIGKILL after 30 s: the process never outlives the block.
+    """
+    with tempfile.TemporaryDirectory(prefix="distill-example-") as tmp:
+        ready = Path(tmp) / "ready.json"
+        proc = subprocess.Popen([sys.executable, "-m", "teacher_server", *args, "--ready-file", str(ready),
+                                 "--log-level", "WARNING"])
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"teacher-server exited with code {proc.returncode} before serving")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"teacher-server did not become ready within {timeout:.0f} s")
+                time.sleep(0.05)
+            yield str(json.loads(ready.read_text())["endpoint"])
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def print_result(r: StudentResult, label: str) -> None:
+    """One line per finished seed, flushed (long runs show progress in logs too)."""
+    print(f"seed {r.seed}: {label} student test accuracy {r.test_accuracy:.4f} ({r.samples:,} samples in "
+          f"{r.seconds:.1f} s, {r.samples_per_s:,.0f} samples/s, stall {100 * r.stall_fraction:.1f}%)", flush=True)
+
+
+def summarize(results: Sequence[StudentResult], label: str, json_path: str | os.PathLike[str] | None = None,
+              **extra: Any) -> float:
+    """Print the mean ± stdev over seeds, optionally write every run (and ``extra``) as JSON; return the mean."""
+    accs = [r.test_accuracy for r in results]
+    mean = statistics.fmean(accs)
+    spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
+    seeds = ",".join(str(r.seed) for r in results)
+    print(f"{label}: mean test accuracy {mean:.4f} ± {spread:.4f} over seeds {seeds}")
+    if json_path is not None:
+        write_json(json_path, {"label": label, "mean_test_accuracy": mean, "stdev": spread,
+                               "runs": [asdict(r) for r in results], **extra})
+    return mean

@@ -1,0 +1,200 @@
+"""`distill top` against a real etcd, a real registered teacher-server and a real student.
+
+Plus the view's pure parts (grouping keys into services, rendering autoscaler records of any
+format, skipping values that do not parse), which need no etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd
+import pytest
+import torch
+
+from discovery import open_registry
+from discovery.local_etcd import LocalEtcd, free_port
+from distill import DistillReader
+from distill import top as dtop
+from protos import registry_pb2
+from tests.etcd_fixtures import arun, unique_service
+from tests.servers import REPO, teacher_process
+
+TEACHER = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--max-batch-size", "8",
+           "--ttl", "5"]
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as server:
+        yield server
+
+
+def _top(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "distill.cli", "top", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+class _Student:
+    """A DistillReader iterating slowly on a thread, so that it keeps publishing demand."""
+
+    def __init__(self, registry: str, service: str) -> None:
+        batches = [{"X": torch.randn(8, 8)} for _ in range(10_000)]
+        self.reader = DistillReader(batches, registry=registry, service=service, inputs=["X"],
+                                    student_id="top-test-student")
+        self.stop = threading.Event()
+        self.consumed = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        for _batch, _outputs in self.reader:
+            self.consumed += 1
+            if self.stop.wait(0.01):
+                return
+
+    def __enter__(self) -> _Student:
+        self.reader.start()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        self.reader.close()
+
+
+def _wait_for_demand(etcd: LocalEtcd, service: str, student_id: str, timeout: float = 15.0) -> None:
+    async def poll() -> None:
+        async with open_registry(etcd.address) as reg:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if any(d.student_id == student_id and d.samples_per_s > 0 for d in await reg.demand(service)):
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"student {student_id} published no demand on {service} within {timeout} s")
+
+    arun(poll(), timeout + 5)
+
+
+def test_top_once_shows_the_teacher_the_student_and_the_autoscaler_decision(etcd: LocalEtcd,
+                                                                           tmp_path: Path) -> None:
+    service = unique_service("top")
+    args = [*TEACHER, "--registry", etcd.address, "--service", service, "--instance-id", "top-t1"]
+    with teacher_process(args, tmp_path) as (_proc, info), _Student(etcd.address, service) as student:
+        _wait_for_demand(etcd, service, "top-test-student")
+        assert student.consumed > 0
+
+        async def decide() -> None:  # what an autoscaler may publish; top must show it, whatever it is
+            client = aetcd.Client(host="127.0.0.1", port=etcd.client_port, timeout=5)
+            try:
+                record = {"action": "up", "current": 1, "desired": 2, "reason": "students stall 30% > 10%",
+                          "at": time.time() - 3}
+                await client.put(f"/distill/v1/{service}/autoscaler/decision".encode(), json.dumps(record).encode())
+                await client.put(f"/distill/v1/{service}/autoscaler/leader".encode(), b"scaler-host-42")
+            finally:
+                await client.close()
+
+        arun(decide())
+        out = _top("--registry", etcd.address, "--once")
+        assert out.returncode == 0, out.stderr
+        text = out.stdout
+        assert f"service {service}: 1 teacher(s)" in text, text
+        assert info["endpoint"] in text and "top-t1" in text and "affine:1" in text, text
+        assert "top-test-student" in text, text
+        assert 'autoscaler decision: action=up current=1 desired=2 reason="students stall 30% > 10%"' in text
+        assert "autoscaler leader: scaler-host-42" in text
+
+        as_json = _top("--registry", etcd.address, "--service", service, "--once", "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        snap = json.loads(as_json.stdout)
+        [svc] = snap["services"]
+        assert svc["name"] == service
+        assert [t["record"]["endpoint"] for t in svc["teachers"]] == [info["endpoint"]]
+        assert svc["teachers"][0]["load"]["capacity_samples_per_s"] >= 0
+        assert [s["student_id"] for s in svc["students"]] == ["top-test-student"]
+        assert svc["students"][0]["samples_per_s"] > 0
+
+
+def test_top_filters_by_service_and_reports_an_empty_registry(etcd: LocalEtcd) -> None:
+    out = _top("--registry", etcd.address, "--service", "no-such-service", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "no services named no-such-service" in out.stdout
+
+
+def test_top_says_clearly_when_the_registry_is_unreachable() -> None:
+    dead = f"etcd://127.0.0.1:{free_port()}"
+    out = _top("--registry", dead, "--once", "--timeout", "2")
+    assert out.returncode == 1
+    assert "cannot read the registry at" in out.stderr and dead in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    static = _top("--registry", "static://127.0.0.1:9898", "--once")
+    assert static.returncode == 2 and "reads etcd" in static.stderr
+
+
+def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "distill.cli", "top", "--registry", etcd.address,
+                             "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        proc.send_signal(2)  # Ctrl-C
+        stdout, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert stdout.count("\x1b[H\x1b[2J") >= 2, "the view should have been redrawn"
+    assert "Ctrl-C to quit" in stdout
+
+
+# ---- the pure parts ---------------------------------------------------------------------------------
+
+
+def _kv(key: str, msg: object) -> tuple[bytes, bytes]:
+    return key.encode(), msg.SerializeToString()  # type: ignore[attr-defined]
+
+
+def test_parse_groups_services_joins_loads_and_skips_garbage() -> None:
+    rec = registry_pb2.TeacherRecord(instance_id="t1", endpoint="10.0.0.1:9898", model_name="m", device="cuda:0")
+    load = registry_pb2.TeacherLoad(instance_id="t1", queue_depth=3, samples_per_s=1200.0, busy_fraction=0.5,
+                                    capacity_samples_per_s=2400.0)
+    demand = registry_pb2.StudentDemand(samples_per_s=800.0, wait_fraction=0.25, teachers_in_use=1)
+    views = dtop.parse_kvs([
+        _kv("/distill/v1/b/teachers/t1", rec),
+        _kv("/distill/v1/b/load/t1", load),
+        _kv("/distill/v1/b/load/gone", load),  # load without a record: the teacher is leaving
+        _kv("/distill/v1/b/students/s1", demand),  # student_id filled in from the key
+        (b"/distill/v1/b/students/bad", b"\xff\xff\xff"),
+        (b"/distill/v1/a/autoscaler/leader", b"host-1"),
+        (b"/distill/v1/a/other/x", b"ignored"),
+        (b"/elsewhere/key", b"ignored"),
+    ])
+    assert [v.name for v in views] == ["a", "b"]
+    a, b = views
+    assert a.teachers == [] and a.autoscaler[0].name == "leader"
+    assert [t.instance_id for t in b.teachers] == ["t1"] and b.teachers[0].load == load
+    assert [d.student_id for d in b.students] == ["s1"] and b.unparsable == 1
+    assert [v.name for v in dtop.parse_kvs([_kv("/distill/v1/b/teachers/t1", rec)], only=["a"])] == []
+
+    text = dtop.render(dtop.MeshView("etcd://x:2379", 7, 1000.0, views))
+    assert "10.0.0.1:9898" in text and "cuda:0" in text and "1,200" in text and "50%" in text and "2,400" in text
+    assert "s1" in text and "25%" in text
+    assert "autoscaler leader: host-1" in text and "autoscaler: none running" in text
+    assert "1 value(s) under this service did not parse" in text
+
+
+def test_autoscaler_records_of_any_format_are_readable() -> None:
+    decision = json.dumps({"reason": "steady", "desired": 3, "action": "hold", "figures": {"busy": 0.5},
+                           "at": 100.0}).encode()
+    assert dtop.describe_value(decision, now=112.0) == \
+        'action=hold desired=3 reason=steady figures={"busy":0.5} (12.0s ago)'
+    assert dtop.describe_value(b"plain   text\nvalue") == "plain text value"
+    assert dtop.describe_value(b"\xff\x00\x01") == "<3 bytes of binary data>"
+    assert dtop.describe_value(b"[1, 2]") == "[1, 2]"
