@@ -329,6 +329,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
     args = parser.parse_args(argv)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (and SIGINT when started in the background) stop etcd too
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     with LocalEtcd(args.data_dir, client_port=args.port) as etcd:
         print(f"etcd running: {etcd.address} (data in {etcd.data_dir}); Ctrl-C to stop", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -502,8 +502,9 @@ class Engine:
             raws.append(f.array[chunk.start:chunk.stop])
         for name in self.opts.outputs or t.meta.outputs:
             header.outputs.add(name=name)
-        if self.opts.top_k:
-            header.parameters["top_k"].int64_param = self.opts.top_k
+        # Always stated, 0 included: a teacher started with a --top-k default must still send this
+        # reader the full tensors it expects.
+        header.parameters["top_k"].int64_param = self.opts.top_k
         if self.opts.output_dtype:
             header.parameters["output_dtype"].string_param = self.opts.output_dtype
         return serialize_infer_request(header, raws)

@@ -10,6 +10,7 @@ sees every batch exactly once, in order, with correct teacher outputs.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -121,6 +122,10 @@ async def exercise(controller: Controller, backend: LocalBackend, student: Stude
         assert f'distill_autoscaler_{name}{{service="{service}"}}' in page, name
     assert f'distill_autoscaler_desired_teachers{{service="{service}"}} 1.0' in page
     assert f'distill_autoscaler_scale_events_total{{direction="up",service="{service}"}} 2.0' in page
+    # The leader publishes its last decision for `distill top`, bound to its lease.
+    got = await controller.registry.client().get(f"/distill/v1/{service}/autoscaler/decision".encode())
+    published = json.loads(got.value)
+    assert published["desired"] == 1 and published["action"] in ("down", "hold") and published["reason"]
     print(f"scale-up decided {up:.1f} s after the student started")
 
 

@@ -386,3 +386,11 @@ def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_pa
     # A deadline is 5 s; a hung teacher must not cost one per batch, nor even one in total.
     assert max(gaps) < 5.0, f"the loop stalled {max(gaps):.2f}s on a hung teacher"
     assert int(final["ok"]) > ok_at_resume, "the resumed teacher passed its probe and served again"
+
+
+def test_full_outputs_even_from_a_server_with_a_top_k_default() -> None:
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", top_k=2)
+    with ServerThread(cfg) as srv:
+        data = _batches(3)
+        with DistillReader(data, teachers=srv.url, inputs=["X"], outputs=["Y"]) as reader:
+            _check_epoch(reader, data)

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
+from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry, RegistryError, TeacherSet
 from distill.autoscale.backends.base import Backend, BackendState
@@ -136,6 +138,8 @@ class Controller:
         self._registry_log = StateLog(log)
         self._backend_log = StateLog(log)
         self._last_cause: tuple[str, str] | None = None
+        self._published: tuple[object, ...] | None = None
+        self._published_at = 0.0
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -327,6 +331,7 @@ class Controller:
                 self._on_decision(decision, state)
             except Exception:
                 log.exception("on_decision hook failed")
+        await self._publish(decision, state)
         if decision.desired != state.current and self.election.is_leader:
             try:
                 await self.backend.scale(decision.desired, view)
@@ -334,6 +339,25 @@ class Controller:
                 self._backend_log.change("down", logging.WARNING, "autoscaler of %r: %s; will retry", self.service, e)
                 return
             self.metrics.scaled("up" if decision.desired > state.current else "down")
+
+    async def _publish(self, decision: Decision, state: BackendState) -> None:
+        """The last decision as JSON at <autoscaler prefix>decision (read by `distill top`): on every
+        change, and every 10 s so its age shows the controller is alive. Bound to the leader lease."""
+        fingerprint = (decision.action, decision.cause, decision.desired, state.current)
+        now = time.monotonic()
+        if fingerprint == self._published and now - self._published_at < 10.0:
+            return
+        record = {
+            "action": decision.action, "cause": decision.cause, "current": state.current,
+            "desired": decision.desired, "needed": decision.needed, "demand": round(decision.demand, 1),
+            "capacity": round(decision.capacity, 1), "reason": decision.reason, "at": time.time(),
+        }
+        try:
+            if await self.election.publish(keys.autoscaler_prefix(self.service) + "decision",
+                                           json.dumps(record).encode()):
+                self._published, self._published_at = fingerprint, now
+        except Exception as e:  # an unreachable etcd is already reported; never stop deciding for this
+            log.debug("could not publish the decision: %s", describe(e))
 
     def _log(self, decision: Decision, state: BackendState) -> None:
         key = (decision.action, decision.cause)

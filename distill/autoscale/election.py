@@ -115,6 +115,14 @@ class LeaderElection:
     def _client(self) -> Any:
         return self._registry.client()  # type: ignore[attr-defined]
 
+    async def publish(self, key: str, value: bytes) -> bool:
+        """Put `key` under our leader lease (it vanishes with our leadership); False if we do not lead."""
+        lease = self._lease
+        if lease is None or not self.is_leader:
+            return False
+        await bounded(self._client().put(key.encode(), value, lease=lease), self.call_timeout)
+        return True
+
     async def leader(self) -> str | None:
         """The identity in the leader key now (one read), None when nobody leads."""
         got = await bounded(self._client().get(self.key.encode()), self.call_timeout)
