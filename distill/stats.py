@@ -36,13 +36,17 @@ class ConsumptionMeter:
         self._window_s = window_s
         self._lock = threading.Lock()
         self._events: collections.deque[tuple[float, int, float]] = collections.deque()
-        self._start = time.monotonic()
+        # The clock starts with the first batch consumed, not when the reader was built: time spent
+        # finding a first teacher (a cold start) is not a rate of zero samples per second.
+        self._start: float | None = None
         self.batches = 0
         self.samples = 0
 
     def record(self, samples: int, waited_s: float) -> None:
         now = time.monotonic()
         with self._lock:
+            if self._start is None:
+                self._start = now - waited_s
             self.batches += 1
             self.samples += samples
             self._events.append((now, samples, waited_s))
@@ -53,6 +57,8 @@ class ConsumptionMeter:
         """(samples/s, wait fraction) over the window (or since the start, when younger)."""
         now = time.monotonic()
         with self._lock:
+            if self._start is None:
+                return 0.0, 0.0
             while self._events and now - self._events[0][0] > self._window_s:
                 self._events.popleft()
             span = max(min(self._window_s, now - self._start), 1e-6)

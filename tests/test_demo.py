@@ -1,21 +1,33 @@
-"""`make demo` in its fast form: it serves, answers correctly, measures, and leaves no process behind."""
+"""`make demo` in its fast form: it trains, distils through an autoscaled pool, prints the table,
+writes the plot, and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.servers import REPO
 
 
-def test_demo_runs_end_to_end() -> None:
-    out = subprocess.run([sys.executable, "-m", "examples.demo", "--seconds", "1", "--batch", "64"], cwd=REPO,
-                         capture_output=True, text=True, timeout=180, check=False)
-    assert out.returncode == 0, out.stderr
-    assert "max |server - in-process| = 0.00e+00" in out.stdout, out.stdout
-    assert re.search(r"throughput at batch 64: [\d,]+ samples/s", out.stdout), out.stdout
-    assert "teacher-server stopped" in out.stdout
-    leftovers = subprocess.run(["pgrep", "-f", "teacher_server --port 0 --ready-file .*distill-demo-"], check=False,
-                               capture_output=True, text=True)
-    assert leftovers.stdout == "", f"demo left a teacher-server running: {leftovers.stdout}"
+def test_demo_distils_end_to_end_and_cleans_up(tmp_path: Path) -> None:
+    env = {**os.environ, "DISTILL_MESH_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "examples.demo", "--fast", "--out", str(tmp_path / "out")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "training the teacher on scikit-learn's digits" in text  # nothing cached: it trained one
+    for row in ("teacher (CNN", "student MLP, with KD (mesh)", "student MLP, without KD", "KD gain:"):
+        assert row in text, text
+    assert re.search(r"student MLP, with KD \(mesh\)\s+\d+\.\d%\s+[\d,]+\s+\d+\.\d%\s+1", text), text
+    assert re.search(r"teachers over time: 0 \(t=\d+s\) -> 1 \(t=\d+s\) -> 0", text), text  # 0 -> 1 -> 0
+    assert "autoscaler: scale up 0 -> 1" in out.stdout + out.stderr
+    results = json.loads((tmp_path / "out" / "distill-demo.json").read_text())
+    assert results["kd"][0]["samples"] > 0 and results["no_kd"][0]["samples"] > 0
+    assert (tmp_path / "out" / "distill-demo.png").stat().st_size > 10_000
+    leftovers = subprocess.run(["pgrep", "-f", f"{tmp_path}|distill-demo-|demo-digits"], capture_output=True,
+                               text=True, check=False)
+    assert leftovers.stdout == "", f"the demo left processes behind: {leftovers.stdout}"
