@@ -313,8 +313,13 @@ class Registry(abc.ABC):
         """
 
     @abc.abstractmethod
-    def watch(self, service: str, *, connect_timeout: float | None = None) -> TeacherWatch:
-        """Full snapshots of the live teacher set of ``service``; see :class:`TeacherWatch`."""
+    def watch(self, service: str, *, connect_timeout: float | None = None, loads: bool = True) -> TeacherWatch:
+        """Full snapshots of the live teacher set of ``service``; see :class:`TeacherWatch`.
+
+        ``loads=False`` watches membership only (every entry's ``load`` is None). Students route on
+        their own measurements and learn of a drain from the deregistration, so they pass it: each
+        teacher's 1 Hz load report would otherwise reach every student (see docs/scale.md).
+        """
 
     @abc.abstractmethod
     def publish_demand(

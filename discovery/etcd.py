@@ -861,6 +861,7 @@ class EtcdRegistry(Registry):
         *,
         connect_timeout: float | None = None,
         resync_interval: float | None = None,
+        loads: bool = True,
     ) -> TeacherWatch:
         """See :meth:`Registry.watch`; ``resync_interval`` overrides the registry's for this watch."""
         self._check_open()
@@ -869,7 +870,7 @@ class EtcdRegistry(Registry):
         _positive("resync_interval", resync)
         watch = TeacherWatch(
             service,
-            lambda w: self._produce(w, service, resync),
+            lambda w: self._produce(w, service, resync, loads),
             connect_timeout=self.connect_timeout if connect_timeout is None else connect_timeout,
             describe=f"etcd at {','.join(str(e) for e in self.endpoints)}",
             on_close=self._watches.discard,
@@ -877,10 +878,11 @@ class EtcdRegistry(Registry):
         self._watches.add(watch)
         return watch
 
-    async def _produce(self, watch: TeacherWatch, service: str, resync_interval: float) -> None:
+    async def _produce(self, watch: TeacherWatch, service: str, resync_interval: float, loads: bool = True) -> None:
         """The watch loop: read, watch, apply, publish; resume, reload or re-sync as needed."""
         state = _WatchState(service, set())
         prefixes = {"teachers": keys.teachers_prefix(service), "load": keys.load_prefix(service)}
+        kinds = ("teachers", "load") if loads else ("teachers",)
         backoff = Backoff(cap=self.retry_max_backoff)
         slog = StateLog(log)
         need_reload = True
@@ -904,14 +906,12 @@ class EtcdRegistry(Registry):
                         )
                         need_reload = True
                 if need_reload:
-                    revision, cluster_id, (tkvs, lkvs) = await self._range(
-                        client, [prefixes["teachers"], prefixes["load"]]
-                    )
-                    state.reset(revision, cluster_id, tkvs, lkvs)
+                    revision, cluster_id, kvs = await self._range(client, [prefixes[k] for k in kinds])
+                    state.reset(revision, cluster_id, kvs[0], kvs[1] if loads else [])
                     need_reload = False
                     self._publish(watch, state, published, force=published[0] is None)
                 queue: asyncio.Queue[Any] = asyncio.Queue()
-                for kind in ("teachers", "load"):
+                for kind in kinds:
                     stream = await self._call(
                         client.watch_prefix(prefixes[kind].encode(), start_revision=state.rev[kind] + 1)
                     )

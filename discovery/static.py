@@ -109,7 +109,7 @@ class StaticRegistry(Registry):
         iid = keys.validate_name("teacher instance_id", record.instance_id)
         return _NoopRegistration(keys.teacher_key(service, iid), f"teacher {iid!r}")
 
-    def watch(self, service: str, *, connect_timeout: float | None = None) -> TeacherWatch:
+    def watch(self, service: str, *, connect_timeout: float | None = None, loads: bool = True) -> TeacherWatch:
         """One snapshot with every listed teacher, then nothing until closed. ``service`` is only
         validated: a static list serves whatever service the student asks for."""
         self._check_open()

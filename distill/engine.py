@@ -201,7 +201,9 @@ class Engine:
         opts = self.opts
         for svc in self._services.values():
             registry = self._registry_for(svc.name)
-            watch = registry.watch(svc.name, connect_timeout=min(opts.no_teacher_timeout, 30.0))
+            # Membership only: routing uses the reader's own latency figures, and a drain shows as the
+            # teacher's deregistration; load reports would reach every student 1/s per teacher.
+            watch = registry.watch(svc.name, connect_timeout=min(opts.no_teacher_timeout, 30.0), loads=False)
             first = await watch.__anext__()  # RegistryUnavailableError surfaces here, at start
             self._apply_snapshot(svc, first)
             svc.tasks.append(self._spawn(self._watch(svc, watch), f"watch-{svc.name}"))

@@ -92,6 +92,36 @@ def test_load_is_published_and_reaches_the_snapshot(etcd: LocalEtcd) -> None:
     arun(main())
 
 
+def test_membership_only_watch_sees_joins_and_leaves_but_no_loads(etcd: LocalEtcd) -> None:
+    svc = unique_service()
+
+    def load() -> registry_pb2.TeacherLoad:
+        return registry_pb2.TeacherLoad(queue_depth=1)
+
+    async def main() -> None:
+        async with open_registry(etcd.address) as reg:
+            watch = reg.watch(svc, loads=False)
+            full = reg.watch(svc)
+            async with reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1):
+                await next_matching(full, lambda s: "t1" in s and s["t1"].load is not None)  # loads flow
+                snap = await next_matching(watch, ids("t1"))
+                assert snap["t1"].load is None
+                await asyncio.sleep(0.6)  # several load reports later: no new membership snapshot
+                assert watch.current is not None and watch.current["t1"].load is None
+                seen = watch.current
+                assert await asyncio.wait_for(_no_new_snapshot(watch, seen), 2) is True
+            await next_matching(watch, ids())  # the leave arrives
+
+    async def _no_new_snapshot(w: object, seen: object) -> bool:
+        try:
+            await asyncio.wait_for(w.__anext__(), 0.8)  # type: ignore[attr-defined]
+        except TimeoutError:
+            return True
+        return False
+
+    arun(main())
+
+
 def test_a_failing_load_function_does_not_stop_the_registration(
     etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
 ) -> None:
