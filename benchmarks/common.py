@@ -642,3 +642,19 @@ def stop_process(proc: subprocess.Popen[Any], *, term_timeout_s: float = 20.0, s
                 proc.kill()
             proc.wait()
     return int(proc.returncode)
+
+
+def process_rss_bytes(pid: int) -> int | None:
+    """Resident set size of a process in bytes, from /proc/<pid>/status (None if it is gone).
+
+    VmRSS, not /proc/<pid>/statm: it needs no page-size arithmetic and is what `ps` and
+    Prometheus' process_resident_memory_bytes report, so soak figures compare with both.
+    """
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
