@@ -56,6 +56,11 @@ class Timeline:
     def mark(self, label: str) -> None:
         self.marks.append((self.now(), label))
 
+    def drained(self) -> bool:
+        """A teacher was registered at some point, and none is now."""
+        points = list(self.points)
+        return any(p["teachers"] > 0 for p in points) and points[-1]["teachers"] == 0
+
     def epoch_meter(self, samples_per_epoch: int, label: str) -> Any:
         """An on_epoch callback recording the student's own throughput, epoch by epoch."""
         last = [self.now()]
@@ -252,9 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                 plain_results.append(train_student(replace(config, seed=seed), None, progress=True,
                                                    on_epoch=timeline.epoch_meter(config.train_size, "no KD")))
             timeline.mark("students done")
-            drained = time.monotonic() + down_window + 15
-            while time.monotonic() < drained and (not timeline.points or timeline.points[-1]["teachers"] > 0):
-                time.sleep(0.5)  # let the autoscaler drain the pool, so the plot shows it
+            # Let the autoscaler drain the pool, so the plot shows it: done once a teacher was seen
+            # and the count is back to 0 (a short KD phase may end before the sampler saw it at all).
+            deadline = time.monotonic() + down_window + 15
+            while time.monotonic() < deadline and not timeline.drained():
+                time.sleep(0.5)
             if scaler.poll() is not None:
                 print(f"warning: the autoscaler exited early with code {scaler.returncode}; its log is in "
                       f"{tmp}/autoscaler.log", file=sys.stderr)
