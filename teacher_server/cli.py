@@ -23,7 +23,7 @@ from typing import Any
 
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
-from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads
+from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads, default_instances
 from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
 
 log = logging.getLogger("teacher_server")
@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
                    help="autocast dtype for the forward pass (default: %(default)s)")
-    m.add_argument("--instances", type=int, default=1, help="model instances, one thread each (default: 1)")
-    m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: all cores)")
+    m.add_argument("--instances", type=int, default=0,
+                   help="model instances, each on its own thread (default: one per core on CPU, 1 on GPU)")
+    m.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads per process (default: cores / instances)")
 
     b = p.add_argument_group("batching")
     b.add_argument("--max-batch-size", type=int, default=None, help="largest batch a model instance runs (default 256)")
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.instances < 0:
+        raise SpecError(f"--instances must be >= 0 (0: one per core on CPU, 1 on GPU), got {args.instances}")
     file_cfg = ModelFileConfig.load(args.model_config) if args.model_config else None
     io: ModelIO | None = ModelIO.parse(args.input, args.output) if args.input else None
     if io is None and file_cfg is not None:
@@ -111,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device, io=io,
         batching=BatchingConfig(max_batch, args.max_queue_delay_us, args.max_queue_size,
                                 enabled=not args.no_dynamic_batching),
-        instances=args.instances, output_dtype=args.output_dtype, top_k=args.top_k,
+        instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
+        top_k=args.top_k,
         compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, max_message_mb=args.max_message_mb,
         drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
@@ -193,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         registration = registration_from_args(args)
     except (SpecError, ValueError) as e:
         parser.error(str(e))
-    configure_torch_threads(args.threads or None)
+    configure_torch_threads(args.threads or None, config.instances)
     try:
         run_async(serve(config, registration, args.ready_file))
     except (ModelLoadError, SpecError) as e:

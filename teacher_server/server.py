@@ -324,9 +324,21 @@ class TeacherServer:
         )
 
 
-def configure_torch_threads(threads: int | None) -> None:
-    """Intra-op threads for the model; several instances on few cores want fewer each."""
+def default_instances(device: str | None) -> int:
+    """One single-threaded instance per core on CPU; one on an accelerator.
+
+    On CPU, one instance with a thread per core loses a whole batch step whenever the event loop or
+    gRPC takes a core: every intra-op sync point waits for the descheduled thread. Independent
+    single-threaded instances only lose that thread's share (W2 on 2 cores: 0.80 -> 0.94 of in-process).
+    """
+    if resolve_device(device).type != "cpu":
+        return 1
+    return max(1, os.cpu_count() or 1)
+
+
+def configure_torch_threads(threads: int | None, instances: int = 1) -> None:
+    """Intra-op threads for the model: the cores shared out between the instances."""
     if threads:
         torch.set_num_threads(threads)
     elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, instances)))

@@ -168,7 +168,7 @@ def test_cli_help_lists_the_flags() -> None:
     (["--model", "tests.models:affine", "--input", "X:FP33:8"], "datatype 'FP33' is not supported"),
     (["--model", "tests.models:affine", "--input", "X:FP32"], "expected NAME:DATATYPE:D1,D2"),
     (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379"], "--registry needs --service"),
-    (["--model", "tests.models:affine", "--instances", "0"], "--instances must be >= 1"),
+    (["--model", "tests.models:affine", "--instances", "-1"], "--instances must be >= 0"),
     (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379", "--service", "s",
       "--registry-cert", "/etc/hostname"], "needs both the certificate and its key"),
     (["--model", "tests.models:affine", "--registry", "etcd://127.0.0.1:2379", "--service", "s",
