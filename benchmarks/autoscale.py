@@ -436,8 +436,10 @@ def tail(path: Path, lines: int = 25) -> str:
 
 
 def teacher_args(s: Settings) -> list[str]:
-    """What every teacher runs, autoscaled or fixed: W1's emulated teacher on one CPU thread."""
+    """What every teacher runs, autoscaled or fixed: W1's emulated teacher on one CPU thread, one
+    instance (the emulated accelerator runs one batch at a time, like one GPU)."""
     return ["--model", MODEL_REF, "--name", MODEL_NAME, "--device", "cpu", "--threads", str(s.server_threads),
+            "--instances", "1",
             "--max-batch-size", str(s.batch), "--max-queue-delay-us", str(s.max_queue_delay_us),
             "--log-level", "WARNING"]
 

@@ -121,7 +121,8 @@ class Rep:
 def server_args(s: Settings) -> list[str]:
     return [
         "--model", MODEL_REF, "--name", MODEL_NAME, "--device", "cpu", "--port", "0",
-        "--threads", str(s.server_threads), "--max-batch-size", str(s.batch),
+        "--threads", str(s.server_threads), "--instances", "1",  # one emulated accelerator per teacher
+        "--max-batch-size", str(s.batch),
         "--max-queue-delay-us", str(s.max_queue_delay_us), "--log-level", "WARNING",
     ]
 

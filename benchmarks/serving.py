@@ -83,13 +83,13 @@ class Settings:
     reps: int = 7
     warmup_s: float = 0.5
     duration_s: float = 2.0
-    threads: int = 0  # torch threads in the server; 0: all cores
+    threads: int = 0  # torch threads in the server; 0: cores / instances (teacher-server's default)
     inproc_threads: int = 0  # torch threads for the in-process baselines; 0: the server's
-    instances: int = 1
+    instances: int = 0  # 0: one per core (teacher-server's default on CPU)
     delay_us: int = 2000  # --max-queue-delay-us of the batching server
     max_batch: int = 256
     w2_batch: int = 256
-    w2_in_flight: int = 3
+    w2_in_flight: int = 0  # 0: two per instance
     w3_batch: int = 8
     w3_clients: int = 64
     channels: int = 1
@@ -104,7 +104,15 @@ class Settings:
 
     @property
     def server_threads(self) -> int:
-        return self.threads or (os.cpu_count() or 1)
+        return self.threads or max(1, (os.cpu_count() or 1) // self.server_instances)
+
+    @property
+    def server_instances(self) -> int:
+        return self.instances or (os.cpu_count() or 1)
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self.w2_in_flight or 2 * self.server_instances
 
     @property
     def baseline_threads(self) -> int:
@@ -378,7 +386,7 @@ async def check_server_output(stub: Any, model: torch.nn.Module) -> float:
 def server_args(s: Settings, batching: bool) -> list[str]:
     args = [
         "--model", MODEL_REF, "--name", MODEL_NAME, "--device", "cpu", "--port", "0",
-        "--max-batch-size", str(s.max_batch), "--instances", str(s.instances),
+        "--max-batch-size", str(s.max_batch), "--instances", str(s.server_instances),
         "--threads", str(s.server_threads), "--log-level", "WARNING",
     ]
     args += ["--max-queue-delay-us", str(s.delay_us)] if batching else ["--no-dynamic-batching"]
@@ -428,13 +436,14 @@ async def run(s: Settings) -> dict[str, Any]:
 
             async def inprocess(batch: int) -> Measurement:
                 # Blocks the event loop on purpose: nothing else may run while the baseline does.
-                return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids, workers=s.instances)
+                return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
+                                         workers=s.server_instances)
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {}
             if want_w2:
                 variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
                 variants["w2_server_256"] = lambda: measure_server(
-                    stubs["batching_on"], w2_req, batch=s.w2_batch, concurrency=s.w2_in_flight,
+                    stubs["batching_on"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
                     warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
             if want_w3:
                 assert off is not None
@@ -533,7 +542,8 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
     return {
         "benchmark": "serving (W2, W3)",
         "machine": machine_info(s.baseline_threads) | {
-            "inprocess_loops": s.instances, "server_torch_threads": s.server_threads, "server_instances": s.instances},
+            "inprocess_loops": s.server_instances, "server_torch_threads": s.server_threads,
+            "server_instances": s.server_instances},
         "settings": asdict(s),
         "medians_samples_per_s": {k: round(v, 1) for k, v in medians.items()},
         "medians_all_reps_samples_per_s": {k: round(v, 1) for k, v in medians_all.items()},
@@ -604,12 +614,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--quick", action="store_true", help="short windows for a smoke test (numbers are rough)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of warm-up per measurement (default 0.5)")
     p.add_argument("--duration", type=float, default=None, help="seconds measured per measurement (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="server torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=0, help="server torch threads (default: cores / instances)")
     p.add_argument("--inproc-threads", type=int, default=0,
                    help="in-process torch threads (default: the server's --threads)")
-    p.add_argument("--instances", type=int, default=1, help="server model instances (default 1)")
+    p.add_argument("--instances", type=int, default=0, help="server model instances (default: one per core)")
     p.add_argument("--delay-us", type=int, default=2000, help="--max-queue-delay-us of the batching server")
-    p.add_argument("--w2-in-flight", type=int, default=3, help="concurrent batch-256 requests for W2 (default 3)")
+    p.add_argument("--w2-in-flight", type=int, default=0,
+                   help="concurrent batch-256 requests for W2 (default: two per instance)")
     p.add_argument("--w3-clients", type=int, default=64, help="concurrent batch-8 clients for W3 (default 64)")
     p.add_argument("--channels", type=int, default=1, help="gRPC channels per server in the client (default 1)")
     p.add_argument("--only", choices=["all", "w2", "w3"], default="all")

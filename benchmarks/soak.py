@@ -372,7 +372,7 @@ def run(s: Settings) -> dict[str, Any]:
         env = {**os.environ, "EMULATED_TEACHER_MS": str(s.teacher_ms)}
         teachers = [
             TeacherProcess(["--model", MODEL_REF, "--name", MODEL_NAME, "--port", "0", "--metrics-port", "0",
-                            "--threads", "1", "--registry", etcd.address, "--service", SERVICE,
+                            "--threads", "1", "--instances", "1", "--registry", etcd.address, "--service", SERVICE,
                             "--instance-id", f"soak-t{i}", "--log-level", "WARNING"],
                            label=f"teacher{i}", env=env)
             for i in range(s.teachers)

@@ -50,6 +50,10 @@ def test_mutual_tls_registration_and_watch(tls_etcd: LocalEtcd, certs: Path) -> 
         async with EtcdRegistry(tls_etcd.endpoint, ca_cert=certs / "ca.pem", connect_timeout=1.0) as bad:
             with pytest.raises(RegistryUnavailableError):
                 await bad.watch(svc).__anext__()
+            async with bad.register(svc, record("intruder"), ttl=5) as intruder:  # never raises: retries
+                assert not await intruder.wait_registered(2.0)
+        async with EtcdRegistry(tls_etcd.endpoint, **tls) as reg:
+            assert "intruder" not in await reg.teachers(svc), "a client without a certificate registered"
 
     arun(main())
 
@@ -89,5 +93,9 @@ def test_password_authentication(auth_etcd: LocalEtcd) -> None:
             async with EtcdRegistry(auth_etcd.endpoint, connect_timeout=1.0, **creds) as bad:  # type: ignore[arg-type]
                 with pytest.raises(RegistryUnavailableError):
                     await bad.watch(svc).__anext__()
+                async with bad.register(svc, record("intruder"), ttl=5) as intruder:  # never raises: retries
+                    assert not await intruder.wait_registered(2.0)
+        async with EtcdRegistry(auth_etcd.endpoint, username="root", password="rootpw") as reg:
+            assert "intruder" not in await reg.teachers(svc), "an unauthenticated client registered"
 
     arun(main())
