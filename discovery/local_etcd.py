@@ -186,10 +186,10 @@ class LocalEtcd:
             "--initial-cluster", f"{self.name}={peer}",
             "--initial-cluster-state", "new",
             "--log-level", "info",
-            # Keep 10 minutes of history, as a production etcd would (deploy/ compacts hourly):
-            # without compaction every lease renewal and load report is kept forever and a long
+            # Keep a minute of history, compacted every minute, as a production etcd would (deploy/ compacts
+            # hourly): without compaction every lease renewal and load report is kept forever and a long
             # soak sees etcd's memory grow with its revision count.
-            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m",
         ]  # fmt: skip
         if self.fast:
             args.append("--unsafe-no-fsync")
