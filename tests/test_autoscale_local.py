@@ -36,7 +36,8 @@ pytestmark = pytest.mark.slow
 BATCH = 16
 TEACHER = [
     sys.executable, "-m", "teacher_server", "--model", "tests.models:sleepy", "--name", "sleepy",
-    "--max-batch-size", str(BATCH), "--max-queue-delay-us", "0", "--threads", "1", "--ttl", "3",
+    # One instance: the sleepy model stands for one accelerator, whose capacity the test sizes against.
+    "--max-batch-size", str(BATCH), "--max-queue-delay-us", "0", "--threads", "1", "--instances", "1", "--ttl", "3",
     "--drain-grace", "10", "--log-level", "WARNING",
 ]  # fmt: skip
 TEACHER_ENV = {"TEST_SLEEP_MS": "50", "PYTHONPATH": str(REPO)}
