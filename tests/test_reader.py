@@ -361,7 +361,7 @@ def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_pa
         procs = [stack.enter_context(teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "5"})) for _ in range(3)]
         hung_proc, hung = procs[0]
         stack.callback(lambda: hung_proc.poll() is None and hung_proc.send_signal(signal.SIGCONT))
-        data = _batches(240, rows=8)
+        data = _batches(400, rows=8)  # 260 batches (>= 2.6 s) after the resume: time to probe and serve
         reader = stack.enter_context(DistillReader(
             data, teachers=",".join(i["endpoint"] for _, i in procs), inputs=["X"], timeout=5.0,
             router=RouterConfig(backoff_max_s=0.5)))
@@ -382,7 +382,7 @@ def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_pa
             if i > 140:
                 time.sleep(0.01)  # leave the probe time to readmit it before the epoch ends
         final = reader.stats().teachers["teachers"][hung["endpoint"]]
-    assert seen == list(range(240))
+    assert seen == list(range(400))
     # A deadline is 5 s; a hung teacher must not cost one per batch, nor even one in total.
     assert max(gaps) < 5.0, f"the loop stalled {max(gaps):.2f}s on a hung teacher"
     assert int(final["ok"]) > ok_at_resume, "the resumed teacher passed its probe and served again"
