@@ -3,7 +3,11 @@
 Per teacher the router keeps: requests in flight, an adaptive in-flight limit, an EWMA of chunk
 latency, and a failure streak. Choice is power-of-two-choices on expected completion time
 ((in_flight + 1) x EWMA latency) among teachers with a free slot, so a slow teacher gets less
-work without the herd effect of always picking the single best.
+work without the herd effect of always picking the single best. An idle teacher's estimate goes
+stale (`stale_after_s` without a result): it then counts at most the pool's median, so a teacher
+whose last answers were slow (a cold start, a passing hiccup) is tried again instead of starving
+of the very work that would correct its estimate. The price is about one chunk per
+`stale_after_s` on a teacher that really is slow, which hedging bounds.
 
 The in-flight limit follows the latency gradient: it grows by about one per round trip while
 latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
@@ -54,6 +58,7 @@ class RouterConfig:
     backoff_max_s: float = 30.0
     probe_timeout_s: float = 1.0
     outpaced_eject: int = 3
+    stale_after_s: float = 1.0
 
 
 @dataclass(eq=False)
@@ -68,6 +73,7 @@ class Teacher:
     in_flight: int = 0
     ewma_s: float = 0.0
     best_s: float = math.inf
+    last_result: float = 0.0
     streak: int = 0
     ejected_until: float = 0.0
     incompatible: str | None = None
@@ -178,11 +184,15 @@ class Router:
         if len(free) == 1:
             return free[0]
         known = [t.ewma_s for t in free if t.ewma_s > 0]
-        default = sorted(known)[len(known) // 2] if known else 1.0
+        default = sorted(known)[(len(known) - 1) // 2] if known else 1.0  # the lower median
         a, b = random.sample(free, 2)
+        stale_before = time.monotonic() - self.config.stale_after_s
 
         def cost(t: Teacher) -> float:
-            return (t.in_flight + 1) * (t.ewma_s or default)
+            estimate = t.ewma_s or default
+            if t.in_flight == 0 and t.last_result < stale_before:
+                estimate = min(estimate, default)
+            return (t.in_flight + 1) * estimate
 
         return a if cost(a) <= cost(b) else b
 
@@ -210,6 +220,7 @@ class Router:
         t.streak = 0
         t.outpaced = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
+        t.last_result = time.monotonic()
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
         t.best_s = min(t.best_s * 1.002, latency_s)
         if latency_s <= 1.5 * t.best_s:
@@ -251,6 +262,11 @@ class Router:
         if ok:
             t.needs_probe = False
             t.ejected_until = 0.0
+            # What we knew of its latency predates the failure (often a different process on the
+            # same port): start it afresh at the median, or a stale estimate starves it of the
+            # very work that would correct it.
+            t.ewma_s = 0.0
+            t.best_s = math.inf
             log.info("teacher %s of service %r answers again; back in service", t.endpoint, self.service)
         else:
             t.streak += 1

@@ -1,0 +1,111 @@
+"""The router's choices on its own: outcomes go in, picks come out (no RPC is ever sent; the
+clients' channels are created lazily and closed unused)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import grpc
+
+from distill.router import Router, RouterConfig, Teacher
+from distill.teacher_client import TeacherClient, TeacherMetadata
+
+META = TeacherMetadata("affine", "1", 8, {}, {})
+PICKS = 400
+
+
+def _router(config: RouterConfig, n: int) -> tuple[Router, list[Teacher]]:
+    router = Router("svc", config)
+    teachers = [router.add(f"k{i}", f"127.0.0.1:{i + 1}", TeacherClient(f"127.0.0.1:{i + 1}"), META)
+                for i in range(n)]
+    return router, teachers
+
+
+def _serve(router: Router, t: Teacher, latency_s: float) -> None:
+    router.started(t)
+    router.succeeded(t, latency_s, samples=8)
+
+
+def _share(router: Router, picks: int = PICKS) -> collections.Counter[str]:
+    """Which teacher each of `picks` idle picks would go to (nothing completes in between)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(picks):
+        t = router.pick()
+        assert t is not None
+        counts[t.key] += 1
+    return counts
+
+
+async def _close(teachers: list[Teacher]) -> None:
+    await asyncio.gather(*(t.client.close() for t in teachers))
+
+
+def test_a_teacher_back_from_ejection_starts_with_a_fresh_estimate() -> None:
+    """Its pre-failure latency says nothing about the process now on that port."""
+
+    async def main() -> None:
+        router, (a, b) = _router(RouterConfig(stale_after_s=3600.0), 2)
+        _serve(router, a, 0.010)
+        _serve(router, b, 0.500)  # b was slow (a cold start), then it failed
+        router.started(b)
+        router.failed(b, grpc.StatusCode.UNAVAILABLE, "connection reset")
+        assert router.pick(exclude=frozenset({"k0"})) is None, "an ejected teacher got work before its probe"
+        router.probed(b, ok=True)
+        assert b.ewma_s == 0.0
+        share = _share(router)
+        assert share["k1"] > PICKS // 4, f"the readmitted teacher was starved: {dict(share)}"
+        await _close([a, b])
+
+    asyncio.run(main())
+
+
+def test_an_idle_teachers_stale_estimate_stops_counting_against_it() -> None:
+    """Two equal teachers under light load: one got a slow answer once; while it sits idle the
+    other takes everything, but once its estimate is stale it is tried again."""
+
+    async def main() -> None:
+        router, (a, b) = _router(RouterConfig(stale_after_s=0.05), 2)
+        _serve(router, a, 0.010)
+        _serve(router, b, 0.080)
+        fresh = _share(router)
+        assert fresh["k1"] == 0, f"a fresh, slower estimate should lose every idle tie: {dict(fresh)}"
+        await asyncio.sleep(0.1)
+        a.last_result = b.last_result + 1e9  # a keeps answering; only b's estimate is stale
+        stale = _share(router)
+        assert stale["k1"] > PICKS // 4, f"the idle teacher was never tried again: {dict(stale)}"
+        await _close([a, b])
+
+    asyncio.run(main())
+
+
+def test_a_busy_teacher_loses_to_an_idle_one_of_equal_speed() -> None:
+    async def main() -> None:
+        router, (a, b) = _router(RouterConfig(stale_after_s=3600.0), 2)
+        _serve(router, a, 0.010)
+        _serve(router, b, 0.010)
+        router.started(a)
+        share = _share(router)
+        assert share["k1"] == PICKS, f"the busy teacher still got idle-time work: {dict(share)}"
+        await _close([a, b])
+
+    asyncio.run(main())
+
+
+def test_overload_halves_the_limit_and_failures_eject_with_backoff() -> None:
+    async def main() -> None:
+        router, (a,) = _router(RouterConfig(initial_limit=8.0, backoff_base_s=10.0), 1)
+        router.started(a)
+        router.failed(a, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        assert a.limit == 4.0 and router.pick() is a
+        router.started(a)
+        router.failed(a, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
+        assert a.limit == 1.0 and a.needs_probe and router.pick() is None
+        router.probed(a, ok=False, detail="still down")
+        assert a.streak == 2 and a.last_error == "still down" and router.pick() is None
+        router.started(a)  # a request that was in flight before the ejection
+        router.failed(a, grpc.StatusCode.INVALID_ARGUMENT, "wrong shape")
+        assert a.incompatible is not None and "wrong shape" in a.incompatible
+        await _close([a])
+
+    asyncio.run(main())
