@@ -304,12 +304,14 @@ class Registry(abc.ABC):
         ttl: float = 10.0,
         load: Callable[[], TeacherLoad] | None = None,
         load_interval: float = 1.0,
+        max_report_age: float = 10.0,
     ) -> Registration:
         """Announce a teacher under ``service`` for as long as the returned context is open.
 
         The record is bound to a lease of ``ttl`` seconds that is kept alive in the background, so
         a teacher that dies disappears within ``ttl``; ``load()`` (called on the event loop, keep it
-        cheap) is published every ``load_interval`` seconds under the same lease.
+        cheap) is sampled every ``load_interval`` seconds and published under the same lease when
+        it changed materially or ``max_report_age`` seconds passed (see discovery/reports.py).
         """
 
     @abc.abstractmethod
@@ -330,10 +332,12 @@ class Registry(abc.ABC):
         ttl: float = 10.0,
         interval: float = 1.0,
         student_id: str | None = None,
+        max_report_age: float = 10.0,
     ) -> Registration:
-        """Publish ``demand_fn()`` every ``interval`` seconds under ``students/<student_id>``
-        (``student_id`` defaults to ``demand_fn().student_id``), bound to a lease like
-        :meth:`register`. The autoscaler sizes the teacher pool from these."""
+        """Sample ``demand_fn()`` every ``interval`` seconds and publish it under
+        ``students/<student_id>`` (``student_id`` defaults to ``demand_fn().student_id``), bound to a
+        lease like :meth:`register`, when it changed materially or ``max_report_age`` seconds
+        passed. The autoscaler sizes the teacher pool from these."""
 
     @abc.abstractmethod
     async def teachers(self, service: str) -> TeacherSet:

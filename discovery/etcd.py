@@ -57,6 +57,7 @@ from discovery.base import (
     TeacherSet,
     TeacherWatch,
 )
+from discovery.reports import ReportGate, demand_changed, load_changed
 
 __all__ = ["EtcdClient", "EtcdRegistry"]
 
@@ -422,7 +423,7 @@ class _EtcdRegistration(Registration):
         what: str,
         key: str,
         fixed: Sequence[tuple[str, bytes]],
-        periodic: tuple[str, Callable[[], bytes]] | None,
+        periodic: tuple[str, Callable[[bool], bytes | None]] | None,
         ttl: float,
         interval: float,
     ) -> None:
@@ -491,16 +492,17 @@ class _EtcdRegistration(Registration):
     async def _put_all(self, client: EtcdClient, lease: int) -> None:
         puts = [client.transactions.put(k.encode(), v, lease=lease) for k, v in self._fixed]
         if self._periodic is not None:
-            value = self._periodic_value()
+            value = self._periodic_value(force=True)
             if value is not None:
                 puts.append(client.transactions.put(self._periodic[0].encode(), value, lease=lease))
         if puts:
             await self._registry._call(client.transaction(compare=[], success=puts, failure=[]))
 
-    def _periodic_value(self) -> bytes | None:
+    def _periodic_value(self, force: bool) -> bytes | None:
+        """The report to write now, or None (nothing new to say, or the function failed)."""
         assert self._periodic is not None
         try:
-            value = self._periodic[1]()
+            value = self._periodic[1](force)
         except Exception as e:
             self._fn_log.change(
                 "failing",
@@ -586,7 +588,7 @@ class _EtcdRegistration(Registration):
                     raise RegistryError(f"lease not found: lease {lease:x} expired or was revoked")
                 next_keepalive = loop.time() + keepalive_every
             if self._periodic is not None and now >= next_publish:
-                value = self._periodic_value()
+                value = self._periodic_value(force=False)
                 if value is not None:
                     await reg._call(client.put(self._periodic[0].encode(), value, lease=lease))
                 next_publish = max(next_publish + self._interval, loop.time() + self._interval / 2)
@@ -817,6 +819,7 @@ class EtcdRegistry(Registry):
         ttl: float = 10.0,
         load: Callable[[], TeacherLoad] | None = None,
         load_interval: float = 1.0,
+        max_report_age: float = 10.0,
     ) -> Registration:
         """See :meth:`Registry.register`. The record is copied now; ``load()`` results get their
         ``instance_id`` and ``updated_at`` filled in when left empty."""
@@ -832,11 +835,14 @@ class EtcdRegistry(Registry):
         periodic = None
         if load is not None:
             fn = load
+            gate: ReportGate[TeacherLoad] = ReportGate(load_changed, max_report_age)
 
-            def load_bytes() -> bytes:
+            def load_bytes(force: bool) -> bytes | None:
                 value = fn()
                 if not isinstance(value, TeacherLoad):
                     raise TypeError(f"load() returned {type(value).__name__}, not a TeacherLoad")
+                if not gate.due(value, time.monotonic(), force):
+                    return None
                 msg = TeacherLoad()
                 msg.CopyFrom(value)
                 msg.instance_id = msg.instance_id or iid
@@ -1019,6 +1025,7 @@ class EtcdRegistry(Registry):
         ttl: float = 10.0,
         interval: float = 1.0,
         student_id: str | None = None,
+        max_report_age: float = 10.0,
     ) -> Registration:
         """See :meth:`Registry.publish_demand`. ``updated_at`` is filled in when left 0."""
         self._check_open()
@@ -1032,10 +1039,14 @@ class EtcdRegistry(Registry):
         sid = keys.validate_name("student_id", student_id)
         skey = keys.student_key(service, sid)
 
-        def demand_bytes() -> bytes:
+        gate: ReportGate[StudentDemand] = ReportGate(demand_changed, max_report_age)
+
+        def demand_bytes(force: bool) -> bytes | None:
             value = demand_fn()
             if not isinstance(value, StudentDemand):
                 raise TypeError(f"demand_fn() returned {type(value).__name__}, not a StudentDemand")
+            if not gate.due(value, time.monotonic(), force):
+                return None
             msg = StudentDemand()
             msg.CopyFrom(value)
             msg.student_id = msg.student_id or sid

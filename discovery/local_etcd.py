@@ -190,6 +190,10 @@ class LocalEtcd:
             # hourly): without compaction every lease renewal and load report is kept forever and a long
             # soak sees etcd's memory grow with its revision count.
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1m",
+            # etcd keeps every raft entry since its last snapshot in memory (plus 5,000 for followers to
+            # catch up): at the default of 100,000 a steady trickle of writes grows its RSS by ~1 KB a
+            # write for a day. Snapshot every 5,000 entries: memory levels off within ~10,000 writes.
+            "--snapshot-count", "5000",
         ]  # fmt: skip
         if self.fast:
             args.append("--unsafe-no-fsync")

@@ -104,6 +104,7 @@ class StaticRegistry(Registry):
         ttl: float = 10.0,
         load: Callable[[], TeacherLoad] | None = None,
         load_interval: float = 1.0,
+        max_report_age: float = 10.0,
     ) -> Registration:
         self._check_open()
         iid = keys.validate_name("teacher instance_id", record.instance_id)
@@ -138,6 +139,7 @@ class StaticRegistry(Registry):
         ttl: float = 10.0,
         interval: float = 1.0,
         student_id: str | None = None,
+        max_report_age: float = 10.0,
     ) -> Registration:
         self._check_open()
         sid = student_id if student_id is not None else demand_fn().student_id

@@ -214,6 +214,9 @@ def test_registry_down_holds_the_count_and_says_so_once(caplog: pytest.LogCaptur
 
                 await asyncio.to_thread(etcd.start)
                 await until("leads again", lambda: c.is_leader, 15)
+                seen = len(c.decisions)
+                await until("decides on data again",
+                            lambda: len(c.decisions) > seen and c.decisions[-1].cause != "no-data", 15)
                 assert backend.target == 3 and backend.stand_downs == 0 and backend.scaled == []
             finally:
                 await c.close()

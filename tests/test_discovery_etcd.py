@@ -122,6 +122,29 @@ def test_membership_only_watch_sees_joins_and_leaves_but_no_loads(etcd: LocalEtc
     arun(main())
 
 
+def test_a_steady_load_is_written_once_and_a_change_at_once(etcd: LocalEtcd) -> None:
+    """Sampled ten times a second, a steady load is written once (then only when stale); a queue
+    forming reaches a watcher within a sampling interval or two."""
+    svc = unique_service()
+    steady = registry_pb2.TeacherLoad(in_flight=5, samples_per_s=1000.0, busy_fraction=0.6)
+    current = [steady]
+
+    async def main() -> None:
+        async with open_registry(etcd.address) as reg:
+            watch = reg.watch(svc)
+            async with reg.register(svc, record("t1"), ttl=5, load=lambda: current[0], load_interval=0.1,
+                                    max_report_age=30.0):
+                await next_matching(watch, lambda s: "t1" in s and s["t1"].load is not None)
+                with pytest.raises(TimeoutError):  # 15 samples of the same load: no new write
+                    await asyncio.wait_for(watch.__anext__(), 1.5)
+                current[0] = registry_pb2.TeacherLoad(queue_depth=4, in_flight=5, samples_per_s=1000.0,
+                                                      busy_fraction=0.9)
+                snap = await asyncio.wait_for(watch.__anext__(), 2.0)
+                assert snap["t1"].load is not None and snap["t1"].load.queue_depth == 4
+
+    arun(main())
+
+
 def test_a_failing_load_function_does_not_stop_the_registration(
     etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -254,7 +277,7 @@ def test_publish_demand_and_demand_round_trip(etcd: LocalEtcd) -> None:
     rate = [100.0]
 
     def demand() -> registry_pb2.StudentDemand:
-        rate[0] += 1
+        rate[0] *= 1.2  # each sample a material change: every one is published
         return registry_pb2.StudentDemand(student_id="s1", samples_per_s=rate[0], wait_fraction=0.25)
 
     async def main() -> None:

@@ -42,7 +42,7 @@ def _expected(x: np.ndarray) -> np.ndarray:
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> None:
     args = ["--model", "tests.models:sleepy", "--name", "slow", "--device", "cpu",
-            "--max-batch-size", "2", "--max-queue-delay-us", "0", "--drain-grace", "20"]
+            "--max-batch-size", "2", "--max-queue-delay-us", "0", "--drain-grace", "20", "--instances", "1"]
     with teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "300"}) as (proc, info):
         url = info["endpoint"]
 
