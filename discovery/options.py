@@ -6,6 +6,7 @@ it is read from `DISTILL_REGISTRY_PASSWORD`.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -32,3 +33,20 @@ def etcd_options(ca_cert: str | None = None, cert: str | None = None, key: str |
     if user:
         options["username"], options["password"] = user, password
     return options
+
+
+def add_registry_security_args(group: argparse._ActionsContainer) -> None:
+    """The etcd TLS and user flags, the same on every command (teacher-server, distill-autoscaler,
+    distill top); read them back with :func:`registry_security_options`."""
+    group.add_argument("--registry-ca-cert", default=None, metavar="FILE", help="CA certificate for etcd over TLS")
+    group.add_argument("--registry-cert", default=None, metavar="FILE",
+                       help="client certificate for etcd (with --registry-key)")
+    group.add_argument("--registry-key", default=None, metavar="FILE",
+                       help="client key for etcd (with --registry-cert)")
+    group.add_argument("--registry-user", default=None, metavar="USER",
+                       help=f"etcd user; the password comes from ${PASSWORD_ENV}")
+
+
+def registry_security_options(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`etcd_options` from the flags :func:`add_registry_security_args` added."""
+    return etcd_options(args.registry_ca_cert, args.registry_cert, args.registry_key, args.registry_user)

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -37,6 +36,7 @@ from discovery import keys
 from discovery.address import parse_address
 from discovery.base import RegistryError, RegistryUnavailableError
 from discovery.etcd import EtcdRegistry
+from discovery.options import add_registry_security_args, registry_security_options
 from protos import registry_pb2
 
 __all__ = [
@@ -365,27 +365,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
     p.add_argument("--max-rows", type=int, default=50, help="teachers/students shown per service (default: 50)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for etcd per read (default: 3)")
-    p.add_argument("--registry-ca-cert", default=None, metavar="FILE", help="CA certificate for etcd over TLS")
-    p.add_argument("--registry-cert", default=None, metavar="FILE", help="client certificate for etcd (with the key)")
-    p.add_argument("--registry-key", default=None, metavar="FILE", help="client key for etcd (with the certificate)")
-    p.add_argument("--registry-user", default=None, metavar="USER",
-                   help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD")
+    add_registry_security_args(p)
     return p
 
 
 def _registry_options(args: argparse.Namespace) -> dict[str, Any]:
-    """TLS and authentication, spelled as for ``teacher-server`` and ``distill-autoscaler``."""
-    options: dict[str, Any] = {"timeout": args.timeout}
-    if args.registry_ca_cert:
-        options["ca_cert"] = args.registry_ca_cert
-    if args.registry_cert or args.registry_key:
-        options["cert_cert"], options["cert_key"] = args.registry_cert, args.registry_key
-    if args.registry_user:
-        password = os.environ.get("DISTILL_REGISTRY_PASSWORD")
-        if password is None:
-            raise ValueError("--registry-user needs the password in $DISTILL_REGISTRY_PASSWORD")
-        options["username"], options["password"] = args.registry_user, password
-    return options
+    return {"timeout": args.timeout, **registry_security_options(args)}
 
 
 def _open(address: str, options: dict[str, Any]) -> list[EtcdRegistry]:

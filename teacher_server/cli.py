@@ -21,6 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+from discovery.options import add_registry_security_args, registry_security_options
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
 from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads, default_instances
@@ -88,10 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--advertise", default="", help="host:port students dial (default: --host:--port)")
     r.add_argument("--ttl", type=float, default=10.0, help="registration lease TTL in seconds (default: 10)")
     r.add_argument("--instance-id", default="", help="registry identity (default: name + random suffix)")
-    r.add_argument("--registry-ca-cert", help="CA certificate for etcd over TLS")
-    r.add_argument("--registry-cert", help="client certificate for etcd (with --registry-key)")
-    r.add_argument("--registry-key", help="client key for etcd (with --registry-cert)")
-    r.add_argument("--registry-user", help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD")
+    add_registry_security_args(r)
 
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default: %(default)s)")
@@ -132,10 +130,8 @@ def registration_from_args(args: argparse.Namespace) -> Registration | None:
     if not args.service:
         raise SpecError("--registry needs --service NAME (the name students ask the registry for)")
     from discovery import open_registry
-    from discovery.options import etcd_options
 
-    registry = open_registry(args.registry, **etcd_options(args.registry_ca_cert, args.registry_cert,
-                                                           args.registry_key, args.registry_user))
+    registry = open_registry(args.registry, **registry_security_options(args))
 
     @contextlib.asynccontextmanager
     async def register(server: TeacherServer) -> AsyncIterator[object]:

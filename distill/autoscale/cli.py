@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from discovery.options import add_registry_security_args, registry_security_options
 from distill.autoscale.backends import BACKENDS, Backend, KubernetesBackend, LocalBackend
 from distill.autoscale.controller import Controller, ControllerConfig, default_identity
 from distill.autoscale.errors import AutoscaleError, BackendError, PolicyConfigError
@@ -85,15 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", required=True, help="etcd://HOST:PORT[,HOST:PORT] (the election lives there too)")
     p.add_argument("--service", required=True, help="the teacher service to size")
     p.add_argument("--backend", type=_backend_name, default="local", help="local (default) or kubernetes")
-    p.add_argument("--registry-ca-cert", default=None, metavar="FILE", help="CA certificate for etcd over TLS")
-    p.add_argument("--registry-cert", default=None, metavar="FILE", help="client certificate for etcd (with the key)")
-    p.add_argument("--registry-key", default=None, metavar="FILE", help="client key for etcd (with the certificate)")
-    p.add_argument(
-        "--registry-user",
-        default=None,
-        metavar="USER",
-        help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD",
-    )
+    add_registry_security_args(p)
 
     s = p.add_argument_group("policy")
     s.add_argument(
@@ -288,17 +280,7 @@ def backend_from_args(args: argparse.Namespace, command: Sequence[str]) -> Backe
 
 def registry_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of ``open_registry`` from the flags (TLS, user, timeout)."""
-    options: dict[str, Any] = {"timeout": args.registry_timeout}
-    if args.registry_ca_cert:
-        options["ca_cert"] = args.registry_ca_cert
-    if args.registry_cert or args.registry_key:
-        options["cert_cert"], options["cert_key"] = args.registry_cert, args.registry_key
-    if args.registry_user:
-        password = os.environ.get("DISTILL_REGISTRY_PASSWORD")
-        if password is None:
-            raise ValueError("--registry-user needs the password in $DISTILL_REGISTRY_PASSWORD")
-        options["username"], options["password"] = args.registry_user, password
-    return options
+    return {"timeout": args.registry_timeout, **registry_security_options(args)}
 
 
 async def run(args: argparse.Namespace, command: Sequence[str]) -> None:
@@ -363,8 +345,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"there), not {args.registry!r}"
             )
         validate_name("service name", args.service)
-        if bool(args.registry_cert) != bool(args.registry_key):
-            raise ValueError("--registry-cert and --registry-key go together")
         registry_options(args)
         policy_from_args(args)
         backend_from_args(args, command)
