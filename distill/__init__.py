@@ -7,12 +7,45 @@ batch with its teacher outputs; the KD losses here turn those outputs into a tra
 keeps the teacher pool sized to the students' demand.
 """
 
-from distill.errors import DistillError, NoTeacherError, ReaderClosedError, TeacherMismatchError
-from distill.flags import add_distill_args, distill_options_from_args
-from distill.losses import KDLoss, SparseTargets, average_teachers
-from distill.reader import DistillReader
-from distill.router import RouterConfig
-from distill.stats import ReaderStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use: `distill-autoscaler` and `distill top` need none of it, and the reader and
+# the losses import torch (seconds of start-up).
+_EXPORTS = {
+    "DistillError": "distill.errors",
+    "NoTeacherError": "distill.errors",
+    "ReaderClosedError": "distill.errors",
+    "TeacherMismatchError": "distill.errors",
+    "add_distill_args": "distill.flags",
+    "distill_options_from_args": "distill.flags",
+    "KDLoss": "distill.losses",
+    "SparseTargets": "distill.losses",
+    "average_teachers": "distill.losses",
+    "DistillReader": "distill.reader",
+    "RouterConfig": "distill.router",
+    "ReaderStats": "distill.stats",
+}
+
+if TYPE_CHECKING:
+    from distill.errors import DistillError, NoTeacherError, ReaderClosedError, TeacherMismatchError
+    from distill.flags import add_distill_args, distill_options_from_args
+    from distill.losses import KDLoss, SparseTargets, average_teachers
+    from distill.reader import DistillReader
+    from distill.router import RouterConfig
+    from distill.stats import ReaderStats
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distill' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DistillError",
