@@ -1,6 +1,7 @@
 """Scale simulation: 1,000 students x 200 teachers against ONE real etcd, without models.
 
     .venv/bin/python -m benchmarks.scale_sim [--fractions 0.1,0.5,1.0] [--seconds 20] [--workers 2]
+                                             [--reports steady|moving]
 
 Why simulate: the plan in docs/scale.md computes etcd's load from the code's constants; this
 checks the arithmetic against a real etcd and finds what gives first. Only the registry traffic
@@ -8,11 +9,17 @@ is simulated; no model, no gRPC inference. Every simulated teacher and student u
 discovery code, exactly what teacher-server and DistillReader run:
 
   * a teacher: ``EtcdRegistry.register(service, record, ttl=10, load=fn)`` (lease, keepalive every
-    ttl/3 on a fresh LeaseKeepAlive stream, TeacherLoad put every 1 s);
+    ttl/3 on a fresh LeaseKeepAlive stream, TeacherLoad sampled every 1 s and written when it moved
+    materially or every 10 s, ``discovery/reports.py``);
   * a student: ``EtcdRegistry.watch(service, loads=False)`` consumed like the engine does
     (membership only: ``teachers/``) plus ``publish_demand(..., ttl=10, interval=1)``;
   * one autoscaler-like reader: ``demand(service)`` (a range over all students) every 1 s and its
     own watch, as ``distill.autoscale.controller`` does.
+
+What the load and demand functions report (``--reports``): ``steady`` (default), each teacher and
+student at its own operating point with a few percent of jitter, as in a training job's steady
+state, so most samples are not written; ``moving``, every sample drawn afresh (each one a write:
+the worst case, e.g. a job whose demand keeps changing).
 
 Many of them share a process (``--workers`` asyncio processes, uvloop) and a few gRPC channels
 per process (``--clients``, each its own TCP connection), because 1,200 real processes do not fit
@@ -87,6 +94,7 @@ class Settings:
     probe_every: float = 1.0
     ramp_s: float = 8.0
     settle_s: float = 4.0
+    reports: str = "steady"
 
 
 def nominal(students: int, teachers: int) -> dict[str, float]:
@@ -121,6 +129,7 @@ def worker_main(argv: Sequence[str]) -> int:
     p.add_argument("--probe-every", type=float, default=0.0)
     p.add_argument("--autoscaler", action="store_true")
     p.add_argument("--ramp", type=float, default=8.0)
+    p.add_argument("--reports", choices=("steady", "moving"), default="steady")
     a = p.parse_args(list(argv))
     try:
         import uvloop
@@ -162,14 +171,36 @@ async def _worker(a: argparse.Namespace) -> None:
         rec.outputs.add(name="LOGITS", datatype="FP32", shape=[100])
         return rec
 
-    def load_fn() -> Any:
+    def moving_load() -> Any:
         return registry_pb2.TeacherLoad(queue_depth=rng.randrange(4), in_flight=rng.randrange(8),
                                         samples_per_s=rng.uniform(9000, 12000), busy_fraction=rng.random(),
                                         capacity_samples_per_s=12000.0)
 
-    def demand_fn() -> Any:
+    def moving_demand() -> Any:
         return registry_pb2.StudentDemand(samples_per_s=rng.uniform(9000, 10240), wait_fraction=rng.random() * 0.1,
                                           in_flight=rng.randrange(8), teachers_in_use=4)
+
+    def jitter(x: float, rel: float = 0.03) -> float:
+        return x * rng.uniform(1 - rel, 1 + rel)
+
+    def steady_load() -> Any:
+        """One teacher at its own operating point; each sample within a few percent of it."""
+        rate, busy = rng.uniform(9000, 12000), rng.uniform(0.6, 0.9)
+        return lambda: registry_pb2.TeacherLoad(
+            queue_depth=0, in_flight=rng.randrange(4, 8), samples_per_s=jitter(rate),
+            busy_fraction=min(1.0, busy + rng.uniform(-0.02, 0.02)), capacity_samples_per_s=jitter(12000.0, 0.01))
+
+    def steady_demand() -> Any:
+        rate, wait = rng.uniform(9000, 10240), rng.uniform(0.0, 0.1)
+        return lambda: registry_pb2.StudentDemand(
+            samples_per_s=jitter(rate), wait_fraction=max(0.0, wait + rng.uniform(-0.02, 0.02)),
+            in_flight=rng.randrange(4, 8), teachers_in_use=4)
+
+    def load_fn() -> Any:
+        return steady_load() if a.reports == "steady" else moving_load
+
+    def demand_fn() -> Any:
+        return steady_demand() if a.reports == "steady" else moving_demand
 
     async def consume(reg: EtcdRegistry, sampled: bool, loads: bool = False) -> None:
         seen: set[str] = set()
@@ -206,7 +237,7 @@ async def _worker(a: argparse.Namespace) -> None:
 
     async def start_teacher(i: int) -> None:
         iid = f"w{a.index}-t{i}"
-        reg = regs[i % len(regs)].register(SERVICE, teacher_record(iid, time.time()), ttl=TTL_S, load=load_fn,
+        reg = regs[i % len(regs)].register(SERVICE, teacher_record(iid, time.time()), ttl=TTL_S, load=load_fn(),
                                            load_interval=LOAD_INTERVAL_S)
         await reg.__aenter__()
         held.append(reg)
@@ -214,7 +245,7 @@ async def _worker(a: argparse.Namespace) -> None:
     async def start_student(i: int) -> None:
         r = regs[i % len(regs)]
         tasks.append(loop.create_task(consume(r, i < a.sampled)))
-        d = r.publish_demand(SERVICE, demand_fn, ttl=TTL_S, interval=DEMAND_INTERVAL_S,
+        d = r.publish_demand(SERVICE, demand_fn(), ttl=TTL_S, interval=DEMAND_INTERVAL_S,
                              student_id=f"w{a.index}-s{i}")
         await d.__aenter__()
         held.append(d)
@@ -323,7 +354,8 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
             argv = [sys.executable, "-m", "benchmarks.scale_sim", "_worker", "--endpoint", etcd.endpoint,
                     "--index", str(w), "--teachers", str(share_t), "--students", str(share_s),
                     "--clients", str(s.clients), "--sampled", str(s.sampled), "--ramp", str(s.ramp_s),
-                    "--probe-every", str(s.probe_every if w == 0 else 0.0)] + (["--autoscaler"] if w == 0 else [])
+                    "--probe-every", str(s.probe_every if w == 0 else 0.0),
+                    "--reports", s.reports] + (["--autoscaler"] if w == 0 else [])
             proc = subprocess.Popen(pdeathsig_argv(argv), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
             workers.append(proc)
@@ -471,11 +503,11 @@ def extrapolate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         method = "least squares, cores = a*(writes+renewals)/s + b*events/s"
     else:
         x, y, c = max(pts, key=lambda p: p[2])
-        a, b = 0.0, c / max(x + y, 1.0)
+        a = b = c / max(x + y, 1.0)
         method = "one point: cores per (operation + event)"
     if a < 0 or b < 0:  # noisy fit: fall back to a single ratio (events dominate at scale)
         x, y, c = max(pts, key=lambda p: p[1])
-        a, b = 0.0, c / max(x + y, 1.0)
+        a = b = c / max(x + y, 1.0)
         method = "ratio at the largest event rate measured: cores per (operation + event)"
     return {"method": method, "cores_per_op": a, "cores_per_event": b,
             "full_ops_per_s": full_ops, "full_events_per_s": full_events,
@@ -492,6 +524,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--probe-every", type=float, default=1.0, help="seconds between probe registrations")
     p.add_argument("--ramp", type=float, default=8.0, help="seconds to start everyone (staggered)")
     p.add_argument("--settle", type=float, default=4.0, help="seconds between ramp-up and measurement")
+    p.add_argument("--reports", choices=("steady", "moving"), default="steady",
+                   help="steady: loads and demand jitter around an operating point (most samples are not "
+                        "written); moving: every sample changes (every one is a write)")
     a = p.parse_args(argv)
     try:
         fractions = tuple(float(x) for x in a.fractions.split(","))
@@ -500,7 +535,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     if not fractions or any(not 0 < f <= 2 for f in fractions) or a.seconds <= 0 or a.workers < 1:
         p.error("fractions must be in (0, 2], --seconds > 0, --workers >= 1")
     return Settings(fractions=fractions, seconds=a.seconds, workers=a.workers, clients=a.clients, sampled=a.sampled,
-                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle)
+                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -542,7 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "constants": {"ttl_s": TTL_S, "load_interval_s": LOAD_INTERVAL_S, "demand_interval_s": DEMAND_INTERVAL_S,
                          "resync_s": RESYNC_S, "autoscaler_period_s": AUTOSCALER_PERIOD_S},
            "full_scale_nominal": nominal(FULL_STUDENTS, FULL_TEACHERS), "rows": rows, "extrapolation": extra}
-    print(f"wrote {write_results('scale_sim', doc)}")
+    name = "scale_sim" if s.reports == "steady" else f"scale_sim_{s.reports}"
+    print(f"wrote {write_results(name, doc)}")
     return 0 if ok else 1
 
 
