@@ -126,15 +126,24 @@ class _LoaderThread:
             try:
                 result = fn()
             except BaseException as e:  # delivered to the awaiting coroutine
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                _deliver(loop, _set_exception, fut, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                _deliver(loop, _set_result, fut, result)
 
         self._jobs.put(run)
         return fut
 
     def close(self) -> None:
         self._jobs.put(None)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
+             fut: asyncio.Future[Any], value: Any) -> None:
+    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
+    try:
+        loop.call_soon_threadsafe(setter, fut, value)
+    except RuntimeError:  # the event loop is closed
+        pass
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

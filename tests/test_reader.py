@@ -333,6 +333,33 @@ def test_close_stops_the_engine_thread(two_teachers: tuple[ServerThread, ServerT
         next(it)
 
 
+def test_a_loader_that_answers_after_close_raises_nothing(two_teachers: tuple[ServerThread, ServerThread]) -> None:
+    """The user's loader may still be inside next() when the reader closes; its late answer has
+    nobody to go to and must vanish quietly, not raise on the loader thread."""
+    a, _ = two_teachers
+    data = _batches(3)
+    release = threading.Event()
+
+    def slow_loader() -> Iterator[dict[str, torch.Tensor]]:
+        yield data[0]
+        release.wait(10)
+        yield from data[1:]
+
+    errors: list[BaseException | None] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        reader = DistillReader(slow_loader(), teachers=a.url, inputs=["X"], prefetch=1)
+        it = iter(reader)
+        next(it)
+        reader.close()
+        release.set()
+        time.sleep(0.3)  # the loader thread answers into the closed reader
+    finally:
+        threading.excepthook = previous
+    assert errors == [], errors
+
+
 def test_reader_argument_errors() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         DistillReader([], inputs=["X"])
