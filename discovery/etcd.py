@@ -64,6 +64,7 @@ __all__ = ["EtcdClient", "EtcdRegistry"]
 log = logging.getLogger("discovery.etcd")
 
 _T = TypeVar("_T")
+_R = TypeVar("_R", TeacherLoad, StudentDemand)
 
 # gRPC channel settings: reconnect quickly after an etcd restart (the default backoff grows to 120 s),
 # and detect a dead connection under a long-lived watch stream with HTTP/2 pings. etcd's server
@@ -210,6 +211,28 @@ def _describe_error(e: BaseException) -> str:
         return f"{e.code().name}: {e.details()}"
     text = str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
+
+
+def _gated_report(
+    fn: Callable[[], _R], kind: type[_R], what: str, gate: ReportGate[_R], set_id: Callable[[_R], None]
+) -> Callable[[bool], bytes | None]:
+    """The periodic value of a load or demand registration: ``fn()`` checked, passed through
+    ``gate`` (None: nothing new to write; ``force``: write anyway), then a copy with its id and
+    ``updated_at`` filled in when left empty, serialized."""
+
+    def report(force: bool) -> bytes | None:
+        value = fn()
+        if not isinstance(value, kind):
+            raise TypeError(f"{what} returned {type(value).__name__}, not a {kind.__name__}")
+        if not gate.due(value, time.monotonic(), force):
+            return None
+        msg = kind()
+        msg.CopyFrom(value)
+        set_id(msg)
+        msg.updated_at = msg.updated_at or time.time()
+        return bytes(msg.SerializeToString())
+
+    return report
 
 
 def _is_lease_lost(e: BaseException) -> bool:
@@ -834,22 +857,12 @@ class EtcdRegistry(Registry):
         tkey = keys.teacher_key(service, iid)
         periodic = None
         if load is not None:
-            fn = load
-            gate: ReportGate[TeacherLoad] = ReportGate(load_changed, max_report_age)
 
-            def load_bytes(force: bool) -> bytes | None:
-                value = fn()
-                if not isinstance(value, TeacherLoad):
-                    raise TypeError(f"load() returned {type(value).__name__}, not a TeacherLoad")
-                if not gate.due(value, time.monotonic(), force):
-                    return None
-                msg = TeacherLoad()
-                msg.CopyFrom(value)
+            def set_id(msg: TeacherLoad) -> None:
                 msg.instance_id = msg.instance_id or iid
-                msg.updated_at = msg.updated_at or time.time()
-                return bytes(msg.SerializeToString())
 
-            periodic = (keys.load_key(service, iid), load_bytes)
+            gate: ReportGate[TeacherLoad] = ReportGate(load_changed, max_report_age)
+            periodic = (keys.load_key(service, iid), _gated_report(load, TeacherLoad, "load()", gate, set_id))
         return _EtcdRegistration(
             self,
             what=f"teacher {iid!r} of service {service!r}",
@@ -1039,19 +1052,11 @@ class EtcdRegistry(Registry):
         sid = keys.validate_name("student_id", student_id)
         skey = keys.student_key(service, sid)
 
-        gate: ReportGate[StudentDemand] = ReportGate(demand_changed, max_report_age)
-
-        def demand_bytes(force: bool) -> bytes | None:
-            value = demand_fn()
-            if not isinstance(value, StudentDemand):
-                raise TypeError(f"demand_fn() returned {type(value).__name__}, not a StudentDemand")
-            if not gate.due(value, time.monotonic(), force):
-                return None
-            msg = StudentDemand()
-            msg.CopyFrom(value)
+        def set_id(msg: StudentDemand) -> None:
             msg.student_id = msg.student_id or sid
-            msg.updated_at = msg.updated_at or time.time()
-            return bytes(msg.SerializeToString())
+
+        gate: ReportGate[StudentDemand] = ReportGate(demand_changed, max_report_age)
+        demand_bytes = _gated_report(demand_fn, StudentDemand, "demand_fn()", gate, set_id)
 
         return _EtcdRegistration(
             self,
