@@ -293,24 +293,11 @@ class QuietGate:
     gave_up: int = 0
 
     async def wait(self) -> float:
-        """Return the foreign load (cores) seen by the last probe."""
-        start = time.monotonic()
-        while True:
-            meter = CpuMeter(self.own_pids)
-            meter.start()
-            await asyncio.sleep(self.probe_s)
-            foreign = meter.stop().foreign_cores
-            if foreign <= self.max_foreign_cores:
-                break
-            spent = time.monotonic() - start
-            if spent >= self.timeout_s or self.waited_s + spent >= self.budget_s:
-                self.gave_up += 1
-                break
-        self.waited_s += time.monotonic() - start
-        return foreign
+        """`wait_blocking()` off the event loop, for asyncio benchmarks."""
+        return await asyncio.to_thread(self.wait_blocking)
 
     def wait_blocking(self) -> float:
-        """`wait()` for synchronous benchmarks (a training loop is not a coroutine); same rules."""
+        """Return the foreign load (cores) seen by the last probe."""
         start = time.monotonic()
         while True:
             meter = CpuMeter(self.own_pids)
