@@ -89,14 +89,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
+    ReportingChild,
     TeacherProcess,
     child_pids,
     format_table,
+    log_tail,
     machine_busy_seconds,
     machine_info,
     median,
@@ -293,71 +295,31 @@ def student_worker(argv: Sequence[str]) -> int:
 
 
 # ==== the benchmark's view of its processes =========================================================
-class StudentProc:
+class StudentProc(ReportingChild):
     """One student subprocess, driven through its stdin; its reports are kept per session."""
 
     def __init__(self, index: int, registry: str, s: Settings, log_dir: Path) -> None:
+        super().__init__(f"student{index}", log_dir / f"student{index}.log")
         self.index = index
-        self.name = f"student{index}"
         self.registry = registry
         self.settings = s
-        self.log_path = log_dir / f"{self.name}.log"
-        self.proc: subprocess.Popen[str] | None = None
         self.reports: dict[str, list[tuple[float, int, int, float]]] = {}  # session -> (t, samples, batches, waited)
         self.events: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []  # reader failures the training loop saw
-        self.ready = threading.Event()
-        self._log: TextIO | None = None
-        self._thread: threading.Thread | None = None
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def launch(self) -> None:
+    def command(self) -> list[str]:
         s = self.settings
-        argv = [sys.executable, "-m", "benchmarks.autoscale", "_student", "--registry", self.registry,
+        return [sys.executable, "-m", "benchmarks.autoscale", "_student", "--registry", self.registry,
                 "--name", self.name, "--student-ms", str(s.student_ms), "--batch", str(s.batch)]
-        self._log = self.log_path.open("w", encoding="utf-8")
-        self.proc = subprocess.Popen(
-            pdeathsig_argv(argv), cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # Ctrl-C reaches the benchmark only; it stops the students in order
-        )
-        self._thread = threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True)
-        self._thread.start()
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            kind = ev.get("ev")
-            if kind == "r":
-                self.reports.setdefault(ev["session"], []).append((ev["t"], ev["s"], ev["b"], ev["w"]))
-                continue
-            self.events.append(ev)
-            if kind == "ready":
-                self.ready.set()
-            elif kind == "error":
-                self.errors.append(ev)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.1):
-            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start:\n{tail(self.log_path)}")
-
-    def send(self, line: str) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise RuntimeError(f"{self.name} is gone ({e}):\n{tail(self.log_path)}") from None
+    def on_event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "r":
+            self.reports.setdefault(ev["session"], []).append((ev["t"], ev["s"], ev["b"], ev["w"]))
+            return
+        self.events.append(ev)
+        if kind == "error":
+            self.errors.append(ev)
 
     def go(self, service: str, session: str) -> None:
         self.send(f"go {service} {session}")
@@ -366,40 +328,25 @@ class StudentProc:
         self.send("stop")
 
     def stopped(self, session: str) -> bool:
-        return any(e.get("ev") == "stopped" and e.get("session") == session for e in self.events)
+        with self.lock:
+            return any(e.get("ev") == "stopped" and e.get("session") == session for e in self.events)
 
     def samples_at(self, session: str, t: float) -> float:
         """Cumulative samples of `session` at monotonic time `t`, interpolated between reports."""
-        return _interp(self.reports.get(session, []), t, 1)
+        with self.lock:
+            return _interp(self.reports.get(session, []), t, 1)
 
     def waited_at(self, session: str, t: float) -> float:
-        return _interp(self.reports.get(session, []), t, 3)
+        with self.lock:
+            return _interp(self.reports.get(session, []), t, 3)
 
-    def send_quietly(self, line: str) -> None:
-        """`send` for clean-up paths: a student that is already gone needs no command."""
-        with contextlib.suppress(RuntimeError, AssertionError):
-            self.send(line)
-
-    def close(self, wait_s: float = 10.0) -> None:
+    def close(self, wait_s: float = 10.0, quit_command: str | None = "quit") -> None:
         """quit (the reader closes cleanly), then SIGTERM, then SIGKILL; always reaps.
 
         A student blocked on a pool that is gone would wait for its reader's no-teacher timeout
         (60 s); after `wait_s` it gets SIGTERM instead.
         """
-        if self.proc is not None:
-            self.send_quietly("quit")
-            if self.proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self.proc.stdin.close()
-            try:
-                self.proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                stop_process(self.proc, term_timeout_s=5)
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        super().close(wait_s, quit_command)
 
 
 def stop_sessions(students: Sequence[StudentProc]) -> None:
@@ -426,13 +373,6 @@ def _interp(points: Sequence[tuple[float, int, int, float]], t: float, col: int)
     (t0, *a), (t1, *b) = points[i - 1], points[i]
     v0, v1 = float(a[col - 1]), float(b[col - 1])
     return v0 + (v1 - v0) * (t - t0) / max(t1 - t0, 1e-9)
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def teacher_args(s: Settings) -> list[str]:
@@ -549,7 +489,7 @@ class AutoscaledPool(Pool):
 
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"the autoscaler exited with {self.proc.returncode}:\n{tail(self.log_path)}")
+            raise RuntimeError(f"the autoscaler exited with {self.proc.returncode}:\n{log_tail(self.log_path)}")
 
     def scrape(self) -> dict[str, float]:
         """The autoscaler's own gauges (``distill_autoscaler_*`` with only the service label)."""
@@ -1269,7 +1209,7 @@ def run(s: Settings) -> dict[str, Any]:
             for st in students:
                 st.launch()
             for st in students:
-                st.wait_ready(90)
+                st.wait_ready(time.monotonic() + 90)
             print(f"etcd at {etcd.address}; {len(students)} students ready (pids "
                   f"{', '.join(str(st.pid) for st in students)})", flush=True)
             for rep in range(s.reps):

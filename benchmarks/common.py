@@ -27,12 +27,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -494,11 +495,7 @@ class TeacherProcess:
         return self.exit_code
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def cleanup(self) -> None:
         """Stop the process and remove its temporary directory (log and ready file)."""
@@ -645,3 +642,103 @@ def process_rss_bytes(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of a child's log, for error messages."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ReportingChild:
+    """A benchmark's child process (a student) that takes commands on stdin, one per line, and
+    reports JSON lines on stdout; stderr goes to its log.
+
+    A thread reads stdout and hands every event to :meth:`on_event` under ``lock`` (subclasses
+    keep what they need); ``{"ev": "ready"}`` sets ``ready``. The child runs in its own session,
+    so Ctrl-C reaches the benchmark only, which then stops its children in order.
+    """
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.ready = threading.Event()
+        self.lock = threading.Lock()
+        self._log: TextIO | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def command(self) -> list[str]:
+        """The child's argv."""
+        raise NotImplementedError
+
+    def launch(self) -> None:
+        self._log = self.log_path.open("w", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            pdeathsig_argv(self.command()), cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self._thread = threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True)
+        self._thread.start()
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        """One event from the child (called with ``lock`` held)."""
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends at the child's EOF
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                self.on_event(ev)
+            if ev.get("ev") == "ready":
+                self.ready.set()
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until the child said ready; RuntimeError with its log if it exits or `deadline` passes."""
+        while not self.ready.wait(0.1):
+            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not get ready:\n{log_tail(self.log_path)}")
+
+    def send(self, line: str) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise RuntimeError(f"{self.name} is gone ({e}):\n{log_tail(self.log_path)}") from None
+
+    def send_quietly(self, line: str) -> None:
+        """`send` for clean-up paths: a child that is already gone needs no command."""
+        with contextlib.suppress(RuntimeError, AssertionError):
+            self.send(line)
+
+    def close(self, wait_s: float, quit_command: str | None = None) -> None:
+        """`quit_command` (if any), EOF on stdin, then SIGTERM/SIGKILL if the child hangs past
+        `wait_s`; always reaps."""
+        if self.proc is not None:
+            if quit_command is not None:
+                self.send_quietly(quit_command)
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                stop_process(self.proc, term_timeout_s=5)
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -49,7 +49,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -58,20 +57,19 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from benchmarks.common import (
-    REPO_ROOT,
     RESULTS_DIR,
     CpuMeter,
+    ReportingChild,
     TeacherProcess,
     format_table,
+    log_tail,
     machine_info,
-    pdeathsig_argv,
     process_rss_bytes,
     sigterm_raises,
     start_all,
-    stop_process,
     write_results,
 )
 
@@ -216,99 +214,52 @@ def student_worker(argv: Sequence[str]) -> int:
     return 0
 
 
-class StudentProc:
+class StudentProc(ReportingChild):
     """The benchmark's handle on one student subprocess: launch, read its reports, stop it."""
 
     def __init__(self, index: int, registry: str, s: Settings, log_dir: Path) -> None:
+        super().__init__(f"student{index}", log_dir / f"student{index}.log")
         self.index = index
-        self.name = f"student{index}"
         self.registry = registry
         self.settings = s
-        self.log_path = log_dir / f"{self.name}.log"
-        self.proc: subprocess.Popen[str] | None = None
         self.reports: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.done: dict[str, Any] | None = None
-        self.ready = threading.Event()
-        self._log: TextIO | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def launch(self) -> None:
+    def command(self) -> list[str]:
         s = self.settings
-        argv = [sys.executable, "-m", "benchmarks.soak", "_student", "--registry", self.registry,
+        return [sys.executable, "-m", "benchmarks.soak", "_student", "--registry", self.registry,
                 "--service", SERVICE, "--name", self.name, "--seconds", str(s.duration_s),
                 "--batch", str(s.batch), "--student-ms", str(s.student_ms),
                 "--max-teachers", str(s.max_teachers), "--seed", str(self.index)]
-        self._log = self.log_path.open("w", encoding="utf-8")
-        self.proc = subprocess.Popen(
-            pdeathsig_argv(argv), cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,  # Ctrl-C reaches the benchmark only; it stops the students in order
-        )
-        self._thread = threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True)
-        self._thread.start()
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            kind = ev.get("ev")
-            with self._lock:
-                if kind == "r":
-                    self.reports.append(ev)
-                elif kind == "error":
-                    self.errors.append(ev)
-                elif kind == "done":
-                    self.done = ev
-            if kind == "ready":
-                self.ready.set()
-
-    def wait_ready(self, deadline: float) -> None:
-        while not self.ready.wait(0.1):
-            if self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not get ready:\n{_tail(self.log_path)}")
+    def on_event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "r":
+            self.reports.append(ev)
+        elif kind == "error":
+            self.errors.append(ev)
+        elif kind == "done":
+            self.done = ev
 
     def go(self) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        self.send("go")
 
     def samples_at(self, t: float) -> float:
         """Cumulative samples at monotonic time ``t``, linearly interpolated between reports."""
-        with self._lock:
+        with self.lock:
             pts = [(r["t"], float(r["samples"])) for r in self.reports]
         return _interp(pts, t)
 
     def counters(self) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             if self.done is not None:
                 return dict(self.done)
             return dict(self.reports[-1]) if self.reports else {}
 
-    def close(self, wait_s: float = 15.0) -> None:
+    def close(self, wait_s: float = 15.0, quit_command: str | None = None) -> None:
         """EOF on stdin (the student exits), then SIGTERM/SIGKILL if it hangs; always reaps."""
-        if self.proc is not None:
-            if self.proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self.proc.stdin.close()
-            try:
-                self.proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                stop_process(self.proc, term_timeout_s=5)
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        super().close(wait_s, quit_command)
 
 
 def _interp(points: Sequence[tuple[float, float]], t: float) -> float:
@@ -320,13 +271,6 @@ def _interp(points: Sequence[tuple[float, float]], t: float) -> float:
         if t0 <= t <= t1:
             return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
     return points[-1][1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def scrape_rss(metrics_port: int | None) -> int | None:
@@ -437,7 +381,7 @@ def run(s: Settings) -> dict[str, Any]:
             time.sleep(0.2)
         final = {st.name: st.counters() for st in students}
         error_events = [dict(e, student=st.name) for st in students for e in st.errors]
-        logs = {st.name: _tail(st.log_path, 10) for st in students if st.done is None}
+        logs = {st.name: log_tail(st.log_path, 10) for st in students if st.done is None}
     return summarise(s, info, timeline, procs, final=final, error_events=error_events, logs=logs)
 
 
