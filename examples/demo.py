@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from examples.cv import teacher as cv_teacher
 from examples.cv.common import StudentResult, cache_dir
 from examples.cv.train_student import StudentConfig, reader_source, train_student
 from examples.cv.train_teacher import train_teacher
+from teacher_server import launch
 
 SERVICE = "demo-digits"
 REPO = Path(__file__).resolve().parent.parent
@@ -138,13 +138,7 @@ def autoscaler(address: str, log_dir: Path, *, max_teachers: int, down_window: f
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        launch.stop(proc, grace=30.0)
         log.close()
 
 

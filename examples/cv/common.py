@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 import distill
+from teacher_server import launch
 
 CACHE_ENV = "DISTILL_MESH_CACHE"
 
@@ -199,13 +199,7 @@ def teacher_server_process(args: Sequence[str], timeout: float = 60.0) -> Iterat
                 time.sleep(0.05)
             yield str(json.loads(ready.read_text())["endpoint"])
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            launch.stop(proc, grace=30.0)
 
 
 def print_result(r: StudentResult, label: str) -> None:
