@@ -5,7 +5,7 @@ for whoever watches the prefix. Teachers and students sample their figures about
 but in steady state those figures only jitter: writing each sample costs 1,200 writes/s at 1,000
 students x 200 teachers (docs/scale.md) and grows etcd's memory for nothing. So a report is
 written when it says something new (a figure moved past its tolerance, a queue formed or
-drained, a drain began) and otherwise only every ``max_age_s``, which keeps ``updated_at`` a
+drained or moved by half, a drain began) and otherwise only every ``max_age_s``, which keeps ``updated_at`` a
 usable liveness hint. A change that matters still reaches readers within one sampling interval.
 """
 
@@ -28,16 +28,19 @@ def _rate_moved(a: float, b: float) -> bool:
     return high >= 1.0 and high - low > RATE_TOLERANCE * high
 
 
-def _count_bucket(n: int) -> int:
-    """0, 1, 2-3, 4-7, ...: a queue forming or clearing always counts, a jitter of one does not."""
-    return max(0, n).bit_length()
+def _count_moved(a: int, b: int) -> bool:
+    """A queue forming or clearing always counts; otherwise a move by more than half the smaller
+    count and by at least two, so a count jittering by one (3, 4, 3, ...) is not news."""
+    if (a > 0) != (b > 0):
+        return True
+    return abs(a - b) > max(1, min(a, b) // 2)
 
 
 def load_changed(old: TeacherLoad, new: TeacherLoad) -> bool:
     return (
         old.draining != new.draining
-        or _count_bucket(old.queue_depth) != _count_bucket(new.queue_depth)
-        or _count_bucket(old.in_flight) != _count_bucket(new.in_flight)
+        or _count_moved(old.queue_depth, new.queue_depth)
+        or _count_moved(old.in_flight, new.in_flight)
         or abs(old.busy_fraction - new.busy_fraction) >= FRACTION_TOLERANCE
         or _rate_moved(old.samples_per_s, new.samples_per_s)
         or _rate_moved(old.capacity_samples_per_s, new.capacity_samples_per_s)
@@ -47,7 +50,7 @@ def load_changed(old: TeacherLoad, new: TeacherLoad) -> bool:
 def demand_changed(old: StudentDemand, new: StudentDemand) -> bool:
     return (
         old.teachers_in_use != new.teachers_in_use
-        or _count_bucket(old.in_flight) != _count_bucket(new.in_flight)
+        or _count_moved(old.in_flight, new.in_flight)
         or abs(old.wait_fraction - new.wait_fraction) >= FRACTION_TOLERANCE
         or _rate_moved(old.samples_per_s, new.samples_per_s)
     )

@@ -36,6 +36,17 @@ def test_load_changed(new: registry_pb2.TeacherLoad, material: bool) -> None:
     assert load_changed(new, new) is False
 
 
+def test_a_count_jittering_by_one_is_not_news_but_a_real_move_is() -> None:
+    def load(in_flight: int, queue: int = 0) -> registry_pb2.TeacherLoad:
+        return Load(queue_depth=queue, in_flight=in_flight, samples_per_s=1000.0, busy_fraction=0.6)
+
+    assert not load_changed(load(3), load(4)) and not load_changed(load(4), load(3))
+    assert not load_changed(load(8), load(11))
+    assert load_changed(load(4), load(8)) and load_changed(load(8), load(4))
+    assert load_changed(load(1), load(3))
+    assert load_changed(load(4, queue=0), load(4, queue=1)) and load_changed(load(4, queue=1), load(4, queue=0))
+
+
 def test_demand_changed() -> None:
     base = Demand(samples_per_s=500.0, wait_fraction=0.10, in_flight=4, teachers_in_use=2)
     assert not demand_changed(base, Demand(samples_per_s=520.0, wait_fraction=0.12, in_flight=5, teachers_in_use=2))
