@@ -10,6 +10,14 @@ the others wait and take over when the leader goes away. While leading, each per
 4. the decision is logged (every change, and every change of the reason's kind) and exported as
    Prometheus metrics, and the backend is told the new count if it differs.
 
+Another writer (an HPA, ``kubectl scale``, a GitOps sync) may resize a shared pool such as a
+Deployment. The controller notices when the backend's count is not the one it last wrote (or last
+saw), logs it once with the backend's detail (which names the writer where the backend can tell),
+counts it in ``distill_autoscaler_external_changes_total`` and does not fight it: it holds the
+count the other writer set for the policy's down window (decisions say ``cause=external``) and only
+then acts again. Two sizers of one pool are a configuration error this cannot fix, but holding
+keeps them from flapping the pool against each other every period.
+
 Missing data never shrinks the pool: with the registry down the policy holds the current count
 (and the local backend still replaces teachers that crash). If the outage outlasts the leader
 lease, the controller stops deciding but keeps its pool; it lets go of the pool only once it sees
@@ -140,6 +148,10 @@ class Controller:
         self._last_cause: tuple[str, str] | None = None
         self._published: tuple[object, ...] | None = None
         self._published_at = 0.0
+        # Counts the backend may report without another writer being involved: the last one written
+        # or seen (both, after a write whose outcome is unknown). None: adopt whatever comes next.
+        self._expected: frozenset[int] | None = None
+        self._hold_until = float("-inf")
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -216,6 +228,8 @@ class Controller:
             log.info("autoscaler of %r: leading as %s", self.service, self.config.identity)
             self._state = PolicyState()  # a new term observes a full window before scaling down
             self._last_cause = None
+            self._expected, self._hold_until = None, float("-inf")
+            self.metrics.external_hold.set(0)
             await self._lead()
             self.metrics.leader.set(0)
             log.warning(
@@ -310,6 +324,7 @@ class Controller:
             self.service,
             self.backend.name,
         )
+        self._notice_external(state)
         managed = state.managed
         snapshot = ScaleSnapshot.from_registry(
             state.current,
@@ -320,8 +335,13 @@ class Controller:
         )
         if error is not None:
             snapshot = dataclasses.replace(snapshot, error=error)
-        decision = decide(snapshot, self.policy, self._state, self._clock())
+        now = self._clock()
+        decision = decide(snapshot, self.policy, self._state, now)
         self._state = decision.new_state
+        if now < self._hold_until:
+            decision = self._held(decision, state, now)
+        else:
+            self.metrics.external_hold.set(0)
         self.decisions.append(decision)
         self._log(decision, state)
         ready = sum(1 for t in snapshot.teachers if not t.draining)
@@ -336,9 +356,47 @@ class Controller:
             try:
                 await self.backend.scale(decision.desired, view)
             except BackendUnavailableError as e:
+                # The write may or may not have landed (a timeout): either count is ours next period.
+                self._expected = frozenset({state.current, decision.desired})
                 self._backend_log.change("down", logging.WARNING, "autoscaler of %r: %s; will retry", self.service, e)
                 return
+            self._expected = frozenset({decision.desired})
             self.metrics.scaled("up" if decision.desired > state.current else "down")
+
+    def _notice_external(self, state: BackendState) -> None:
+        """Start a hold when the backend's count is not one this controller wrote or last saw."""
+        expected, self._expected = self._expected, frozenset({state.current})
+        if expected is None or state.current in expected:
+            return
+        window = self.policy.down_window
+        self._hold_until = self._clock() + window
+        self.metrics.external_change()
+        self.metrics.external_hold.set(1 if window > 0 else 0)
+        ours = " or ".join(str(n) for n in sorted(expected))
+        log.warning(
+            "autoscaler of %r: another writer changed the teacher count to %d (this controller last had %s) "
+            "[%s]; not fighting it: holding %d for the %g s down window before acting again. If an HPA, "
+            "kubectl scale or a GitOps sync also sizes this pool, leave the sizing to one of them",
+            self.service,
+            state.current,
+            ours,
+            state.detail or state.current,
+            state.current,
+            window,
+        )
+
+    def _held(self, decision: Decision, state: BackendState, now: float) -> Decision:
+        """The policy's decision, overruled to a hold while another writer's count stands."""
+        self.metrics.external_hold.set(1)
+        wanted = "" if decision.action == "hold" else f" (the policy would {decision.reason})"
+        return dataclasses.replace(
+            decision,
+            desired=state.current,
+            action="hold",
+            cause="external",
+            reason=f"hold {state.current}: another writer set this count; acting again in "
+            f"{self._hold_until - now:.0f} s{wanted}",
+        )
 
     async def _publish(self, decision: Decision, state: BackendState) -> None:
         """The last decision as JSON at <autoscaler prefix>decision (read by `distill top`): on every

@@ -28,8 +28,10 @@ class AutoscalerMetrics:
     ``..._capacity_samples_per_second`` (ready teachers x measured capacity),
     ``..._teacher_capacity_samples_per_second`` (per teacher), ``..._student_wait_fraction``,
     ``..._teacher_busy_fraction``, ``..._leader`` (1 while leading), ``..._registry_up``,
-    ``..._decisions_total{action}`` and ``..._scale_events_total{direction}``; every series carries
-    a ``service`` label.
+    ``..._decisions_total{action}``, ``..._scale_events_total{direction}``,
+    ``..._external_changes_total`` (times another writer changed the count) and
+    ``..._external_hold`` (1 while the controller holds off after such a change); every series
+    carries a ``service`` label.
     """
 
     def __init__(self, service: str, registry: CollectorRegistry | None = None) -> None:
@@ -55,6 +57,15 @@ class AutoscalerMetrics:
         self._decisions = Counter(
             "distill_autoscaler_decisions", "Policy decisions by action.", [*lbl, "action"], registry=r
         )
+        self.external_hold = gauge(
+            "external_hold", "1 while the controller holds off because another writer changed the count, else 0."
+        )
+        self._external_changes = Counter(
+            "distill_autoscaler_external_changes",
+            "Times another writer (an HPA, kubectl scale, a GitOps sync) changed the teacher count.",
+            lbl,
+            registry=r,
+        ).labels(service)
         self._scale_events = Counter(
             "distill_autoscaler_scale_events", "Applied changes of the teacher count.", [*lbl, "direction"], registry=r
         )
@@ -79,6 +90,16 @@ class AutoscalerMetrics:
 
     def scaled(self, direction: str) -> None:
         self._scale_events.labels(self.service, direction).inc()
+
+    def external_change(self) -> None:
+        """Count one change of the teacher count by another writer."""
+        self._external_changes.inc()
+
+    @property
+    def external_changes(self) -> float:
+        """Changes by another writer counted so far."""
+        value = self.registry.get_sample_value("distill_autoscaler_external_changes_total", {"service": self.service})
+        return float(value or 0.0)
 
     def render(self) -> bytes:
         """The exposition text (what ``/metrics`` serves)."""
