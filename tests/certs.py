@@ -32,7 +32,8 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
 
 
 def make_certs(directory: Path) -> Certs:
-    """ca.pem/ca.key; server.pem/key (SAN 127.0.0.1, localhost); client.pem/key; rogue.pem/key (another CA)."""
+    """ca.pem/ca.key; server.pem/key (SAN 127.0.0.1, localhost); client.pem/key; and from another CA
+    (rogue_ca.pem), a client certificate rogue.pem/key and a server certificate rogue_server.pem/key."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=2))
@@ -64,5 +65,8 @@ def make_certs(directory: Path) -> Certs:
     _write_key(authority[0], directory / "ca.key")
     leaf("server", authority, ExtendedKeyUsageOID.SERVER_AUTH)
     leaf("client", authority, ExtendedKeyUsageOID.CLIENT_AUTH)
-    leaf("rogue", ca("rogue-ca"), ExtendedKeyUsageOID.CLIENT_AUTH)
+    rogue = ca("rogue-ca")
+    (directory / "rogue_ca.pem").write_bytes(rogue[1].public_bytes(serialization.Encoding.PEM))
+    leaf("rogue", rogue, ExtendedKeyUsageOID.CLIENT_AUTH)
+    leaf("rogue_server", rogue, ExtendedKeyUsageOID.SERVER_AUTH)
     return Certs(directory)
