@@ -194,6 +194,17 @@ def test_a_status_update_between_read_and_write_only_costs_a_retry(api: FakeApiS
     assert sent == [old, new]
 
 
+def test_back_to_back_writes_use_the_version_the_last_write_returned(api: FakeApiServer) -> None:
+    async def go() -> None:
+        async with backend(api) as b:
+            await b.scale(3, {})
+            await b.scale(2, {})  # no read in between: the first write's answer carries the version
+
+    arun(go(), timeout=30)
+    assert api.replicas[KEY] == 2
+    assert len(api.writes()) == 2  # no 409 and retry
+
+
 def test_unconditional_writes_would_be_accepted(api: FakeApiServer) -> None:
     """The stand-in's 409 comes from the resourceVersion in the body, as on a real API server: a
     patch without one is applied (so the conflict tests above test the backend, not the stand-in)."""

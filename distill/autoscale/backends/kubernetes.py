@@ -245,6 +245,10 @@ class KubernetesBackend(Backend):
         scale = await self._call(
             "read the scale of", self._api.read_namespaced_deployment_scale, self.deployment, self.namespace
         )
+        return self._remember(scale)
+
+    def _remember(self, scale: Any) -> int:
+        """Keep what a Scale (read, or returned by a write) says; return its ``spec.replicas``."""
         spec, status, meta = (getattr(scale, k, None) for k in ("spec", "status", "metadata"))
         replicas = int(getattr(spec, "replicas", 0) or 0)
         self._replicas = replicas
@@ -347,7 +351,7 @@ class KubernetesBackend(Backend):
             base = self._replicas
             body = {"metadata": {"resourceVersion": self._version}, "spec": {"replicas": desired}}
             try:
-                await self._call(
+                written = await self._call(
                     "patch the scale of",
                     self._api.patch_namespaced_deployment_scale,
                     self.deployment,
@@ -366,6 +370,7 @@ class KubernetesBackend(Backend):
                     ) from None
                 continue  # only the resourceVersion moved (a status update): write again on the new one
             log.info("kubernetes backend: %s scaled to %d replica(s)", self.target, desired)
+            self._remember(written)
             self._replicas, self._writer = desired, self.FIELD_MANAGER
             return
         raise BackendUnavailableError(
