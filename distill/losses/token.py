@@ -145,27 +145,51 @@ def _check_inputs(
         raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
 
 
-def _student_chunks(student: Tensor, chunk_size: int) -> Iterator[tuple[int, Tensor]]:
-    """``(first flat position, [n, V] view)`` over all positions, without copying the student.
+def _as3(x: Tensor) -> Tensor:
+    """``[..., P, D]`` as ``[B, P, D]`` (a view whenever the layout allows it)."""
+    return x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 2 else x.unsqueeze(0)
 
-    A flat view is used when the layout allows it; otherwise (e.g. ``logits[:, :-1]``) the batch
-    is unbound first, so a shifted student is not copied either. Both split and unbind have one
-    backward node that assembles the full gradient once.
-    """
-    v = student.shape[-1]
-    s3 = student.reshape(-1, student.shape[-2], v) if student.dim() > 2 else student.unsqueeze(0)
+
+def _flat_view(x: Tensor) -> Tensor | None:
     try:
-        flat = s3.view(-1, v)
+        return x.view(-1, x.shape[-1])
     except RuntimeError:
-        flat = None
-    if flat is not None:
-        for i, chunk in enumerate(torch.split(flat, chunk_size)):
-            yield i * chunk_size, chunk
-        return
-    per_row = s3.shape[1]
-    for b, row in enumerate(torch.unbind(s3, 0)):
-        for i, chunk in enumerate(torch.split(row, chunk_size)):
-            yield b * per_row + i * chunk_size, chunk
+        return None
+
+
+class _Chunks:
+    """One plan of position chunks applied to the student and to every teacher tensor, as views.
+
+    Positions are flattened when all tensors allow a flat view; otherwise (e.g. ``logits[:, :-1]``)
+    chunks stay inside one batch row, so a shifted student or teacher is not copied either. The
+    student is cut with one ``split`` (or ``unbind`` then ``split``): their backward assembles the
+    full gradient once, where per-chunk slicing would allocate a full-size gradient per chunk.
+    """
+
+    def __init__(self, student: Tensor, others: list[Tensor], chunk_size: int):
+        self.chunk_size = chunk_size
+        self.student3 = _as3(student)
+        self.flat = all(_flat_view(_as3(x)) is not None for x in [student, *others])
+        self.per_row = self.student3.shape[1]
+
+    def student_chunks(self) -> Iterator[tuple[int, Tensor]]:
+        """``(first flat position, [n, V] view)`` over all positions."""
+        n = self.chunk_size
+        if self.flat:
+            for i, chunk in enumerate(torch.split(self.student3.view(-1, self.student3.shape[-1]), n)):
+                yield i * n, chunk
+            return
+        for b, row in enumerate(torch.unbind(self.student3, 0)):
+            for i, chunk in enumerate(torch.split(row, n)):
+                yield b * self.per_row + i * n, chunk
+
+    def take(self, x: Tensor, start: int, end: int) -> Tensor:
+        """Positions ``[start, end)`` of ``x`` (``[..., D]`` with the student's positions) as a view."""
+        x3 = _as3(x)
+        if self.flat:
+            return x3.view(-1, x3.shape[-1])[start:end]
+        b, i = divmod(start, self.per_row)
+        return x3[b, i : i + end - start]
 
 
 def _rows(t: Tensor, rows: Tensor | None) -> Tensor:
@@ -223,7 +247,6 @@ def _token_loss(
     chunk_size: int,
 ) -> Tensor:
     positions = student.shape[:-1]
-    v = student.shape[-1]
     valid = torch.ones(positions, dtype=torch.bool, device="cpu")
     if attention_mask is not None:
         valid &= attention_mask.detach().to("cpu") != 0
@@ -232,41 +255,34 @@ def _token_loss(
     valid_flat = valid.reshape(-1)
     n_valid = int(valid_flat.sum())
 
-    teacher_flat: Tensor | SparseTargets | None = None
+    others: list[Tensor] = []
     if isinstance(teacher, SparseTargets):
-        k = teacher.k
-        teacher_flat = SparseTargets(
-            teacher.values.reshape(-1, k),
-            teacher.indices.reshape(-1, k),
-            None if teacher.tail is None else teacher.tail.reshape(-1),
-            teacher.kind,
-        )
+        others = [teacher.values, teacher.indices] + ([] if teacher.tail is None else [teacher.tail.unsqueeze(-1)])
     elif isinstance(teacher, Tensor):
-        teacher_flat = teacher.reshape(-1, v)
-    labels_flat = None if labels is None else labels.reshape(-1)
+        others = [teacher]
+    if labels is not None:
+        others.append(labels.unsqueeze(-1))
+    plan = _Chunks(student, others, chunk_size)
     track = torch.is_grad_enabled() and student.requires_grad
     spec = _Spec(kind, temperature, beta, soft_weight, hard_weight)
 
     starts: list[Tensor] = []
     parts: list[Tensor] = []
-    for start, s_chunk in _student_chunks(student, chunk_size):
+    for start, s_chunk in plan.student_chunks():
         end = start + s_chunk.shape[0]
         local = valid_flat[start:end].nonzero().squeeze(1)
         if local.numel() == 0:
             continue
         rows = None if local.numel() == end - start else local.to(student.device, non_blocking=True)
         t_chunk: Tensor | SparseTargets | None = None
-        if isinstance(teacher_flat, SparseTargets):
-            tail = teacher_flat.tail
+        if isinstance(teacher, SparseTargets):
+            tail = None if teacher.tail is None else plan.take(teacher.tail.unsqueeze(-1), start, end).squeeze(-1)
             t_chunk = SparseTargets(
-                teacher_flat.values[start:end],
-                teacher_flat.indices[start:end],
-                None if tail is None else tail[start:end],
-                teacher_flat.kind,
+                plan.take(teacher.values, start, end), plan.take(teacher.indices, start, end), tail, teacher.kind
             )
-        elif teacher_flat is not None:
-            t_chunk = teacher_flat[start:end]
-        y_chunk = None if labels_flat is None else labels_flat[start:end]
+        elif teacher is not None:
+            t_chunk = plan.take(teacher, start, end)
+        y_chunk = None if labels is None else plan.take(labels.unsqueeze(-1), start, end).squeeze(-1)
         args = (s_chunk, rows, t_chunk, y_chunk, spec)
         part = checkpoint(_chunk_loss, *args, use_reentrant=False) if track else _chunk_loss(*args)
         parts.append(part)
