@@ -123,8 +123,8 @@ class SparseTargets:
         ``[...]`` (None without a tail), float32 or wider, detached.
 
         ``temperature`` applies to ``kind="logits"`` only (see the class docstring). A tail of exactly
-        0 (e.g. underflowed in half precision) counts as the smallest positive float32, so that a
-        reverse KL stays finite.
+        0 (e.g. underflowed in half precision) counts as the smallest normal number of the compute
+        dtype (``torch.finfo(float32).tiny``), so that a reverse KL stays finite.
         """
         _check_temperature(temperature)
         v = _compute(self.values.detach())

@@ -27,7 +27,10 @@ Conventions (the classifier losses' conventions carry over, with positions in pl
 * Memory: positions are processed in chunks of ``chunk_size``. Each chunk's softmax and
   divergence are recomputed in the backward pass (activation checkpointing), so a ``[B, T, V]``
   student never has more than one chunk of ``[chunk_size, V]`` float32 intermediates alive, in the
-  forward or the backward pass. The student logits themselves and their gradient are full size;
+  forward or the backward pass (several of them at the peak; each is ``chunk_size · V · 4`` bytes,
+  250 MiB for ``V = 128k`` at the default 512 positions: lower ``chunk_size`` if that is too
+  much). Nothing in the chunk is random, so the RNG state is not
+  saved for the recomputation. The student logits themselves and their gradient are full size;
   avoiding those needs the loss fused with the output projection, which is not done here.
 """
 
@@ -284,7 +287,10 @@ def _token_loss(
             t_chunk = plan.take(teacher, start, end)
         y_chunk = None if labels is None else plan.take(labels.unsqueeze(-1), start, end).squeeze(-1)
         args = (s_chunk, rows, t_chunk, y_chunk, spec)
-        part = checkpoint(_chunk_loss, *args, use_reentrant=False) if track else _chunk_loss(*args)
+        if track:
+            part = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part = _chunk_loss(*args)
         parts.append(part)
         starts.append(local + start)
 
@@ -312,7 +318,7 @@ def token_divergence(
     labels: Tensor | None = None,
     ignore_index: int = -100,
     reduction: TokenReduction = "token_mean",
-    chunk_size: int = 1024,
+    chunk_size: int = 512,
 ) -> Tensor:
     """The bare per-token divergence (no ``T²``) between a teacher and ``[B, T, V]`` student logits.
 
@@ -377,7 +383,7 @@ class TokenKDLoss(nn.Module):
         teacher_kind: ValueKind = "logits",
         ignore_index: int = -100,
         reduction: TokenReduction = "token_mean",
-        chunk_size: int = 1024,
+        chunk_size: int = 512,
     ):
         super().__init__()
         self.beta = _beta(divergence, beta)
