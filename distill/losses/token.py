@@ -13,11 +13,17 @@ Conventions (the classifier losses' conventions carry over, with positions in pl
   The mixture formula tends to 0 at both ends; the ends are defined as the two KLs, as TRL does.
   ``divergence="forward_kl"`` / ``"reverse_kl"`` are ``beta = 0`` / ``beta = 1``;
   ``divergence="jsd"`` takes ``beta`` (0.5 is the symmetric JSD).
-* Temperature: ``q = softmax(student / T)``. A dense teacher of ``kind="logits"`` and a
+* Temperature: ``q = softmax(student / T)``. A dense teacher with ``teacher_kind="logits"`` and a
   ``SparseTargets`` of logits are softened by ``T`` too; teacher *log-probabilities* are the
   teacher's distribution as served (the server applies its temperature) and are not re-softened.
   ``TokenKDLoss`` scales the divergence by ``T²`` (the soft term only, as ``KDLoss``); TRL does not,
   so the two agree at ``T = 1``. ``token_divergence`` returns the bare divergence.
+* Top-k targets: the divergence is taken on the partition "each top-k class, plus one tail bin
+  for all other classes", for the teacher and the student alike (``SparseTargets``). It equals the
+  dense divergence when the teacher has no mass outside the top-k (forward KL, JSD) or when its
+  distribution outside has the student's shape; with the true tail it is otherwise smaller than
+  the dense one (lumping classes never increases a divergence). The reverse KL needs the
+  teacher's tail: without one it is infinite and refused.
 * Masking: a position counts if its ``attention_mask`` is non-zero and its label is not
   ``ignore_index`` (either may be omitted). Labels are aligned with the logits by the caller (shift
   them for next-token prediction before calling).
@@ -29,9 +35,9 @@ Conventions (the classifier losses' conventions carry over, with positions in pl
   student never has more than one chunk of ``[chunk_size, V]`` float32 intermediates alive, in the
   forward or the backward pass (several of them at the peak; each is ``chunk_size · V · 4`` bytes,
   250 MiB for ``V = 128k`` at the default 512 positions: lower ``chunk_size`` if that is too
-  much). Nothing in the chunk is random, so the RNG state is not
-  saved for the recomputation. The student logits themselves and their gradient are full size;
-  avoiding those needs the loss fused with the output projection, which is not done here.
+  much). Nothing in the chunk is random, so the RNG state is not saved for the recomputation.
+  The student logits themselves and their gradient are full size; avoiding those needs the loss
+  fused with the output projection, which is not done here.
 """
 
 from __future__ import annotations
