@@ -44,12 +44,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from distill.losses._common import (
     ValueKind,
@@ -240,6 +240,44 @@ def _chunk_loss(
     return loss
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """Everything ``_chunk_loss`` needs besides the student rows."""
+
+    rows: Tensor | None
+    teacher: Tensor | SparseTargets | None
+    labels: Tensor | None
+    spec: _Spec
+
+    def loss(self, student: Tensor) -> Tensor:
+        return _chunk_loss(student, self.rows, self.teacher, self.labels, self.spec)
+
+
+class _Recomputed(torch.autograd.Function):
+    """A chunk's loss that keeps nothing but its (viewed) student input for the backward pass.
+
+    The forward runs without a graph; the backward recomputes the chunk with one and takes its
+    gradient. This is activation checkpointing done by hand: ``torch.utils.checkpoint`` would do
+    the same, but it imports the compiler stack (seconds) on first use.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, student: Tensor, chunk: _Chunk) -> Tensor:
+        ctx.save_for_backward(student)
+        ctx.chunk = chunk
+        with torch.no_grad():
+            return chunk.loss(student)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (student,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = student.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(ctx.chunk.loss(x), x, grad)
+        return g, None
+
+
 def _token_loss(
     student: Tensor,
     teacher: TokenTeacherTargets,
@@ -292,11 +330,8 @@ def _token_loss(
         elif teacher is not None:
             t_chunk = plan.take(teacher, start, end)
         y_chunk = None if labels is None else plan.take(labels.unsqueeze(-1), start, end).squeeze(-1)
-        args = (s_chunk, rows, t_chunk, y_chunk, spec)
-        if track:
-            part = checkpoint(_chunk_loss, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            part = _chunk_loss(*args)
+        chunk = _Chunk(rows, t_chunk, y_chunk, spec)
+        part = _Recomputed.apply(s_chunk, chunk) if track else chunk.loss(s_chunk)
         parts.append(part)
         starts.append(local + start)
 
