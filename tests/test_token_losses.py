@@ -516,3 +516,18 @@ def test_kdloss_refuses_per_token_and_tail_averaging() -> None:
     tailed = SparseTargets(torch.zeros(2, 2), torch.tensor([[0, 1], [2, 3]]), torch.full((2,), 0.5), "logprobs")
     with pytest.raises(ValueError, match="without_tail"):
         KDLoss(alpha=0.0)(torch.zeros(2, 4), [torch.zeros(2, 4), tailed])
+
+
+def test_reverse_kl_with_an_underflowed_tail_stays_finite() -> None:
+    # A tail of exactly 0 (fp16 underflow) counts as the smallest normal float: large but finite.
+    s = torch.randn(1, 3, 6, generator=torch.Generator().manual_seed(14), requires_grad=True)
+    targets = SparseTargets(
+        torch.log(torch.tensor([[[0.5, 0.5]] * 3], dtype=torch.float16)),
+        torch.tensor([[[0, 1]] * 3]),
+        torch.zeros(1, 3, dtype=torch.float16),
+        "logprobs",
+    )
+    loss = token_divergence(s, targets, divergence="reverse_kl", reduction="none")
+    assert loss.shape == (1, 3) and bool(torch.isfinite(loss).all()) and bool((loss > 1.0).all())
+    loss.sum().backward()
+    assert s.grad is not None and bool(torch.isfinite(s.grad).all())
