@@ -26,7 +26,8 @@ Conventions (the classifier losses' conventions carry over, with positions in pl
   teacher's tail: without one it is infinite and refused.
 * Masking: a position counts if its ``attention_mask`` is non-zero and its label is not
   ``ignore_index`` (either may be omitted). Labels are aligned with the logits by the caller (shift
-  them for next-token prediction before calling).
+  them for next-token prediction before calling). Only the positions that count are computed;
+  finding them costs one copy of the mask to the host (a device sync) per call.
 * Reduction: ``"token_mean"`` sums the divergence over the vocabulary and averages over the
   positions that count; ``"sum"`` sums over them; ``"none"`` returns ``[B, T]`` with 0 at positions
   that do not count. With no position counting, ``"token_mean"`` is 0 (and still differentiable).
