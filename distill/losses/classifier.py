@@ -1,6 +1,7 @@
-"""Knowledge-distillation losses for the student's training loop.
+"""Classifier-style distillation: ``KDLoss`` on ``[N, C]`` logits, one row per sample.
 
-Conventions, in one place so that every function below agrees with them:
+Per-token losses over ``[B, T, V]`` live in ``distill.losses.token``. Conventions, in one place so
+that every function below agrees with them:
 
 * The soft term is ``T² · KL(p_T ‖ q_T)``, where ``p_T`` is the teacher's distribution at
   temperature ``T`` and ``q_T = softmax(student / T)``. The ``T²`` keeps the soft term's gradient
@@ -22,150 +23,35 @@ Conventions, in one place so that every function below agrees with them:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from collections.abc import Sequence
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distill.losses._common import (
+    Reduction,
+    _check_reduction,
+    _check_temperature,
+    _compute,
+    _compute_dtype,
+    _number,
+    _reduce,
+)
+from distill.losses._divergence import sparse_rows
+from distill.losses.sparse import SparseTargets
+
 __all__ = [
     "KDLoss",
-    "Reduction",
-    "SparseTargets",
-    "Teacher",
+    "TeacherTargets",
     "average_teachers",
     "kd_kl_div",
     "soft_targets",
 ]
 
-Reduction = Literal["batchmean", "sum", "none"]
-_REDUCTIONS: tuple[str, ...] = ("batchmean", "sum", "none")
-
-_INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-@dataclass(frozen=True)
-class SparseTargets:
-    """A teacher's top-k output: the logits of its ``k`` highest classes and their class ids.
-
-    Sending ``k`` of ``C`` logits cuts wire traffic by ``C/k`` (it matters for vocabulary-sized
-    outputs). The convention for the loss: the teacher distribution is the softmax of the ``k``
-    values at temperature ``T``, i.e. renormalised over the top-k support with mass 0 on every
-    other class; the student keeps its full distribution over all ``C`` classes. The KL is then
-    exact for that teacher distribution::
-
-        KL_row = sum_k p_k · (log p_k - log q_T[indices_k]),   p = softmax(values / T)
-
-    where ``log q_T = log_softmax(student / T)`` over all ``C`` classes. With ``k = C`` this is the
-    dense loss. The ids in a row must be distinct (a top-k output always is); order does not matter.
-
-    Attributes:
-        values: ``[N, k]`` teacher logits of the top-k classes (any float dtype).
-        indices: ``[N, k]`` int64 or int32 class ids in ``[0, C)``.
-    """
-
-    values: Tensor
-    indices: Tensor
-
-    def __post_init__(self) -> None:
-        if self.values.dim() != 2 or self.indices.dim() != 2:
-            raise ValueError(
-                "SparseTargets expects values and indices of shape [N, k], got "
-                f"values {tuple(self.values.shape)} and indices {tuple(self.indices.shape)}"
-            )
-        if self.values.shape != self.indices.shape:
-            raise ValueError(
-                f"SparseTargets values {tuple(self.values.shape)} and indices "
-                f"{tuple(self.indices.shape)} must have the same shape [N, k]"
-            )
-        if self.values.shape[1] == 0:
-            raise ValueError("SparseTargets needs k >= 1 classes per row, got k = 0")
-        if not self.values.is_floating_point():
-            raise ValueError(f"SparseTargets values must be floating point, got {self.values.dtype}")
-        if self.indices.dtype not in _INDEX_DTYPES:
-            raise ValueError(f"SparseTargets indices must be int64 or int32, got {self.indices.dtype}")
-
-    @classmethod
-    def from_outputs(cls, outputs: Mapping[str, Tensor], name: str) -> SparseTargets:
-        """Build from a teacher's outputs dict, which carries ``<name>_TOPK_VALUES`` and
-        ``<name>_TOPK_INDICES`` when the teacher serves output ``name`` as top-k."""
-        keys = (f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES")
-        missing = [k for k in keys if k not in outputs]
-        if missing:
-            raise KeyError(
-                f"teacher outputs lack {', '.join(missing)} (have: {', '.join(sorted(outputs)) or 'none'}); "
-                f"is the teacher serving {name!r} as top-k?"
-            )
-        return cls(values=outputs[keys[0]], indices=outputs[keys[1]])
-
-    @property
-    def k(self) -> int:
-        """The number of classes kept per row."""
-        return int(self.values.shape[1])
-
-    @property
-    def shape(self) -> torch.Size:
-        """``[N, k]``."""
-        return self.values.shape
-
-    def probs(self, temperature: float = 1.0) -> Tensor:
-        """The teacher distribution over the top-k support, ``[N, k]``, float32 or wider."""
-        _check_temperature(temperature)
-        return torch.softmax(_compute(self.values.detach()) / temperature, dim=-1)
-
-    def to_dense(self, num_classes: int, temperature: float = 1.0) -> Tensor:
-        """The same distribution scattered into ``[N, num_classes]`` with zeros off the support."""
-        if self.k > num_classes:
-            raise ValueError(
-                f"SparseTargets has k = {self.k} classes per row but num_classes = {num_classes}"
-            )
-        p = self.probs(temperature)
-        dense = p.new_zeros((p.shape[0], num_classes))
-        return dense.scatter_(1, self.indices.to(p.device, torch.int64), p)
-
-
-Teacher: TypeAlias = Tensor | SparseTargets | Sequence[Tensor | SparseTargets] | None
+TeacherTargets: TypeAlias = Tensor | SparseTargets | Sequence[Tensor | SparseTargets] | None
 """What ``KDLoss`` accepts as the teacher: logits, top-k targets, several of those, or None."""
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _compute(t: Tensor, like: Tensor | None = None) -> Tensor:
-    """``t`` in at least float32, or in ``like``'s dtype and on its device when given."""
-    if like is None:
-        return t.to(_compute_dtype(t.dtype))
-    return t.to(device=like.device, dtype=like.dtype, non_blocking=True)
-
-
-def _number(name: str, value: float) -> float:
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
-
-
-def _check_temperature(temperature: float) -> float:
-    t = _number("temperature", temperature)
-    if not (math.isfinite(t) and t > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return t
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in _REDUCTIONS:
-        hint = (
-            " (torch's 'mean' divides by N*C and is not the KL divergence; use 'batchmean')"
-            if reduction == "mean"
-            else ""
-        )
-        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}{hint}")
 
 
 def _check_student(student_logits: Tensor) -> None:
@@ -185,19 +71,12 @@ def _check_same_shape(student_logits: Tensor, teacher: Tensor, what: str = "teac
 
 def _check_sparse(student_logits: Tensor, targets: SparseTargets) -> None:
     n, c = student_logits.shape
-    if targets.shape[0] != n or targets.k > c:
+    if targets.values.dim() != 2 or targets.shape[0] != n or targets.k > c:
         raise ValueError(
             f"student logits {tuple(student_logits.shape)} and sparse teacher targets "
-            f"{tuple(targets.shape)} do not fit: need [N, k] with the same N and k <= C"
+            f"{tuple(targets.shape)} do not fit: need [N, k] with the same N and k <= C "
+            "(per-token targets go to TokenKDLoss)"
         )
-
-
-def _reduce(per_sample: Tensor, reduction: str) -> Tensor:
-    if reduction == "batchmean":
-        return per_sample.mean()
-    if reduction == "sum":
-        return per_sample.sum()
-    return per_sample
 
 
 def soft_targets(teacher_logits: Tensor, temperature: float) -> Tensor:
@@ -255,11 +134,7 @@ def kd_kl_div(
 
 
 def _sparse_kd(student_logits: Tensor, targets: SparseTargets, temperature: float, reduction: str) -> Tensor:
-    s = _compute(student_logits)
-    p = torch.softmax(_compute(targets.values.detach(), like=s) / temperature, dim=-1)
-    log_q = torch.log_softmax(s / temperature, dim=-1)
-    log_q_k = log_q.gather(1, targets.indices.to(s.device, torch.int64, non_blocking=True))
-    per_sample = (torch.xlogy(p, p) - p * log_q_k).sum(dim=-1)
+    per_sample = sparse_rows(_compute(student_logits), targets, temperature, beta=0.0)
     return _reduce(per_sample, reduction) * (temperature * temperature)
 
 
@@ -269,10 +144,13 @@ class KDLoss(nn.Module):
     ``forward(student_logits, teacher, labels=None)`` accepts as ``teacher``:
 
     * a ``[N, C]`` tensor of teacher logits (any float dtype; computed in float32 or wider);
-    * a ``SparseTargets`` of top-k logits (convention in ``SparseTargets``);
+    * a ``SparseTargets`` of top-k logits or log-probabilities, with or without a tail bin
+      (conventions in ``SparseTargets``; log-probabilities are used as sent, ``T`` then softens
+      the student only);
     * a list/tuple of those, one per teacher: the targets are the *average of the teachers'
       softened probabilities* ``mean_i softmax(t_i / T)`` (sparse teachers count as zero off
-      their support). A probability average is the ensemble's predictive distribution: every
+      their support; a sparse teacher with a tail cannot be averaged, its tail has no class
+      ids). A probability average is the ensemble's predictive distribution: every
       class any teacher finds plausible keeps mass, and a teacher whose logits happen to have a
       larger scale does not dominate. Averaging logits instead gives the normalised geometric
       mean, which is sharper where teachers agree and can suppress a class one teacher is sure of;
@@ -305,7 +183,7 @@ class KDLoss(nn.Module):
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}, alpha={self.alpha}, reduction={self.reduction!r}"
 
-    def forward(self, student_logits: Tensor, teacher: Teacher, labels: Tensor | None = None) -> Tensor:
+    def forward(self, student_logits: Tensor, teacher: TeacherTargets, labels: Tensor | None = None) -> Tensor:
         _check_student(student_logits)
         teachers = self._teacher_list(student_logits, teacher)
         if teachers is None:
@@ -331,7 +209,7 @@ class KDLoss(nn.Module):
         assert loss is not None
         return loss
 
-    def _teacher_list(self, student_logits: Tensor, teacher: Teacher) -> list[Tensor | SparseTargets] | None:
+    def _teacher_list(self, student_logits: Tensor, teacher: TeacherTargets) -> list[Tensor | SparseTargets] | None:
         if teacher is None:
             return None
         items: list[Tensor | SparseTargets]

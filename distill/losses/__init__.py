@@ -1,0 +1,54 @@
+"""Knowledge-distillation losses for the student's training loop.
+
+* ``KDLoss`` (``distill.losses.classifier``): ``[N, C]`` logits, one row per sample; forward KL
+  with temperature, ``T²`` on the soft term, hard/soft weight, several teachers averaged.
+* ``TokenKDLoss`` and ``token_divergence`` (``distill.losses.token``): ``[B, T, V]`` logits, one
+  row per token; forward KL, reverse KL or generalized JSD, masked, averaged per token, chunked.
+* ``SparseTargets`` (``distill.losses.sparse``): a teacher's top-k output, logits or
+  log-probabilities, with an optional tail mass; both losses take it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from distill.losses._common import Reduction, ValueKind
+from distill.losses.classifier import KDLoss, TeacherTargets, average_teachers, kd_kl_div, soft_targets
+from distill.losses.sparse import SparseTargets
+from distill.losses.token import (
+    Divergence,
+    TokenKDLoss,
+    TokenReduction,
+    TokenTeacherTargets,
+    token_divergence,
+)
+
+__all__ = [
+    "Divergence",
+    "KDLoss",
+    "Reduction",
+    "SparseTargets",
+    "TeacherTargets",
+    "TokenKDLoss",
+    "TokenReduction",
+    "TokenTeacherTargets",
+    "ValueKind",
+    "average_teachers",
+    "kd_kl_div",
+    "soft_targets",
+    "token_divergence",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # ``Teacher`` was this module's name for ``TeacherTargets``; the router's teacher record has that name.
+    if name == "Teacher":
+        warnings.warn(
+            "distill.losses.Teacher is renamed TeacherTargets (Teacher is the router's record); "
+            "import TeacherTargets instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return TeacherTargets
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
