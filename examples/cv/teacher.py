@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from examples.cv.common import cache_dir
+from examples.common import cache_dir
 from examples.cv.models import TeacherCNN
 from teacher_server.model import ModelLoadError
 

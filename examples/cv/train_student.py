@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import distill
-from examples.cv import common, data
-from examples.cv.common import (
+from examples import common
+from examples.common import (
     Source,
     StallTimer,
     StudentResult,
@@ -39,6 +39,7 @@ from examples.cv.common import (
     summarize,
     teachers_in_use,
 )
+from examples.cv import data
 from examples.cv.models import StudentMLP
 
 

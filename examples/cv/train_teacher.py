@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from examples.common import accuracy, progress_bar, seed_everything, write_json
 from examples.cv import data
-from examples.cv.common import accuracy, progress_bar, seed_everything, write_json
 from examples.cv.models import TeacherCNN, parameter_count
 from examples.cv.teacher import info_path, weights_path
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from examples.cv.common import cache_dir
+from examples.common import cache_dir
 from examples.nlp.models import TransformerTeacher
 from teacher_server.model import ModelLoadError
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import distill
-from examples.cv import common
-from examples.cv.common import (
+from examples import common
+from examples.common import (
     Outputs,
     Source,
     StallTimer,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from examples.cv.common import accuracy, progress_bar, seed_everything, write_json
+from examples.common import accuracy, progress_bar, seed_everything, write_json
 from examples.nlp import data
 from examples.nlp.models import TransformerTeacher, parameter_count
 from examples.nlp.teacher import info_path, weights_path

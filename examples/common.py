@@ -1,5 +1,6 @@
-"""Helpers the example scripts share (CV, NLP, elastic): where trained weights live, seeding,
-accuracy, result files, progress bars, and a teacher-server subprocess that always stops.
+"""What the example scripts share (CV, NLP, elastic): where trained weights live, seeding,
+accuracy, result files, progress bars, a teacher-server subprocess that always stops, and the
+`serve` command line that both the CV and the NLP example expose.
 
 Why a cache directory: training the teacher is the slow step; the scripts that serve or export it
 (and `make demo`) find its weights at one well-known path instead of retraining every time.
@@ -7,14 +8,14 @@ Why a cache directory: training the teacher is the slow step; the scripts that s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import random
+import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -182,24 +183,78 @@ def teacher_server_process(args: Sequence[str], timeout: float = 60.0) -> Iterat
     """Run ``python -m teacher_server ARGS`` until the block ends; yield its endpoint.
 
     Pass ``--port 0`` in ``args`` for a free port. Readiness comes from ``--ready-file`` (written
-    once the server serves), not from sleeping. On exit, SIGTERM (the server drains and
-    deregisters), then SIGKILL after 30 s: the process never outlives the block.
+    once the server serves), not from sleeping; ``launch.TeacherStartError`` (a RuntimeError) if
+    it exits first or is not ready within ``timeout`` s. On exit, SIGTERM (the server drains and
+    deregisters), then SIGKILL after 30 s: the process never outlives the block. Its warnings go
+    to this process's terminal.
     """
-    with tempfile.TemporaryDirectory(prefix="distill-example-") as tmp:
-        ready = Path(tmp) / "ready.json"
-        proc = subprocess.Popen([sys.executable, "-m", "teacher_server", *args, "--ready-file", str(ready),
-                                 "--log-level", "WARNING"])
+    with launch.TeacherProcess([*args, "--log-level", "WARNING"], label="example-teacher", inherit_output=True,
+                               ready_timeout=timeout, stop_grace=30.0) as server:
+        yield server.endpoint
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """What differs between the examples' ``serve`` scripts; `serve_main` is the rest.
+
+    ``teacher_args(source=, port=, device=, registry=, service=, extra=)`` builds the
+    teacher-server arguments; ``check_files(source)`` says which script to run first (None when
+    the model can be served); ``smoke(args)`` serves briefly with ``args`` and returns an exit code.
+    """
+
+    example: str  # "cv", "nlp": the package under examples/
+    description: str
+    default_port: int
+    service: str
+    sources: tuple[str, ...]
+    weights_env: str
+    teacher_args: Callable[..., list[str]]
+    check_files: Callable[[str], str | None]
+    smoke: Callable[[list[str]], int]
+    smoke_help: str = "serve briefly on a free port, check one request, stop"
+    from_help: str = "serve the module:factory, or a file written by the example's export script"
+
+
+def build_serve_parser(cmd: ServeCommand) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m examples.{cmd.example}.serve", description=cmd.description)
+    p.add_argument("--from", dest="source", choices=cmd.sources, default="factory",
+                   help=f"{cmd.from_help} (default: %(default)s)")
+    p.add_argument("--port", type=int, default=cmd.default_port, help="(default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")
+    p.add_argument("--registry", default=None, help="etcd://HOST:PORT: register so students find it")
+    p.add_argument("--service", default=cmd.service, help="service name in the registry (default: %(default)s)")
+    p.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
+    p.add_argument("--smoke", action="store_true", help=cmd.smoke_help)
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more teacher-server flags")
+    return p
+
+
+def serve_main(cmd: ServeCommand, argv: Sequence[str] | None = None) -> int:
+    """Print the exact teacher-server command, then become that server (or only print, or smoke-test)."""
+    from teacher_server.model import ModelLoadError
+
+    args = build_serve_parser(cmd).parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    server_args = cmd.teacher_args(source=args.source, port=args.port, device=args.device, registry=args.registry,
+                                   service=args.service, extra=extra)
+    env_note = f"{cmd.weights_env}={shlex.quote(os.environ[cmd.weights_env])} " if cmd.weights_env in os.environ else ""
+    print(f"{env_note}teacher-server {shlex.join(server_args)}", flush=True)
+    if args.print_only:
+        return 0
+    problem = cmd.check_files(args.source)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    if args.smoke:
         try:
-            deadline = time.monotonic() + timeout
-            while not ready.exists():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"teacher-server exited with code {proc.returncode} before serving")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"teacher-server did not become ready within {timeout:.0f} s")
-                time.sleep(0.05)
-            yield str(json.loads(ready.read_text())["endpoint"])
-        finally:
-            launch.stop(proc, grace=30.0)
+            return cmd.smoke(cmd.teacher_args(source=args.source, port=0, device=args.device, registry=args.registry,
+                                              service=args.service, extra=extra))
+        except (ModelLoadError, RuntimeError, TimeoutError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    # Become the server: signals go straight to it, and it drains on SIGTERM.
+    os.execv(sys.executable, [sys.executable, "-m", "teacher_server", *server_args])
+    return 0  # pragma: no cover - execv does not return
 
 
 def print_result(r: StudentResult, label: str) -> None:
