@@ -46,10 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    CpuMeter,
-    CpuUsage,
-    QuietGate,
-    TeacherProcess,
+    REPO_ROOT,
     format_table,
     interleave,
     machine_info,
@@ -57,11 +54,12 @@ from benchmarks.common import (
     paired_ratios,
     ratio,
     sigterm_raises,
-    start_all,
     write_results,
 )
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
 from distill import DistillReader
 from examples.emulated import BATCH, TEACHER_MS_ENV, EmulatedTeacher, W1Loader, build, student_step
+from teacher_server.launch import TeacherProcess, start_all
 
 MODEL_REF = "examples.emulated:build"
 MODEL_NAME = "emulated"
@@ -301,7 +299,8 @@ def run_w5(s: Settings, gate: QuietGate) -> dict[str, Any]:
     loader = W1Loader(s.w5_batches, batch_size=s.batch, distinct=True)
     reference = build(step_ms=0)
     with contextlib.ExitStack() as stack:
-        servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w5-teacher-{i}", env=server_env(s))
+        servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w5-teacher-{i}", env=server_env(s),
+                                                  cwd=REPO_ROOT, stop_grace=20.0)
                                     for i in range(s.w5_teachers)])
         print("W5 teachers: " + ", ".join(f"pid {p.pid} at {p.endpoint}" for p in servers), flush=True)
         reader = stack.enter_context(DistillReader(
@@ -392,7 +391,8 @@ def run(s: Settings) -> dict[str, Any]:
     if s.only in ("", "w1"):
         started = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w1-teacher-{i}", env=server_env(s))
+            servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w1-teacher-{i}", env=server_env(s),
+                                                      cwd=REPO_ROOT, stop_grace=20.0)
                                         for i in range(s.teachers)])
             print("W1 teachers: " + ", ".join(f"pid {p.pid} at {p.endpoint}" for p in servers)
                   + f" (ready after {time.perf_counter() - started:.1f} s)", flush=True)

@@ -62,17 +62,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.common import (
-    REPO_ROOT,
-    format_table,
-    machine_busy_seconds,
-    machine_info,
-    pdeathsig_argv,
-    process_cpu_seconds,
-    sigterm_raises,
-    stop_process,
-    write_results,
-)
+from benchmarks.common import REPO_ROOT, format_table, machine_info, sigterm_raises, write_results
+from benchmarks.cpu import machine_busy_seconds, process_cpu_seconds
+from teacher_server.launch import pdeathsig_argv, stop
 
 SERVICE = "scale"
 FULL_STUDENTS = 1000
@@ -359,7 +351,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
             proc = subprocess.Popen(pdeathsig_argv(argv), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
             workers.append(proc)
-            stack.callback(stop_process, proc, term_timeout_s=15.0)
+            stack.callback(stop, proc, 15.0)
         readies = [_read_event(p, "ready", 60.0 + 3 * s.ramp_s) for p in workers]
         print(f"  ramped up: {sum(r.get('registered', 0) for r in readies)} of "
               f"{sum(r.get('expected', 0) for r in readies)} registrations live; settling {s.settle_s:g} s", flush=True)

@@ -51,10 +51,7 @@ import torch
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from benchmarks.common import (
-    CpuMeter,
-    CpuUsage,
-    QuietGate,
-    TeacherProcess,
+    REPO_ROOT,
     ainterleave,
     format_table,
     machine_info,
@@ -64,7 +61,9 @@ from benchmarks.common import (
     sigterm_raises,
     write_results,
 )
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
 from examples.refteacher import build
+from teacher_server.launch import TeacherProcess
 
 MODEL_NAME = "ref_teacher"
 MODEL_REF = "examples.refteacher:build"
@@ -417,10 +416,12 @@ async def run(s: Settings) -> dict[str, Any]:
 
     with contextlib.ExitStack() as stack:
         env = dict(os.environ) | dict(e.split("=", 1) for e in s.server_env)
-        on = stack.enter_context(TeacherProcess(server_args(s, batching=True), label="batching-on", env=env))
+        on = stack.enter_context(TeacherProcess(server_args(s, batching=True), label="batching-on", env=env,
+                                                       cwd=REPO_ROOT, stop_grace=20.0))
         off = None
         if want_w3:
-            off = stack.enter_context(TeacherProcess(server_args(s, batching=False), label="batching-off", env=env))
+            off = stack.enter_context(TeacherProcess(server_args(s, batching=False), label="batching-off", env=env,
+                                                            cwd=REPO_ROOT, stop_grace=20.0))
         servers = {"batching_on": on, **({"batching_off": off} if off else {})}
         pids = [p.pid for p in servers.values()]
         print("servers: " + ", ".join(f"{k} pid {p.pid} at {p.endpoint}" for k, p in servers.items()), flush=True)
