@@ -162,8 +162,8 @@ async def sample_profile(run: Run, s: Settings, *, students: list[StudentProc], 
             # End the window at the student's latest report while it reports (every 0.25 s): a
             # window reaching past the last report would undercount by up to a quarter. A student
             # whose reports stopped (its session ended) counts up to now, i.e. down to 0.
-            last = st.last_report(session)
-            b = last["t"] if last is not None and now - 0.75 < last["t"] <= now else now
+            latest = st.last_report(session)
+            b = latest["t"] if latest is not None and now - 0.75 < latest["t"] <= now else now
             a = b - s.rate_window_s
             ds = st.value_at("s", b, session) - st.value_at("s", a, session)
             dw = st.value_at("w", b, session) - st.value_at("w", a, session)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -109,6 +109,66 @@ def teachers_in_use(batches: object) -> int:
     return int(stats().teachers_in_use) if callable(stats) else 0
 
 
+def fit_student(
+    student: nn.Module,
+    loader: Iterable[Any],
+    source: Source | None,
+    *,
+    seed: int,
+    epochs: int,
+    lr: float,
+    temperature: float,
+    alpha: float,
+    input_name: str,
+    test: tuple[torch.Tensor, torch.Tensor],
+    soft_targets: Callable[[Outputs], Any] | None = None,
+    desc: str = "student",
+    progress: bool = False,
+    on_epoch: Callable[[int, float], None] | None = None,
+) -> StudentResult:
+    """The training loop both examples' students share: Adam, ``KDLoss`` with a ``source`` (teacher
+    outputs), plain cross-entropy without; returns the run's accuracy, throughput and stall.
+
+    ``soft_targets(teacher outputs)`` turns a batch's outputs into what ``KDLoss`` takes (default:
+    the ``LOGITS`` tensor, None when the reader fell back to hard labels); ``test`` is ``(x, y)``.
+    ``on_epoch(epoch, test_accuracy)`` is called after every epoch (the demo plots from it). Seed
+    and build ``student`` before calling: its initial weights are the caller's to fix.
+    """
+    targets = soft_targets or (lambda teacher: teacher["LOGITS"] if teacher is not None else None)
+    opt = torch.optim.Adam(student.parameters(), lr=lr)
+    kd = distill.KDLoss(temperature=temperature, alpha=alpha) if source is not None else None
+    ce = nn.CrossEntropyLoss()
+    timer, samples = StallTimer(), 0
+    bar = progress_bar(epochs, desc, progress)
+    started = time.perf_counter()
+    with (source or no_teacher)(loader) as batches:
+        for epoch in range(epochs):
+            student.train()
+            for batch, teacher in timer.wrap(batches):
+                logits = student(batch[input_name])
+                loss = ce(logits, batch["label"]) if kd is None else kd(logits, targets(teacher), batch["label"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                samples += len(batch["label"])
+            if on_epoch is not None or bar is not None:
+                acc = accuracy(student, *test)
+                if on_epoch is not None:
+                    on_epoch(epoch, acc)
+                if bar is not None:
+                    bar.set_postfix(test_acc=f"{acc:.3f}")
+                    bar.update()
+        used = teachers_in_use(batches)
+    seconds = time.perf_counter() - started
+    if bar is not None:
+        bar.close()
+    return StudentResult(
+        seed=seed, kd=kd is not None, test_accuracy=accuracy(student, *test),
+        seconds=seconds, samples=samples, samples_per_s=samples / max(seconds, 1e-9),
+        stall_fraction=min(1.0, timer.waited / max(seconds, 1e-9)), teachers_in_use=used,
+    )
+
+
 def cache_dir() -> Path:
     """``$DISTILL_MESH_CACHE``, else ``$XDG_CACHE_HOME/distill-mesh``, else ``~/.cache/distill-mesh``.
 
@@ -122,6 +182,65 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "distill-mesh"
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+@dataclass(frozen=True)
+class TeacherFiles:
+    """Where an example's trained teacher lives, and how it is saved and loaded.
+
+    The weights are ``$<weights_env>`` if set, else ``<cache dir>/<example>/teacher.pt``, with a
+    JSON summary beside them (test accuracy, epochs, seed; the demo's table reads it). A factory
+    such as ``examples.cv.teacher:build`` takes no arguments, so it finds them here.
+    """
+
+    example: str  # "cv", "nlp": the package under examples/ and the cache subdirectory
+    weights_env: str
+    label: str  # "CV", "NLP": for messages
+
+    def weights_path(self) -> Path:
+        """Where the teacher's state dict is read from (and written to by default)."""
+        explicit = os.environ.get(self.weights_env)
+        return Path(explicit).expanduser() if explicit else cache_dir() / self.example / "teacher.pt"
+
+    @staticmethod
+    def info_path(weights: Path) -> Path:
+        """The JSON summary next to the weights."""
+        return weights.with_suffix(".json")
+
+    def read_info(self, weights: Path | None = None) -> dict[str, Any]:
+        """The training summary saved with the weights ({} if there is none)."""
+        try:
+            data: dict[str, Any] = json.loads(self.info_path(weights or self.weights_path()).read_text())
+        except (OSError, ValueError):
+            return {}
+        return data
+
+    def load(self, model: M, weights: str | os.PathLike[str] | None = None) -> M:
+        """``model`` with the trained weights, in eval mode; ``ModelLoadError`` saying which script to
+        run when there are none. ``torch.load(weights_only=True)``: a weights file is data, and
+        loading it must not be able to run code, whoever wrote the cache directory."""
+        from teacher_server.model import ModelLoadError
+
+        path = Path(weights) if weights is not None else self.weights_path()
+        if not path.is_file():
+            raise ModelLoadError(
+                f"no trained {self.label} teacher at {path}: run `python -m examples.{self.example}.train_teacher` "
+                f"first (or point ${self.weights_env} at a state dict)"
+            )
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval()
+
+    def save(self, model: nn.Module, out: Path, info: Mapping[str, Any]) -> None:
+        """The state dict to ``out`` (atomically: a server starting meanwhile never reads half a
+        file) and ``info`` beside it."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.tmp")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(out)
+        write_json(self.info_path(out), info)
 
 
 def seed_everything(seed: int) -> torch.Generator:
