@@ -1,6 +1,8 @@
-"""What the example scripts share (CV, NLP, elastic): where trained weights live, seeding,
-accuracy, result files, progress bars, a teacher-server subprocess that always stops, and the
-`serve` command line that both the CV and the NLP example expose.
+"""What the example scripts share (CV, NLP, elastic): where trained weights live and how they are
+saved and loaded (`TeacherFiles`), seeding, accuracy, the student training loop (`fit_student`),
+result files, progress bars, a teacher-server subprocess that always stops, and the `serve`
+command line that both the CV and the NLP example expose (`serve_main`). Each example keeps what
+is its own: data, models, and the few settings these take.
 
 Why a cache directory: training the teacher is the slow step; the scripts that serve or export it
 (and `make demo`) find its weights at one well-known path instead of retraining every time.

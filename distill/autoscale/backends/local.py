@@ -21,7 +21,8 @@ teacher that exits on its own is a crash: it is logged with the tail of its outp
 with exponential backoff when teachers keep dying young, so a broken template cannot fork-bomb the
 machine. ``close()`` stops every process it started (also on Ctrl-C, through the CLI); on Linux
 the children also get SIGTERM from the kernel if the autoscaler itself dies (``PR_SET_PDEATHSIG``),
-so even a SIGKILLed autoscaler leaves no teacher behind.
+so even a SIGKILLed autoscaler leaves no teacher behind. Teachers are started by
+``teacher_server.launch.spawn``, the launcher the examples and benchmarks use as well.
 """
 
 from __future__ import annotations
@@ -90,11 +91,8 @@ def _free_port(host: str, taken: set[int]) -> int:
 
 
 def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no output)"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:]) or "    (no output)"
+    text = launch.log_tail(path, lines)
+    return "\n".join("    " + line for line in text.splitlines()) or "    (no output)"
 
 
 class LocalBackend(Backend):
