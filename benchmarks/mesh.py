@@ -46,22 +46,20 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    CpuMeter,
-    CpuUsage,
-    QuietGate,
-    TeacherProcess,
-    format_table,
+    REPO_ROOT,
     interleave,
     machine_info,
     median,
     paired_ratios,
     ratio,
     sigterm_raises,
-    start_all,
     write_results,
 )
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
+from benchmarks.mesh_report import ok, report
 from distill import DistillReader
 from examples.emulated import BATCH, TEACHER_MS_ENV, EmulatedTeacher, W1Loader, build, student_step
+from teacher_server.launch import TeacherProcess, start_all
 
 MODEL_REF = "examples.emulated:build"
 MODEL_NAME = "emulated"
@@ -301,7 +299,8 @@ def run_w5(s: Settings, gate: QuietGate) -> dict[str, Any]:
     loader = W1Loader(s.w5_batches, batch_size=s.batch, distinct=True)
     reference = build(step_ms=0)
     with contextlib.ExitStack() as stack:
-        servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w5-teacher-{i}", env=server_env(s))
+        servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w5-teacher-{i}", env=server_env(s),
+                                                  cwd=REPO_ROOT, stop_grace=20.0)
                                     for i in range(s.w5_teachers)])
         print("W5 teachers: " + ", ".join(f"pid {p.pid} at {p.endpoint}" for p in servers), flush=True)
         reader = stack.enter_context(DistillReader(
@@ -392,7 +391,8 @@ def run(s: Settings) -> dict[str, Any]:
     if s.only in ("", "w1"):
         started = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w1-teacher-{i}", env=server_env(s))
+            servers = start_all(stack, [TeacherProcess(server_args(s), label=f"w1-teacher-{i}", env=server_env(s),
+                                                      cwd=REPO_ROOT, stop_grace=20.0)
                                         for i in range(s.teachers)])
             print("W1 teachers: " + ", ".join(f"pid {p.pid} at {p.endpoint}" for p in servers)
                   + f" (ready after {time.perf_counter() - started:.1f} s)", flush=True)
@@ -407,79 +407,6 @@ def run(s: Settings) -> dict[str, Any]:
     doc["plot"] = ("none: matplotlib is not installed and the project adds no dependency for a picture; "
                    "the tables carry the numbers")
     return doc
-
-
-def ok(doc: dict[str, Any]) -> bool:
-    """Correctness, not speed: no wrong outputs in W1; nothing lost, duplicated or reordered in W5."""
-    w1, w5 = doc.get("w1", {}), doc.get("w5", {})
-    return not w1.get("wrong_outputs") and not any(w5.get(k) for k in ("lost", "duplicated", "out_of_order",
-                                                                        "wrong_outputs"))
-
-
-def report(doc: dict[str, Any]) -> str:
-    s, m = doc["settings"], doc["machine"]
-    lines = [f"machine: {m['cpu_model']}, {m['cpu_count']} cores, python {m['python']}, torch {m['torch_version']},"
-             f" grpc {m['grpc_version']}"]
-    if "w1" in doc:
-        lines += report_w1(s, doc["w1"], "w5" in doc)
-    if "w5" in doc:
-        lines += report_w5(s, doc["w5"])
-    return "\n".join(lines)
-
-
-def report_w1(s: dict[str, Any], w1: dict[str, Any], more: bool) -> list[str]:
-    lines = [f"W1: batch {s['batch']}, teacher {s['teacher_ms']:g} ms/batch, student {s['student_ms']:g} ms/step,"
-             f" {s['teachers']} teachers, {s['reps']} reps x {s['steps']} steps (+{s['warmup']} warm-up)", ""]
-    rows = []
-    for mode in ("pure", "inline", "service"):
-        reps = w1["per_rep"][mode]
-        rows.append([
-            mode, w1["medians_samples_per_s"][mode], w1["ideal_samples_per_s"][mode],
-            " ".join(f"{r['samples_per_s']:,.0f}" for r in reps),
-            median([r["fetch_ms_mean"] for r in reps]), w1["median_cpu_cores"][mode]["client_cores"],
-            w1["median_cpu_cores"][mode]["server_cores"], w1["median_cpu_cores"][mode]["foreign_cores"],
-        ])
-    lines.append(format_table(
-        ["mode", "samples/s", "ideal", "per rep", "fetch ms/step", "our cores", "server cores", "other cores"], rows))
-    r, g = w1["ratios"], w1["goals"]
-    lines += [
-        "",
-        f"service / pure   = {r['service_vs_pure']:.3f}  (goal >= {g['service_vs_pure']}:"
-        f" {'met' if w1['met']['service_vs_pure'] else 'MISSED'}; per rep {w1['per_rep_ratios']['service_vs_pure']})",
-        f"service / inline = {r['service_vs_inline']:.3f}  (goal >= {g['service_vs_inline']}:"
-        f" {'met' if w1['met']['service_vs_inline'] else 'MISSED'}; per rep "
-        f"{w1['per_rep_ratios']['service_vs_inline']})",
-        f"teacher outputs checked against the in-process model: {w1['outputs_checked']}, wrong: {w1['wrong_outputs']}",
-        f"measurements redone because other processes took > {REDO_FOREIGN_CORES} cores: "
-        f"{sum(len(v) for v in w1['discarded'].values())} (kept in the JSON under 'discarded')",
-    ]
-    return [*lines, ""] if more else lines
-
-
-def report_w5(s: dict[str, Any], w5: dict[str, Any]) -> list[str]:
-    lines = [
-        f"W5: {w5['teachers']} teachers, {w5['batches']} batches, {w5['signal']} to the teacher with work in flight"
-        f" after batch {w5['kill_after_batch']} ({w5['victim_in_flight_at_kill']} chunk(s) there)",
-    ]
-    lines.append(format_table(["metric", "value", "goal"], [
-        ["delivered", w5["delivered"], w5["batches"]],
-        ["lost", w5["lost"], 0],
-        ["duplicated", w5["duplicated"], 0],
-        ["out of order", w5["out_of_order"], 0],
-        ["wrong outputs", w5["wrong_outputs"], 0],
-        ["longest gap ms", w5["longest_gap_ms"], f"<= {1000 * w5['stall_goal_s']:.0f}"],
-        ["  before batch", w5["longest_gap_before_batch"], ""],
-        ["longest gap after kill ms", w5["longest_gap_after_kill_ms"], ""],
-        ["kill -> next batch ms", w5["kill_to_next_batch_ms"], ""],
-        ["median gap ms", w5["median_gap_ms"], f"~{s['student_ms']:g}"],
-        ["longest wait in next() ms", w5["longest_wait_in_next_ms"], ""],
-        ["gaps > 4x median", len(w5["long_gaps"]), ""],
-        ["retries", w5["reader"]["retries"], ""],
-        ["victim exit code", w5["victim_exit_code"], -9],
-    ]))
-    lines.append(f"W5 {'met' if w5['met'] else 'MISSED'} (timeout {s['timeout_s']:g} s, hedge_after "
-                 f"{s['hedge_after_s'] if s['hedge_after_s'] is not None else 'off'})")
-    return lines
 
 
 def _hedge(text: str) -> float | str | None:
@@ -539,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["total_wall_s"] = round(time.perf_counter() - started, 1)
     path = write_results(result_name(s), doc)
     print()
-    print(report(doc))
+    print(report(doc, REDO_FOREIGN_CORES))
     print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
     return 0 if ok(doc) else 1
 

@@ -47,11 +47,8 @@ extrapolates to 100 %. Measure final figures on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
-import math
-import random
 import re
 import subprocess
 import sys
@@ -62,26 +59,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.common import (
-    REPO_ROOT,
-    format_table,
-    machine_busy_seconds,
-    machine_info,
-    pdeathsig_argv,
-    process_cpu_seconds,
-    sigterm_raises,
-    stop_process,
-    write_results,
+from benchmarks.common import REPO_ROOT, format_table, machine_info, sigterm_raises, write_results
+from benchmarks.cpu import machine_busy_seconds, process_cpu_seconds
+from benchmarks.scale_sim_worker import (
+    AUTOSCALER_PERIOD_S,
+    DEMAND_INTERVAL_S,
+    FULL_STUDENTS,
+    FULL_TEACHERS,
+    LOAD_INTERVAL_S,
+    RESYNC_S,
+    TTL_S,
+    _quantiles,
+    worker_main,
 )
-
-SERVICE = "scale"
-FULL_STUDENTS = 1000
-FULL_TEACHERS = 200
-TTL_S = 10.0  # teacher-server --ttl default and publish_demand's default
-LOAD_INTERVAL_S = 1.0  # register(load_interval=...) default; teacher-server does not change it
-DEMAND_INTERVAL_S = 1.0  # publish_demand(interval=...) default; the engine does not change it
-RESYNC_S = 30.0  # EtcdRegistry(resync_interval=...) default: a full read per watch this often
-AUTOSCALER_PERIOD_S = 1.0  # distill.autoscale ControllerConfig.period default
+from teacher_server.launch import pdeathsig_argv, stop
 
 
 @dataclass(frozen=True)
@@ -110,205 +101,6 @@ def nominal(students: int, teachers: int) -> dict[str, float]:
         "resync_ranges_per_s": (students + 1) / RESYNC_S,
         "autoscaler_ranges_per_s": 1.0 / AUTOSCALER_PERIOD_S,
     }
-
-
-# ==== the worker (its own process) =================================================================
-def worker_main(argv: Sequence[str]) -> int:
-    """``python -m benchmarks.scale_sim _worker ...``: many teachers and students on one event loop.
-
-    stdout: ``{"ev": "ready"}`` once all are registered and watching; then, on ``measure S`` on
-    stdin, a ``{"ev": "result"}`` after S seconds; ``quit`` or EOF tears down and exits.
-    """
-    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_sim _worker")
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--index", type=int, required=True)
-    p.add_argument("--teachers", type=int, required=True)
-    p.add_argument("--students", type=int, required=True)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--sampled", type=int, default=10)
-    p.add_argument("--probe-every", type=float, default=0.0)
-    p.add_argument("--autoscaler", action="store_true")
-    p.add_argument("--ramp", type=float, default=8.0)
-    p.add_argument("--reports", choices=("steady", "moving"), default="steady")
-    a = p.parse_args(list(argv))
-    try:
-        import uvloop
-
-        uvloop.run(_worker(a))
-    except ImportError:  # pragma: no cover
-        asyncio.run(_worker(a))
-    return 0
-
-
-def _emit(**fields: Any) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-async def _worker(a: argparse.Namespace) -> None:
-    import logging
-
-    from discovery import EtcdRegistry, Registration
-    from protos import registry_pb2
-
-    logging.basicConfig(level=logging.ERROR)  # 1,000 "registered" lines would drown the output
-    loop = asyncio.get_running_loop()
-    regs = [EtcdRegistry(a.endpoint, timeout=10.0, connect_timeout=60.0,
-                         grpc_options={"grpc.use_local_subchannel_pool": 1})  # one TCP connection each
-            for _ in range(max(1, a.clients))]
-    held: list[Registration] = []
-    tasks: list[asyncio.Task[None]] = []
-    stats = {"snapshots": 0, "autoscaler_reads": 0, "autoscaler_read_errors": 0}
-    latencies: list[float] = []
-    lags: list[float] = []
-    rng = random.Random(a.index)
-
-    def teacher_record(iid: str, started_at: float) -> Any:
-        rec = registry_pb2.TeacherRecord(instance_id=iid, endpoint=f"127.0.0.1:{10000 + rng.randrange(50000)}",
-                                         model_name="sim", model_version="1", max_batch_size=256, device="cpu",
-                                         started_at=started_at, instances=1)
-        rec.inputs.add(name="INPUT", datatype="FP32", shape=[3, 32, 32])
-        rec.outputs.add(name="LOGITS", datatype="FP32", shape=[100])
-        return rec
-
-    def moving_load() -> Any:
-        return registry_pb2.TeacherLoad(queue_depth=rng.randrange(4), in_flight=rng.randrange(8),
-                                        samples_per_s=rng.uniform(9000, 12000), busy_fraction=rng.random(),
-                                        capacity_samples_per_s=12000.0)
-
-    def moving_demand() -> Any:
-        return registry_pb2.StudentDemand(samples_per_s=rng.uniform(9000, 10240), wait_fraction=rng.random() * 0.1,
-                                          in_flight=rng.randrange(8), teachers_in_use=4)
-
-    def jitter(x: float, rel: float = 0.03) -> float:
-        return x * rng.uniform(1 - rel, 1 + rel)
-
-    def steady_load() -> Any:
-        """One teacher at its own operating point; each sample within a few percent of it."""
-        rate, busy = rng.uniform(9000, 12000), rng.uniform(0.6, 0.9)
-        return lambda: registry_pb2.TeacherLoad(
-            queue_depth=0, in_flight=rng.randrange(4, 8), samples_per_s=jitter(rate),
-            busy_fraction=min(1.0, busy + rng.uniform(-0.02, 0.02)), capacity_samples_per_s=jitter(12000.0, 0.01))
-
-    def steady_demand() -> Any:
-        rate, wait = rng.uniform(9000, 10240), rng.uniform(0.0, 0.1)
-        return lambda: registry_pb2.StudentDemand(
-            samples_per_s=jitter(rate), wait_fraction=max(0.0, wait + rng.uniform(-0.02, 0.02)),
-            in_flight=rng.randrange(4, 8), teachers_in_use=4)
-
-    def load_fn() -> Any:
-        return steady_load() if a.reports == "steady" else moving_load
-
-    def demand_fn() -> Any:
-        return steady_demand() if a.reports == "steady" else moving_demand
-
-    async def consume(reg: EtcdRegistry, sampled: bool, loads: bool = False) -> None:
-        seen: set[str] = set()
-        async with reg.watch(SERVICE, loads=loads) as watch:
-            async for snap in watch:
-                stats["snapshots"] += 1
-                if sampled:
-                    now = time.time()
-                    for iid in snap:
-                        if iid.startswith("probe-") and iid not in seen:
-                            seen.add(iid)
-                            latencies.append(now - snap[iid].record.started_at)
-
-    async def lag_monitor() -> None:
-        while True:
-            t = loop.time()
-            await asyncio.sleep(0.1)
-            lags.append(loop.time() - t - 0.1)
-
-    async def autoscaler(reg: EtcdRegistry) -> None:
-        while True:
-            try:
-                await reg.demand(SERVICE)
-                stats["autoscaler_reads"] += 1
-            except Exception:
-                stats["autoscaler_read_errors"] += 1
-            await asyncio.sleep(AUTOSCALER_PERIOD_S)
-
-    async def stagger(n: int, span: float, start_one: Any) -> None:
-        batch = 25
-        for lo in range(0, n, batch):
-            await asyncio.gather(*(start_one(i) for i in range(lo, min(n, lo + batch))))
-            await asyncio.sleep(span * batch / max(n, 1))
-
-    async def start_teacher(i: int) -> None:
-        iid = f"w{a.index}-t{i}"
-        reg = regs[i % len(regs)].register(SERVICE, teacher_record(iid, time.time()), ttl=TTL_S, load=load_fn(),
-                                           load_interval=LOAD_INTERVAL_S)
-        await reg.__aenter__()
-        held.append(reg)
-
-    async def start_student(i: int) -> None:
-        r = regs[i % len(regs)]
-        tasks.append(loop.create_task(consume(r, i < a.sampled)))
-        d = r.publish_demand(SERVICE, demand_fn(), ttl=TTL_S, interval=DEMAND_INTERVAL_S,
-                             student_id=f"w{a.index}-s{i}")
-        await d.__aenter__()
-        held.append(d)
-
-    try:
-        tasks.append(loop.create_task(lag_monitor()))
-        await stagger(a.teachers, a.ramp / 3, start_teacher)
-        await stagger(a.students, a.ramp * 2 / 3, start_student)
-        if a.autoscaler:
-            tasks.append(loop.create_task(autoscaler(regs[0])))
-            tasks.append(loop.create_task(consume(regs[0], False, loads=True)))
-        registered = sum(1 for h in held if h.registered)
-        _emit(ev="ready", registered=registered, expected=a.teachers + a.students)
-        cmd = await _next_cmd()
-        if cmd and cmd[0] == "measure":
-            seconds = float(cmd[1])
-            stats.update(snapshots=0, autoscaler_reads=0, autoscaler_read_errors=0)
-            latencies.clear()
-            lags.clear()
-            probes: list[tuple[Registration, float]] = []
-            t_end = loop.time() + seconds
-            n = 0
-            while loop.time() < t_end and n < 10_000:  # bounded in count and time
-                if a.probe_every > 0:
-                    started = time.time()
-                    reg = regs[n % len(regs)].register(SERVICE, teacher_record(f"probe-{a.index}-{n}", started),
-                                                       ttl=TTL_S)
-                    await reg.__aenter__()
-                    probes.append((reg, time.time() - started))
-                    if len(probes) > 3:  # keep the teacher count steady: retire the oldest probe
-                        await probes[-4][0].deregister()
-                    n += 1
-                    await asyncio.sleep(max(0.0, min(a.probe_every, t_end - loop.time())))
-                else:
-                    await asyncio.sleep(max(0.0, t_end - loop.time()))
-            _emit(ev="result", seconds=seconds, snapshots=stats["snapshots"],
-                  autoscaler_reads=stats["autoscaler_reads"], autoscaler_read_errors=stats["autoscaler_read_errors"],
-                  latencies=latencies, register_s=[d for _, d in probes], lag=_quantiles(lags),
-                  registered=sum(1 for h in held if h.registered), expected=a.teachers + a.students,
-                  reregistrations=sum(max(0, getattr(h, "registrations", 1) - 1) for h in held))
-            for reg, _ in probes:
-                await reg.deregister()
-            await _next_cmd()  # quit or EOF
-    finally:
-        for t in tasks:
-            t.cancel()
-        # Revoking 1,000 leases one by one takes long; the benchmark restarts etcd per fraction,
-        # so a bounded close is enough (leftover leases die with that etcd).
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(r.close() for r in regs), return_exceptions=True), 10.0)
-
-
-async def _next_cmd() -> list[str]:
-    """The next command line from stdin, read in a thread so the event loop keeps running."""
-    line = await asyncio.to_thread(sys.stdin.readline)
-    return line.split() if line else []
-
-
-def _quantiles(values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {"n": 0, "p50": math.nan, "p99": math.nan, "max": math.nan}
-    v = sorted(values)
-    return {"n": len(v), "p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(len(v) * 0.99))], "max": v[-1]}
 
 
 # ==== the benchmark ================================================================================
@@ -359,7 +151,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
             proc = subprocess.Popen(pdeathsig_argv(argv), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
             workers.append(proc)
-            stack.callback(stop_process, proc, term_timeout_s=15.0)
+            stack.callback(stop, proc, 15.0)
         readies = [_read_event(p, "ready", 60.0 + 3 * s.ramp_s) for p in workers]
         print(f"  ramped up: {sum(r.get('registered', 0) for r in readies)} of "
               f"{sum(r.get('expected', 0) for r in readies)} registrations live; settling {s.settle_s:g} s", flush=True)

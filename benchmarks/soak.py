@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -59,19 +58,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    RESULTS_DIR,
-    CpuMeter,
-    ReportingChild,
-    TeacherProcess,
-    format_table,
-    log_tail,
-    machine_info,
-    process_rss_bytes,
-    sigterm_raises,
-    start_all,
-    write_results,
-)
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, format_table, machine_info, sigterm_raises, write_results
+from benchmarks.cpu import CpuMeter
+from benchmarks.procs import log_tail, process_rss_bytes
+from benchmarks.students import StudentProc
+from teacher_server.launch import TeacherProcess, start_all
 
 SERVICE = "soak"
 MODEL_REF = "examples.emulated:build"
@@ -214,63 +205,12 @@ def student_worker(argv: Sequence[str]) -> int:
     return 0
 
 
-class StudentProc(ReportingChild):
-    """The benchmark's handle on one student subprocess: launch, read its reports, stop it."""
-
-    def __init__(self, index: int, registry: str, s: Settings, log_dir: Path) -> None:
-        super().__init__(f"student{index}", log_dir / f"student{index}.log")
-        self.index = index
-        self.registry = registry
-        self.settings = s
-        self.reports: list[dict[str, Any]] = []
-        self.errors: list[dict[str, Any]] = []
-        self.done: dict[str, Any] | None = None
-
-    def command(self) -> list[str]:
-        s = self.settings
-        return [sys.executable, "-m", "benchmarks.soak", "_student", "--registry", self.registry,
-                "--service", SERVICE, "--name", self.name, "--seconds", str(s.duration_s),
-                "--batch", str(s.batch), "--student-ms", str(s.student_ms),
-                "--max-teachers", str(s.max_teachers), "--seed", str(self.index)]
-
-    def on_event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
-        if kind == "r":
-            self.reports.append(ev)
-        elif kind == "error":
-            self.errors.append(ev)
-        elif kind == "done":
-            self.done = ev
-
-    def go(self) -> None:
-        self.send("go")
-
-    def samples_at(self, t: float) -> float:
-        """Cumulative samples at monotonic time ``t``, linearly interpolated between reports."""
-        with self.lock:
-            pts = [(r["t"], float(r["samples"])) for r in self.reports]
-        return _interp(pts, t)
-
-    def counters(self) -> dict[str, Any]:
-        with self.lock:
-            if self.done is not None:
-                return dict(self.done)
-            return dict(self.reports[-1]) if self.reports else {}
-
-    def close(self, wait_s: float = 15.0, quit_command: str | None = None) -> None:
-        """EOF on stdin (the student exits), then SIGTERM/SIGKILL if it hangs; always reaps."""
-        super().close(wait_s, quit_command)
-
-
-def _interp(points: Sequence[tuple[float, float]], t: float) -> float:
-    if not points:
-        return 0.0
-    if t < points[0][0]:
-        return 0.0  # before the first report: the student starts counting from 0 at "go"
-    for (t0, v0), (t1, v1) in itertools.pairwise(points):
-        if t0 <= t <= t1:
-            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-    return points[-1][1]
+def student_command(index: int, registry: str, s: Settings) -> list[str]:
+    """The argv of student `index`: this module's worker, reporting without sessions."""
+    return [sys.executable, "-m", "benchmarks.soak", "_student", "--registry", registry,
+            "--service", SERVICE, "--name", f"student{index}", "--seconds", str(s.duration_s),
+            "--batch", str(s.batch), "--student-ms", str(s.student_ms),
+            "--max-teachers", str(s.max_teachers), "--seed", str(index)]
 
 
 def scrape_rss(metrics_port: int | None) -> int | None:
@@ -313,12 +253,12 @@ def run(s: Settings) -> dict[str, Any]:
         etcd.start()
         assert etcd.pid is not None
         procs.append(Proc("etcd", etcd.pid))
-        env = {**os.environ, "EMULATED_TEACHER_MS": str(s.teacher_ms)}
+        env = {"EMULATED_TEACHER_MS": str(s.teacher_ms)}
         teachers = [
             TeacherProcess(["--model", MODEL_REF, "--name", MODEL_NAME, "--port", "0", "--metrics-port", "0",
                             "--threads", "1", "--instances", "1", "--registry", etcd.address, "--service", SERVICE,
                             "--instance-id", f"soak-t{i}", "--log-level", "WARNING"],
-                           label=f"teacher{i}", env=env)
+                           label=f"teacher{i}", env=env, cwd=REPO_ROOT, stop_grace=20.0)
             for i in range(s.teachers)
         ]
         print(f"starting etcd, {s.teachers} teachers and {s.students} students ...", flush=True)
@@ -326,7 +266,7 @@ def run(s: Settings) -> dict[str, Any]:
         for i, t in enumerate(teachers):
             procs.append(Proc(f"teacher{i}", t.pid, metrics_port=t.ready.get("metrics_port")))
         for i in range(s.students):
-            st = StudentProc(i, etcd.address, s, log_dir)
+            st = StudentProc(i, student_command(i, etcd.address, s), log_dir)
             stack.callback(st.close)
             students.append(st)
             st.launch()
@@ -362,7 +302,7 @@ def run(s: Settings) -> dict[str, Any]:
             meter = CpuMeter([p.pid for p in procs])
             meter.start()
             lo = edge - min(s.interval_s, s.duration_s)
-            per_student = [st.samples_at(edge) - st.samples_at(lo) for st in students]
+            per_student = [st.value_at("samples", edge) - st.value_at("samples", lo) for st in students]
             errors = sum(int(st.counters().get("errors", 0)) for st in students)
             row = {"t_end_s": round(edge - t0, 1), "samples_per_s": round(sum(per_student) / (edge - lo), 1),
                    "per_student_samples_per_s": [round(x / (edge - lo), 1) for x in per_student],

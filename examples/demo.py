@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from typing import Any
 
 from discovery import keys, open_registry
 from discovery.local_etcd import LocalEtcd
+from examples.common import StudentResult, cache_dir
 from examples.cv import teacher as cv_teacher
-from examples.cv.common import StudentResult, cache_dir
 from examples.cv.train_student import StudentConfig, reader_source, train_student
 from examples.cv.train_teacher import train_teacher
 from teacher_server import launch
@@ -132,14 +131,11 @@ def autoscaler(address: str, log_dir: Path, *, max_teachers: int, down_window: f
         "--", sys.executable, "-m", "teacher_server", "--model", "examples.cv.teacher:build",
         "--name", "digits", "--device", "cpu", "--max-batch-size", "256", "--ttl", "5",
     ]
-    env = {**os.environ, cv_teacher.WEIGHTS_ENV: str(weights)}
-    log = open(log_dir / "autoscaler.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = launch.spawn(cmd, log=log_dir / "autoscaler.log", env={cv_teacher.WEIGHTS_ENV: str(weights)}, cwd=REPO)
     try:
         yield proc
     finally:
         launch.stop(proc, grace=30.0)
-        log.close()
 
 
 def plot(timeline: Timeline, path: Path) -> Path | None:

@@ -10,6 +10,7 @@ sees every batch exactly once, in order, with correct teacher outputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.autoscale_pools import DecisionFollower
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import DistillReader
@@ -78,6 +80,11 @@ class Student(threading.Thread):
                     time.sleep(self.step)
         except BaseException as e:
             self.error = e
+
+
+def _changes(values: list[int]) -> list[int]:
+    """`values` without consecutive repeats: the successive desired counts."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
 async def wait_for(what: str, check: Any, timeout: float, ctl: Controller) -> float:
@@ -141,17 +148,28 @@ def test_demand_up_adds_teachers_demand_down_drains_them_without_failed_requests
             policy = PolicyConfig(min_teachers=1, max_teachers=3, up_window=1.0, down_window=4.0, max_step=2)
             config = ControllerConfig(service, period=0.5, election_ttl=2, metrics_port=0, metrics_host="127.0.0.1")
             controller = Controller(registry, backend, policy, config)
+            # What the W4 benchmark reads instead of the autoscaler's log: the published decisions.
+            follower = DecisionFollower(registry, service, poll_s=0.1)
             try:
                 async with controller:
+                    following = asyncio.get_running_loop().create_task(follower.follow())
                     try:
                         await exercise(controller, backend, student)
                     finally:  # stop the student while teachers still serve its prefetched batches
+                        following.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await following
                         student.stop.set()
                         if student.is_alive():
                             await asyncio.to_thread(student.join, 30)
             finally:
                 await registry.close()
             assert not backend.processes and not backend.draining
+            followed = follower.decisions(0.0)
+            assert followed == sorted(followed, key=lambda d: d["t"])
+            made = [d.desired for d in controller.decisions]
+            assert _changes([d["desired"] for d in followed]) == _changes(made), (followed, made)
+            assert {d["action"] for d in followed} >= {"up", "down"}
 
         arun(scenario(), timeout=110)
     assert not student.is_alive()

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.common import CACHE_ENV
 from examples.cv import export as cv_export
 from examples.cv import serve as cv_serve
 from examples.cv import train_student as cv_student
 from examples.cv import train_teacher as cv_teacher
-from examples.cv.common import CACHE_ENV
 from examples.nlp import export as nlp_export
 from examples.nlp import serve as nlp_serve
 from examples.nlp import train_student as nlp_student

@@ -13,19 +13,16 @@ port, checks one batch of test digits against the in-process teacher, and stops 
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from examples.common import ServeCommand, build_serve_parser, serve_main, teacher_server_process
 from examples.cv import data
-from examples.cv.common import teacher_server_process
 from examples.cv.export import io_flags
 from examples.cv.teacher import WEIGHTS_ENV, load_teacher, weights_path
-from teacher_server.model import ModelLoadError
 
 MODEL_NAME = "cv_teacher"
 SERVICE = "cv-teacher"
@@ -82,43 +79,20 @@ def smoke(args: list[str]) -> int:
     return 0 if agree == 64 else 1
 
 
+COMMAND = ServeCommand(
+    example="cv", description=__doc__.split("\n")[0], default_port=9898, service=SERVICE, sources=SOURCES,
+    weights_env=WEIGHTS_ENV, teacher_args=teacher_args, check_files=_check_files, smoke=smoke,
+    from_help="serve the module:factory, or a file written by examples.cv.export",
+    smoke_help="serve briefly on a free port, check one batch, stop",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.cv.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--from", dest="source", choices=SOURCES, default="factory",
-                   help="serve the module:factory, or a file written by examples.cv.export (default: %(default)s)")
-    p.add_argument("--port", type=int, default=9898, help="(default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")
-    p.add_argument("--registry", default=None, help="etcd://HOST:PORT: register so students find it")
-    p.add_argument("--service", default=SERVICE, help="service name in the registry (default: %(default)s)")
-    p.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
-    p.add_argument("--smoke", action="store_true", help="serve briefly on a free port, check one batch, stop")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more teacher-server flags")
-    return p
+    return build_serve_parser(COMMAND)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    server_args = teacher_args(source=args.source, port=args.port, device=args.device, registry=args.registry,
-                               service=args.service, extra=extra)
-    env_note = f"{WEIGHTS_ENV}={shlex.quote(os.environ[WEIGHTS_ENV])} " if WEIGHTS_ENV in os.environ else ""
-    print(f"{env_note}teacher-server {shlex.join(server_args)}", flush=True)
-    if args.print_only:
-        return 0
-    problem = _check_files(args.source)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 1
-    if args.smoke:
-        try:
-            return smoke(teacher_args(source=args.source, port=0, device=args.device, registry=args.registry,
-                                      service=args.service, extra=extra))
-        except (ModelLoadError, RuntimeError, TimeoutError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    # Become the server: signals go straight to it, and it drains on SIGTERM.
-    os.execv(sys.executable, [sys.executable, "-m", "teacher_server", *server_args])
-    return 0  # pragma: no cover - execv does not return
+    return serve_main(COMMAND, argv)
 
 
 if __name__ == "__main__":

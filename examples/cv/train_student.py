@@ -15,30 +15,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 import distill
-from examples.cv import common, data
-from examples.cv.common import (
+from examples import common
+from examples.common import (
     Source,
-    StallTimer,
     StudentResult,
-    accuracy,
-    no_teacher,
+    fit_student,
     parse_seeds,
     print_result,
-    progress_bar,
     seed_everything,
     summarize,
-    teachers_in_use,
 )
+from examples.cv import data
 from examples.cv.models import StudentMLP
 
 
@@ -81,43 +74,11 @@ def train_student(config: StudentConfig, source: Source | None = None, *, progre
     x, y = data.subset(digits.train_x, digits.train_y, cfg.train_size, seed=cfg.seed)
     loader = data.Batches(x, y, batch_size=cfg.batch_size, seed=cfg.seed, augment=cfg.augment,
                           max_batches=cfg.max_batches)
-    student = StudentMLP(hidden=cfg.hidden)
-    opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
-    kd = distill.KDLoss(temperature=cfg.temperature, alpha=cfg.alpha) if source is not None else None
-    ce = nn.CrossEntropyLoss()
-    timer = StallTimer()
-    samples = 0
-    bar = progress_bar(cfg.epochs, f"student seed {cfg.seed} ({'KD' if kd else 'no KD'})", progress)
-    started = time.perf_counter()
-    with (source or no_teacher)(loader) as batches:
-        for epoch in range(cfg.epochs):
-            student.train()
-            for batch, teacher in timer.wrap(batches):
-                logits = student(batch["INPUT"])
-                if kd is not None:
-                    loss = kd(logits, teacher["LOGITS"] if teacher is not None else None, batch["label"])
-                else:
-                    loss = ce(logits, batch["label"])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                samples += len(batch["label"])
-            if on_epoch is not None or bar is not None:
-                acc = accuracy(student, digits.test_x, digits.test_y)
-                if on_epoch is not None:
-                    on_epoch(epoch, acc)
-                if bar is not None:
-                    bar.set_postfix(test_acc=f"{acc:.3f}")
-                    bar.update()
-        used = teachers_in_use(batches)
-    seconds = time.perf_counter() - started
-    if bar is not None:
-        bar.close()
-    return StudentResult(
-        seed=cfg.seed, kd=kd is not None, test_accuracy=accuracy(student, digits.test_x, digits.test_y),
-        seconds=seconds, samples=samples, samples_per_s=samples / max(seconds, 1e-9),
-        stall_fraction=min(1.0, timer.waited / max(seconds, 1e-9)), teachers_in_use=used,
-    )
+    return fit_student(StudentMLP(hidden=cfg.hidden), loader, source, seed=cfg.seed, epochs=cfg.epochs, lr=cfg.lr,
+                       temperature=cfg.temperature, alpha=cfg.alpha, input_name="INPUT",
+                       test=(digits.test_x, digits.test_y),
+                       desc=f"student seed {cfg.seed} ({'KD' if source is not None else 'no KD'})",
+                       progress=progress, on_epoch=on_epoch)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from examples.common import accuracy, progress_bar, seed_everything
 from examples.cv import data
-from examples.cv.common import accuracy, progress_bar, seed_everything, write_json
 from examples.cv.models import TeacherCNN, parameter_count
-from examples.cv.teacher import info_path, weights_path
+from examples.cv.teacher import FILES, weights_path
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,8 @@ def train_teacher(
         bar.close()
     seconds = time.perf_counter() - started
     acc = accuracy(model.eval(), digits.test_x, digits.test_y)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(out)  # a server starting meanwhile never reads half a file
-    write_json(info_path(out), {"test_accuracy": acc, "epochs": epochs, "seed": seed, "seconds": round(seconds, 2),
-                                "parameters": parameter_count(model), "model": "TeacherCNN"})
+    FILES.save(model, out, {"test_accuracy": acc, "epochs": epochs, "seed": seed, "seconds": round(seconds, 2),
+                            "parameters": parameter_count(model), "model": "TeacherCNN"})
     return TeacherResult(out, acc, epochs, seconds)
 
 

@@ -31,8 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distill
-from examples.cv import data
-from examples.cv.common import (
+from examples.common import (
     Source,
     StallTimer,
     StudentResult,
@@ -44,6 +43,7 @@ from examples.cv.common import (
     summarize,
     teachers_in_use,
 )
+from examples.cv import data
 from examples.cv.models import StudentMLP
 from examples.cv.train_student import StudentConfig, reader_source
 

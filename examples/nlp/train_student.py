@@ -16,30 +16,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import distill
-from examples.cv import common
-from examples.cv.common import (
+from examples import common
+from examples.common import (
     Outputs,
     Source,
-    StallTimer,
     StudentResult,
-    accuracy,
-    no_teacher,
+    fit_student,
     parse_seeds,
     print_result,
-    progress_bar,
     seed_everything,
     summarize,
-    teachers_in_use,
 )
 from examples.nlp import data
 from examples.nlp.models import CNNStudent
@@ -88,39 +82,10 @@ def train_student(config: StudentConfig, source: Source | None = None, *, progre
     seed_everything(cfg.seed)
     train, test = data.student_set(cfg.train_size), data.test_set()
     loader = data.Batches(train, batch_size=cfg.batch_size, seed=cfg.seed, max_batches=cfg.max_batches)
-    student = CNNStudent(channels=cfg.channels)
-    opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
-    kd = distill.KDLoss(temperature=cfg.temperature, alpha=cfg.alpha) if source is not None else None
-    ce = nn.CrossEntropyLoss()
-    timer, samples = StallTimer(), 0
-    bar = progress_bar(cfg.epochs, f"student seed {cfg.seed}", progress)
-    started = time.perf_counter()
-    with (source or no_teacher)(loader) as batches:
-        for epoch in range(cfg.epochs):
-            student.train()
-            for batch, teacher in timer.wrap(batches):
-                logits = student(batch["TOKENS"])
-                loss = ce(logits, batch["label"]) if kd is None else kd(logits, soft_targets(teacher), batch["label"])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                samples += len(batch["label"])
-            if on_epoch is not None or bar is not None:
-                acc = accuracy(student, test.tokens, test.labels)
-                if on_epoch is not None:
-                    on_epoch(epoch, acc)
-                if bar is not None:
-                    bar.set_postfix(test_acc=f"{acc:.3f}")
-                    bar.update()
-        used = teachers_in_use(batches)
-    seconds = time.perf_counter() - started
-    if bar is not None:
-        bar.close()
-    return StudentResult(
-        seed=cfg.seed, kd=kd is not None, test_accuracy=accuracy(student, test.tokens, test.labels),
-        seconds=seconds, samples=samples, samples_per_s=samples / max(seconds, 1e-9),
-        stall_fraction=min(1.0, timer.waited / max(seconds, 1e-9)), teachers_in_use=used,
-    )
+    return fit_student(CNNStudent(channels=cfg.channels), loader, source, seed=cfg.seed, epochs=cfg.epochs,
+                       lr=cfg.lr, temperature=cfg.temperature, alpha=cfg.alpha, input_name="TOKENS",
+                       test=(test.tokens, test.labels), soft_targets=soft_targets,
+                       desc=f"student seed {cfg.seed}", progress=progress, on_epoch=on_epoch)
 
 
 def build_parser() -> argparse.ArgumentParser:

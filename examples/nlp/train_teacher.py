@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from examples.cv.common import accuracy, progress_bar, seed_everything, write_json
+from examples.common import accuracy, progress_bar, seed_everything
 from examples.nlp import data
 from examples.nlp.models import TransformerTeacher, parameter_count
-from examples.nlp.teacher import info_path, weights_path
+from examples.nlp.teacher import FILES, weights_path
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,9 @@ def train_teacher(
         bar.close()
     seconds = time.perf_counter() - started
     acc = accuracy(model.eval(), test.tokens, test.labels)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(out)
-    write_json(info_path(out), {"test_accuracy": acc, "epochs": epochs, "sentences": sentences, "seed": seed,
-                                "seconds": round(seconds, 2), "parameters": parameter_count(model),
-                                "model": "TransformerTeacher"})
+    FILES.save(model, out, {"test_accuracy": acc, "epochs": epochs, "sentences": sentences, "seed": seed,
+                            "seconds": round(seconds, 2), "parameters": parameter_count(model),
+                            "model": "TransformerTeacher"})
     return TeacherResult(out, acc, epochs, seconds)
 
 

@@ -21,7 +21,8 @@ teacher that exits on its own is a crash: it is logged with the tail of its outp
 with exponential backoff when teachers keep dying young, so a broken template cannot fork-bomb the
 machine. ``close()`` stops every process it started (also on Ctrl-C, through the CLI); on Linux
 the children also get SIGTERM from the kernel if the autoscaler itself dies (``PR_SET_PDEATHSIG``),
-so even a SIGKILLed autoscaler leaves no teacher behind.
+so even a SIGKILLed autoscaler leaves no teacher behind. Teachers are started by
+``teacher_server.launch.spawn``, the launcher the examples and benchmarks use as well.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from discovery import keys
 from discovery.aio import cancel_and_wait
 from distill.autoscale.backends.base import Backend, BackendState
 from distill.autoscale.errors import BackendError
+from teacher_server import launch
 
 __all__ = ["PLACEHOLDERS", "LocalBackend"]
 
@@ -61,17 +63,6 @@ _APPENDED: tuple[tuple[str, str], ...] = (
     ("--registry", "{registry}"),
     ("--service", "{service}"),
 )
-
-# Run the teacher through a tiny shim that asks the kernel to SIGTERM it when its parent (the
-# autoscaler) dies, then execs the real command. `-S` skips site: the shim starts in ~10 ms.
-# PR_SET_PDEATHSIG = 1. The getppid check closes the race of a parent dying before the prctl.
-_PDEATHSIG_SHIM = (
-    "import ctypes,os,signal,sys\n"
-    "ctypes.CDLL(None,use_errno=True).prctl(1,int(signal.SIGTERM),0,0,0)\n"
-    "if os.getppid()!=int(sys.argv[1]): os._exit(1)\n"
-    "os.execvp(sys.argv[2],sys.argv[2:])\n"
-)
-
 
 @dataclass
 class _Child:
@@ -100,11 +91,8 @@ def _free_port(host: str, taken: set[int]) -> int:
 
 
 def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no output)"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:]) or "    (no output)"
+    text = launch.log_tail(path, lines)
+    return "\n".join("    " + line for line in text.splitlines()) or "    (no output)"
 
 
 class LocalBackend(Backend):
@@ -415,21 +403,13 @@ class LocalBackend(Backend):
         taken = {c.port for c in (*self._children.values(), *self._draining.values())}
         port = _free_port(self.host, taken)
         argv = self.argv(port=port, device=device, instance_id=instance_id)
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
         log_path = self.log_dir / f"{instance_id}.log"
-        with open(log_path, "wb") as out:
-            # Popen forks and execs (posix_spawn/vfork): milliseconds, no waiting on the child. It
-            # runs on the loop thread on purpose: PR_SET_PDEATHSIG fires when the *thread* that
-            # forked the child exits, and the loop thread lives as long as the autoscaler.
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                start_new_session=True,  # Ctrl-C reaches the autoscaler, which drains in order
-            )
+        # Forks and execs: milliseconds, no waiting on the child. On the loop thread on purpose:
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, and the loop thread
+        # lives as long as the autoscaler. Its own session: Ctrl-C reaches the autoscaler, which
+        # drains in order.
+        proc = launch.spawn(argv, log=log_path, env={"PYTHONUNBUFFERED": "1", **self.env}, pdeathsig=True,
+                            new_session=True)
         child = _Child(instance_id, device, port, proc, log_path, time.monotonic())
         self._children[instance_id] = child
         self.spawned += 1
