@@ -191,13 +191,20 @@ class EtcdRegistration(Registration):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if session.failure is None:  # not an etcd answer (a closed registry, a bug): say so
-                    log.warning("%s: cannot open a lease (%s); retrying", self._what, describe_error(e))
-                self._note_unreachable(session)
                 failure = session.failure
                 if failure is not None:
+                    self._note_unreachable(session)
                     await self._conn.pause(failure.client, backoff.next_delay())
-                else:
+                else:  # not an etcd answer (a closed registry, a bug): say so, once
+                    self._set_registered(False)
+                    self._attempted.set()
+                    self._slog.change(
+                        "broken",
+                        logging.WARNING,
+                        "%s: cannot open a lease (%s); retrying",
+                        self._what,
+                        describe_error(e),
+                    )
                     await asyncio.sleep(backoff.next_delay())
                 continue
             self._session = session
