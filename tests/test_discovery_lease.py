@@ -61,6 +61,7 @@ def test_grant_put_and_revoke_on_exit(etcd: LocalEtcd) -> None:
                 assert 0 < await lease_ttl(etcd, lease) <= 5
             # Leaving the block revoked the lease: its keys are gone now, not after the TTL.
             assert not session.alive
+            await bounded(session.wait_lost(), 5)  # a closed session is done, like Go's Done()
             assert await lease_ttl(etcd, lease) == -1
             async with raw_client(etcd) as raw:
                 assert await raw.get(key.encode()) is None

@@ -64,7 +64,8 @@ class LeaseSession:
       though nobody said so (a partition), so a leader must stop acting.
     * :attr:`lost`: the server said the lease is gone. Final: the task stops.
 
-    Every change of these wakes :meth:`wait_changed`. Use from one event loop.
+    Every change of these (and :meth:`orphan`/:meth:`close`) wakes :meth:`wait_changed`. Use
+    from one event loop.
     """
 
     def __init__(
@@ -137,8 +138,9 @@ class LeaseSession:
                 await event.wait()
 
     async def wait_lost(self) -> None:
-        """Return once the lease is lost (Go's ``Session.Done()``); at once if it already is."""
-        while not self._lost:
+        """Return once the lease is lost or no longer kept alive by this session (orphaned or
+        closed), like Go's ``Session.Done()``; at once if that already happened."""
+        while not (self._lost or self._orphaned or self._closed):
             await self.wait_changed()
 
     def _notify(self) -> None:
@@ -310,7 +312,9 @@ class LeaseSession:
     async def orphan(self) -> None:
         """Stop keeping the lease alive without revoking it (Go's ``Session.Orphan``): it expires
         within its TTL unless someone adopts it. Idempotent."""
-        self._orphaned = True
+        if not self._orphaned:
+            self._orphaned = True
+            self._notify()
         task, self._task = self._task, None
         if task is not None:
             await cancel_and_wait(task)
