@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -62,9 +62,9 @@ class RecordingBackend(Backend):
         self.closed = True
 
 
-async def until(what: str, check: object, timeout: float) -> float:
+async def until(what: str, check: Callable[[], object], timeout: float) -> float:
     start = time.monotonic()
-    while not check():  # type: ignore[operator]
+    while not check():
         if time.monotonic() - start > timeout:
             raise AssertionError(f"{what}: not within {timeout} s")
         await asyncio.sleep(0.05)
@@ -75,7 +75,7 @@ def controller(address: str, service: str, identity: str, backend: Backend, **po
     registry = open_registry(address, timeout=1.0)
     config = ControllerConfig(service, period=0.2, identity=identity, election_ttl=2, election_poll=0.1,
                               registry_timeout=1.0)  # fmt: skip
-    return Controller(registry, backend, PolicyConfig(**policy), config)  # type: ignore[arg-type]
+    return Controller(registry, backend, PolicyConfig(**policy), config)
 
 
 async def key_value(etcd: LocalEtcd, service: str) -> str | None:

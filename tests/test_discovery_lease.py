@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -25,10 +25,10 @@ def etcd() -> Iterator[LocalEtcd]:
         yield server
 
 
-async def until(what: str, check: object, timeout: float) -> None:
+async def until(what: str, check: Callable[[], object], timeout: float) -> None:
     """Wait (bounded) until ``check()`` is true."""
     start = time.monotonic()
-    while not check():  # type: ignore[operator]
+    while not check():
         if time.monotonic() - start > timeout:
             raise AssertionError(f"{what}: not within {timeout} s")
         await asyncio.sleep(0.05)
