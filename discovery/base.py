@@ -116,7 +116,8 @@ class Registration(abc.ABC):
     """A lease-bound publication (a teacher's record, or a student's demand) that keeps itself
     alive. Use as an async context manager; leaving it withdraws the keys at once.
 
-    Modelled on etcd's Go ``concurrency.Session``: one object owns the lease's whole life.
+    In the etcd backend it is a thin user of :class:`discovery.etcd.lease.LeaseSession`, modelled
+    on etcd's Go ``concurrency.Session``: one object owns the lease's whole life.
     """
 
     @property

@@ -5,14 +5,15 @@ Timings are asserted only as generous bounds (a loaded 2-core CI machine must pa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from discovery import EtcdRegistry, RegistryUnavailableError, keys, open_registry
+from discovery import EtcdRegistry, RegistryUnavailableError, TeacherSet, keys, open_registry
 from discovery.local_etcd import LocalEtcd, free_port
 from protos import registry_pb2
 from tests.etcd_fixtures import (
@@ -29,6 +30,11 @@ from tests.etcd_fixtures import (
 )
 
 pytestmark = pytest.mark.timeout(90)
+
+
+async def _true(value: bool) -> bool:
+    """``value`` as an awaitable check for :func:`eventually`."""
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -94,30 +100,61 @@ def test_load_is_published_and_reaches_the_snapshot(etcd: LocalEtcd) -> None:
 
 def test_membership_only_watch_sees_joins_and_leaves_but_no_loads(etcd: LocalEtcd) -> None:
     svc = unique_service()
+    samples = [0]
 
     def load() -> registry_pb2.TeacherLoad:
-        return registry_pb2.TeacherLoad(queue_depth=1)
+        samples[0] += 1  # a queue that forms and clears: every sample is news and is written
+        return registry_pb2.TeacherLoad(queue_depth=10 * (samples[0] % 2))
+
+    def newer_than(updated_at: float) -> Callable[[TeacherSet], bool]:
+        def check(snap: TeacherSet) -> bool:
+            entry = snap.get("t1")
+            return entry is not None and entry.load is not None and entry.load.updated_at > updated_at
+
+        return check
 
     async def main() -> None:
         async with open_registry(etcd.address) as reg:
             watch = reg.watch(svc, loads=False)
             full = reg.watch(svc)
-            async with reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1):
-                await next_matching(full, lambda s: "t1" in s and s["t1"].load is not None)  # loads flow
-                snap = await next_matching(watch, ids("t1"))
-                assert snap["t1"].load is None
-                await asyncio.sleep(0.6)  # several load reports later: no new membership snapshot
-                assert watch.current is not None and watch.current["t1"].load is None
-                seen = watch.current
-                assert await asyncio.wait_for(_no_new_snapshot(watch, seen), 2) is True
-            await next_matching(watch, ids())  # the leave arrives
+            seen: list[TeacherSet] = []  # every snapshot the membership-only watch publishes
 
-    async def _no_new_snapshot(w: object, seen: object) -> bool:
-        try:
-            await asyncio.wait_for(w.__anext__(), 0.8)  # type: ignore[attr-defined]
-        except TimeoutError:
-            return True
-        return False
+            async def record_all() -> None:
+                async for snap in watch:
+                    seen.append(snap)
+
+            async def membership_becomes(*names: str) -> None:
+                await eventually(
+                    lambda: _true(bool(seen) and set(seen[-1]) == set(names)), 10.0, f"membership {names}"
+                )
+
+            recorder = asyncio.get_running_loop().create_task(record_all())
+            try:
+                async with reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1):
+                    await membership_becomes("t1")
+                    # Three load snapshots, one after another, reach the full watch...
+                    updated_at = 0.0
+                    for _ in range(3):
+                        snap = await next_matching(full, newer_than(updated_at))
+                        entry = snap["t1"].load
+                        assert entry is not None
+                        updated_at = entry.updated_at
+                    # ...then a membership change, which the membership-only watch publishes.
+                    async with reg.register(svc, record("t2", 9002), ttl=5):
+                        await membership_becomes("t1", "t2")
+                await membership_becomes()  # the leaves arrive
+            finally:
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
+            # Every snapshot it published is a membership change (one published for a load report
+            # would repeat the previous membership), and none carries a load.
+            memberships = [sorted(s) for s in seen]
+            if memberships and memberships[0] == []:
+                memberships = memberships[1:]  # the empty start, unless the join was already there
+            assert memberships[:2] == [["t1"], ["t1", "t2"]] and memberships[-1] == [], memberships
+            assert all(a != b for a, b in itertools.pairwise(memberships)), memberships
+            assert len(memberships) <= 4, memberships  # the two leaves: one snapshot each, or one for both
+            assert all(e.load is None for s in seen for e in s.values())
 
     arun(main())
 
@@ -128,15 +165,25 @@ def test_a_steady_load_is_written_once_and_a_change_at_once(etcd: LocalEtcd) -> 
     svc = unique_service()
     steady = registry_pb2.TeacherLoad(in_flight=5, samples_per_s=1000.0, busy_fraction=0.6)
     current = [steady]
+    samples = [0]
+
+    def load() -> registry_pb2.TeacherLoad:
+        samples[0] += 1
+        return current[0]
 
     async def main() -> None:
-        async with open_registry(etcd.address) as reg:
+        async with open_registry(etcd.address) as reg, raw_client(etcd) as raw:
             watch = reg.watch(svc)
-            async with reg.register(svc, record("t1"), ttl=5, load=lambda: current[0], load_interval=0.1,
-                                    max_report_age=30.0):
+            async with reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1, max_report_age=30.0):
                 await next_matching(watch, lambda s: "t1" in s and s["t1"].load is not None)
-                with pytest.raises(TimeoutError):  # 15 samples of the same load: no new write
-                    await asyncio.wait_for(watch.__anext__(), 1.5)
+                first = await raw.get(keys.load_key(svc, "t1").encode())
+                assert first is not None
+                # 15 more samples of the same load (each is written, if at all, before the next is
+                # taken): the load key was not written again.
+                taken = samples[0]
+                await eventually(lambda: _true(samples[0] >= taken + 16), 10.0, "15 more samples")
+                again = await raw.get(keys.load_key(svc, "t1").encode())
+                assert again is not None and again.mod_revision == first.mod_revision
                 current[0] = registry_pb2.TeacherLoad(queue_depth=4, in_flight=5, samples_per_s=1000.0,
                                                       busy_fraction=0.9)
                 snap = await asyncio.wait_for(watch.__anext__(), 2.0)
@@ -151,13 +198,16 @@ def test_a_failing_load_function_does_not_stop_the_registration(
     svc = unique_service()
     caplog.set_level(logging.WARNING, logger="discovery")
 
+    calls = [0]
+
     def load() -> registry_pb2.TeacherLoad:
+        calls[0] += 1
         raise RuntimeError("metrics broke")
 
     async def main() -> None:
         reg = open_registry(etcd.address)
         async with reg, reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1) as r:
-            await asyncio.sleep(0.5)
+            await eventually(lambda: _true(calls[0] >= 5), 10.0, "five failing load samples")
             assert r.registered
             assert set(await reg.teachers(svc)) == {"t1"}
 
@@ -332,7 +382,11 @@ def test_register_before_etcd_is_up_registers_once_it_is(caplog: pytest.LogCaptu
             async with reg.register(svc, record("early"), ttl=3) as r:  # must not raise
                 assert time.monotonic() - start < 3.0
                 assert not r.registered
-                await asyncio.sleep(0.5)
+                await eventually(
+                    lambda: _true(any("etcd unreachable" in m.getMessage() for m in caplog.records)),
+                    10.0,
+                    "the first attempt fails",
+                )
                 etcd = LocalEtcd(client_port=port)
                 try:
                     await asyncio.to_thread(etcd.start)
@@ -380,8 +434,12 @@ def test_watch_resumes_after_a_partition_without_losing_changes(
                 await proxy.cut()
                 async with direct.register(svc, record("b"), ttl=10):
                     await a.deregister()  # both changes happen while the watcher is cut off
-                    await asyncio.sleep(0.3)
-                    assert set(watch.current or {}) == {"a"}
+                    await eventually(
+                        lambda: _true(any("interrupted" in m.getMessage() for m in caplog.records)),
+                        10.0,
+                        "the watcher notices the cut",
+                    )
+                    assert set(watch.current or {}) == {"a"}  # it keeps its last snapshot meanwhile
                     await proxy.resume()
                     await next_matching(watch, ids("b"), timeout=10.0)
         finally:

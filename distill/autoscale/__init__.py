@@ -10,9 +10,9 @@
 * ``distill-autoscaler`` / ``python -m distill.autoscale``: :mod:`~distill.autoscale.cli`.
 """
 
+from discovery.etcd.election import LeaderElection, leader_key
 from distill.autoscale.backends import Backend, BackendState, KubernetesBackend, LocalBackend
 from distill.autoscale.controller import Controller, ControllerConfig
-from distill.autoscale.election import LeaderElection, leader_key
 from distill.autoscale.errors import (
     AutoscaleError,
     BackendError,

@@ -44,8 +44,8 @@ from types import TracebackType
 from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry, RegistryError, TeacherSet
+from discovery.etcd.election import LeaderElection
 from distill.autoscale.backends.base import Backend, BackendState
-from distill.autoscale.election import LeaderElection
 from distill.autoscale.errors import BackendError, BackendUnavailableError, PolicyConfigError
 from distill.autoscale.metrics import AutoscalerMetrics
 from distill.autoscale.policy import Decision, PolicyConfig, PolicyState, ScaleSnapshot, decide

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from discovery.etcd.election import ElectionError
+
 __all__ = [
     "AutoscaleError",
     "BackendError",
@@ -33,7 +35,3 @@ class BackendUnavailableError(BackendError):
 
     Transient: the controller holds the current count and tries again next period.
     """
-
-
-class ElectionError(AutoscaleError):
-    """The leader election was used wrongly (for example, on a registry that is not etcd)."""

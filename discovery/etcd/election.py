@@ -11,7 +11,8 @@ How (plain etcd primitives, the recipe of etcd's own ``concurrency.Election``):
 * Campaign: grant a lease of ``ttl`` seconds, then one transaction *put-if-absent*:
   ``if create_revision(key) == 0 then put(key, identity, lease) else get(key)``. Exactly one
   candidate's transaction succeeds; etcd serialises them.
-* Hold: refresh the lease every ``ttl/3`` seconds and check that the key still carries our lease.
+* Hold: a :class:`~discovery.etcd.lease.LeaseSession` refreshes the lease every ``ttl/3``
+  seconds; the election checks as often that the key still carries our lease.
   Leadership is trusted only until ``time of the last successful refresh + ttl``: past that the
   lease may have expired on the server and someone else may lead, so :attr:`is_leader` turns
   False even before we hear about it (no split brain because of a partition).
@@ -34,19 +35,25 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import aetcd.rpc as etcd_rpc
-import grpc
 
 from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
-from discovery.base import Registry
-from distill.autoscale.errors import ElectionError
+from discovery.base import Registry, RegistryError
+from discovery.etcd.lease import LeaseLostError, LeaseSession
+from discovery.etcd.registry import EtcdRegistry
 
-__all__ = ["LeaderElection", "leader_key"]
+__all__ = ["ElectionError", "LeaderElection", "leader_key"]
 
+# The autoscaler's election keeps the logger name it has always had, so that log settings for
+# ``distill.autoscale`` keep covering it.
 log = logging.getLogger("distill.autoscale.election")
+
+
+class ElectionError(RegistryError, ValueError):
+    """The leader election was used wrongly (for example, on a registry that is not etcd).
+
+    A ``ValueError`` too, so that command-line front ends report it like any other bad option.
+    """
 
 
 def leader_key(service: str) -> str:
@@ -57,10 +64,11 @@ def leader_key(service: str) -> str:
 class LeaderElection:
     """Campaign for, hold and give up the leadership of one service's autoscaler.
 
-    ``registry`` must be an etcd registry (``open_registry("etcd://...")``); the election uses its
-    client, so TLS, authentication and endpoint failover carry over. ``identity`` is what the key
-    says while we lead (host-pid, or the pod name). ``ttl``: seconds of the lease, which bound how
-    long a dead leader blocks a takeover. Use from one event loop; ``close()`` resigns.
+    ``registry`` must be an etcd registry (``open_registry("etcd://...")``); the election opens
+    its lease sessions on it, so TLS, authentication and endpoint failover carry over.
+    ``identity`` is what the key says while we lead (host-pid, or the pod name). ``ttl``: seconds
+    of the lease, which bound how long a dead leader blocks a takeover. Use from one event loop;
+    ``close()`` resigns.
     """
 
     def __init__(
@@ -73,8 +81,7 @@ class LeaderElection:
         poll_interval: float = 0.5,
         call_timeout: float = 3.0,
     ) -> None:
-        client_fn = getattr(registry, "client", None)
-        if not callable(client_fn):
+        if not isinstance(registry, EtcdRegistry):
             raise ElectionError(
                 f"leader election needs an etcd registry (etcd://HOST:PORT), not {registry!r}: "
                 "a static teacher list has no shared state to elect a leader in"
@@ -91,41 +98,43 @@ class LeaderElection:
         self.ttl = math.ceil(ttl)
         self.poll_interval = float(poll_interval)
         self.call_timeout = float(call_timeout)
-        self._lease: int | None = None
+        self._session: LeaseSession | None = None  # the lease of the current term
         self._last_lease: int | None = None  # the lease of our last term, to resume after an outage
-        self._valid_until = 0.0
         self._lost = asyncio.Event()
         self._hold_task: asyncio.Task[None] | None = None
         self._closed = False
         self._slog = StateLog(log)
         self.terms = 0  # how many times this candidate became leader (for tests and metrics)
+        self.polls = 0  # reads of the leader key while campaigning (for tests and metrics)
 
     # -- state --------------------------------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
         """True while we hold the key and our lease is certainly alive on the server."""
-        return self._lease is not None and time.monotonic() < self._valid_until
+        return self._session is not None and self._session.alive
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease of the current term (None while not leading)."""
+        return None if self._session is None else self._session.lease_id
 
     async def wait_lost(self) -> None:
         """Return once leadership is lost (or at once if we do not lead)."""
-        if self._lease is None:
+        if self._session is None:
             return
         await self._lost.wait()
 
-    def _client(self) -> Any:
-        return self._registry.client()  # type: ignore[attr-defined]
-
     async def publish(self, key: str, value: bytes) -> bool:
         """Put `key` under our leader lease (it vanishes with our leadership); False if we do not lead."""
-        lease = self._lease
-        if lease is None or not self.is_leader:
+        session = self._session
+        if session is None or not self.is_leader:
             return False
-        await bounded(self._client().put(key.encode(), value, lease=lease), self.call_timeout)
+        await bounded(session.put(key, value), self.call_timeout)
         return True
 
     async def leader(self) -> str | None:
         """The identity in the leader key now (one read), None when nobody leads."""
-        got = await bounded(self._client().get(self.key.encode()), self.call_timeout)
+        got = await bounded(self._registry.client().get(self.key.encode()), self.call_timeout)
         return None if got is None else bytes(got.value).decode("utf-8", "replace")
 
     # -- campaign -----------------------------------------------------------------------------------
@@ -144,7 +153,8 @@ class LeaderElection:
         followed: str | None = None
         while True:
             try:
-                got = await bounded(self._client().get(self.key.encode()), self.call_timeout)
+                got = await bounded(self._registry.client().get(self.key.encode()), self.call_timeout)
+                self.polls += 1
                 holder = None if got is None else bytes(got.value).decode("utf-8", "replace")
                 if got is None:
                     if await self._try_acquire():
@@ -184,126 +194,127 @@ class LeaderElection:
                 )
                 await asyncio.sleep(backoff.next_delay())
 
+    def _new_session(self, lease_id: int | None = None) -> LeaseSession:
+        return self._registry.session(
+            self.ttl, lease_id=lease_id, call_timeout=self.call_timeout, name=f"autoscaler of {self.service!r}"
+        )
+
     async def _resume(self, lease_id: int) -> bool:
         """The key still carries the lease we held before losing contact with etcd (etcd keeps
-        leases across its restarts): refresh it and lead again without a gap."""
-        sent = time.monotonic()
-        remaining = await bounded(self._keepalive(lease_id), self.call_timeout)
-        if remaining <= 0:
+        leases across its restarts): adopt it in a new session and lead again without a gap."""
+        session = self._new_session(lease_id)
+        try:
+            await bounded(session.open(), self.call_timeout)
+        except LeaseLostError:
             return False
-        self._lead(lease_id, sent + remaining, "resumed its lease")
+        self._lead(session, "resumed its lease")
         return True
 
     async def _try_acquire(self) -> bool:
-        client = self._client()
-        granted = await bounded(client.lease(self.ttl), self.call_timeout)
-        lease_id, ttl = int(granted.id), int(granted.ttl) or self.ttl
-        sent = time.monotonic()
+        session = self._new_session()
+        await bounded(session.open(), self.call_timeout)
         try:
+            client = self._registry.client()
             tx = client.transactions
             key = self.key.encode()
             won, _ = await bounded(
                 client.transaction(
                     compare=[tx.create(key) == 0],
-                    success=[tx.put(key, self.identity.encode(), lease=lease_id)],
+                    success=[tx.put(key, self.identity.encode(), lease=session.lease_id)],
                     failure=[tx.get(key)],
                 ),
                 self.call_timeout,
             )
         except BaseException:
-            await self._revoke(lease_id)
+            await self._revoke(session)
             raise
         if not won:
-            await self._revoke(lease_id)  # someone was faster; do not leave a lease behind
+            await self._revoke(session)  # someone was faster; do not leave a lease behind
             return False
-        self._lead(lease_id, sent + ttl, "is the leader")
+        self._lead(session, "is the leader")
         return True
 
-    def _lead(self, lease_id: int, valid_until: float, how: str) -> None:
-        self._lease = self._last_lease = lease_id
-        self._valid_until = valid_until
+    def _lead(self, session: LeaseSession, how: str) -> None:
+        self._session = session
+        self._last_lease = session.lease_id
         self._lost.clear()
         self.terms += 1
         self._slog.change(
-            "leader", logging.INFO, "autoscaler of %r: %s %s (lease %x)", self.service, self.identity, how, lease_id
+            "leader",
+            logging.INFO,
+            "autoscaler of %r: %s %s (lease %x)",
+            self.service,
+            self.identity,
+            how,
+            session.lease_id or 0,
         )
         self._hold_task = asyncio.get_running_loop().create_task(
-            self._hold(lease_id), name=f"autoscaler-leader-{self.service}"
+            self._hold(session), name=f"autoscaler-leader-{self.service}"
         )
 
-    async def _hold(self, lease_id: int) -> None:
-        """Keep the lease alive and check the key every ttl/3 s; mark leadership lost when the lease
-        or the key is gone, or when no refresh succeeded for a whole ttl."""
+    async def _hold(self, session: LeaseSession) -> None:
+        """Check the key every ttl/3 s while the session keeps the lease alive; mark leadership
+        lost when the lease or the key is gone, or when no refresh succeeded for a whole ttl."""
         every = max(self.ttl / 3.0, 0.3)
+        next_check = time.monotonic() + every
         try:
             while True:
-                await asyncio.sleep(every if time.monotonic() + every < self._valid_until else 0.2)
-                if time.monotonic() >= self._valid_until:
-                    self._step_down(lease_id, "no lease refresh succeeded for a whole ttl (etcd unreachable?)")
+                wait = min(next_check, session.valid_until) - time.monotonic()
+                if wait > 0:
+                    await session.wait_changed(wait)
+                if session.lost:
+                    self._step_down(session, "the leader lease expired")
                     return
-                sent = time.monotonic()
+                if not session.alive:
+                    self._step_down(session, "no lease refresh succeeded for a whole ttl (etcd unreachable?)")
+                    return
+                if time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + every
                 try:
-                    remaining = await bounded(self._keepalive(lease_id), self.call_timeout)
-                    got = await bounded(self._client().get(self.key.encode()), self.call_timeout)
+                    got = await bounded(self._registry.client().get(self.key.encode()), self.call_timeout)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    log.debug("autoscaler of %r: lease refresh failed (%s); retrying", self.service, describe(e))
+                    log.debug("autoscaler of %r: leader key check failed (%s); retrying", self.service, describe(e))
                     continue
-                if remaining <= 0:
-                    self._step_down(lease_id, "the leader lease expired")
+                if got is None or int(got.lease) != session.lease_id:
+                    self._step_down(session, "the leader key was deleted or taken over")
                     return
-                if got is None or int(got.lease) != lease_id:
-                    self._step_down(lease_id, "the leader key was deleted or taken over")
-                    return
-                self._valid_until = sent + remaining
         finally:
-            self._step_down(lease_id, "stopped holding the lease")
+            self._step_down(session, "stopped holding the lease")
+            # Stop refreshing, but do not revoke: after an outage the key may still carry this
+            # lease, and campaign() resumes it (resign() revokes what it still leads with).
+            await session.orphan()
 
-    def _step_down(self, lease_id: int, why: str) -> None:
-        if self._lease != lease_id:
+    def _step_down(self, session: LeaseSession, why: str) -> None:
+        if self._session is not session:
             return
-        self._lease = None
-        self._valid_until = 0.0
+        self._session = None
         self._lost.set()
         self._slog.change(
             "lost", logging.WARNING, "autoscaler of %r: %s lost the leadership: %s", self.service, self.identity, why
         )
 
-    async def _keepalive(self, lease_id: int) -> int:
-        """Refresh ``lease_id`` once; its new TTL (0: gone). Closes the keepalive stream itself
-        (``aetcd``'s ``refresh_lease`` leaves it to the garbage collector)."""
-        client = self._client()
-        await client.connect()
-        call = client.leasestub.LeaseKeepAlive(timeout=self.call_timeout, metadata=client.metadata)
+    async def _revoke(self, session: LeaseSession) -> None:
         try:
-            await call.write(etcd_rpc.LeaseKeepAliveRequest(ID=lease_id))
-            reply = await call.read()
-        finally:
-            call.cancel()
-        if reply is grpc.aio.EOF:
-            raise ConnectionError("etcd closed the lease keepalive stream without an answer")
-        return int(reply.TTL)
-
-    async def _revoke(self, lease_id: int) -> None:
-        try:
-            await bounded(self._client().revoke_lease(lease_id), self.call_timeout)
+            await session.close()
         except Exception as e:  # the lease then expires by itself within ttl
-            log.debug("autoscaler of %r: revoking lease %x failed (%s)", self.service, lease_id, describe(e))
+            log.debug(
+                "autoscaler of %r: revoking lease %x failed (%s)", self.service, session.lease_id or 0, describe(e)
+            )
 
     # -- resign -------------------------------------------------------------------------------------
     async def resign(self) -> None:
         """Give up leadership now (revoke the lease, so the key goes at once). Idempotent."""
         task, self._hold_task = self._hold_task, None
-        lease = self._lease
-        self._lease = None  # stop acting as leader before anything below can yield
-        self._valid_until = 0.0
+        session, self._session = self._session, None  # stop acting as leader before anything below can yield
         self._lost.set()
         if task is not None:
             await cancel_and_wait(task)
         self._last_lease = None
-        if lease is not None:
-            await self._revoke(lease)
+        if session is not None:
+            await self._revoke(session)
             log.info("autoscaler of %r: %s resigned", self.service, self.identity)
         self._slog.state = None
 
