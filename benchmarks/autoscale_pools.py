@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,6 @@ from typing import Any
 from benchmarks.autoscale_settings import MODEL_NAME, MODEL_REF, TEACHER_MS_ENV, Settings
 from benchmarks.common import REPO_ROOT
 from benchmarks.procs import child_pids, log_tail, process_alive, process_cmdline, process_start_monotonic
-from discovery import keys
 from teacher_server import launch
 
 
@@ -247,7 +245,7 @@ class DecisionFollower:
 
     def __init__(self, registry: Any, service: str, poll_s: float = 0.1, call_timeout_s: float = 1.0) -> None:
         self.registry = registry
-        self.key = (keys.autoscaler_prefix(service) + "decision").encode()
+        self.service = service
         self.poll_s = poll_s
         self.call_timeout_s = call_timeout_s
         self.records: list[dict[str, Any]] = []  # each with "t": monotonic time of the decision
@@ -258,12 +256,13 @@ class DecisionFollower:
         wall_minus_mono = time.time() - time.monotonic()
         while True:
             try:
-                got = await asyncio.wait_for(self.registry.client().get(self.key), self.call_timeout_s)
+                record = await asyncio.wait_for(self.registry.autoscaler_decision(self.service),
+                                                self.call_timeout_s)
             except Exception:  # etcd busy or the call timed out: the next poll reads it again
-                got = None
-            if got is not None:
+                record = None
+            if record is not None:
                 with contextlib.suppress(ValueError, TypeError, KeyError):
-                    self._note(json.loads(got.value), wall_minus_mono)
+                    self._note(record, wall_minus_mono)
             await asyncio.sleep(self.poll_s)
 
     def _note(self, record: dict[str, Any], wall_minus_mono: float) -> None:

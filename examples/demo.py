@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from discovery import keys, open_registry
+from discovery import open_registry
+from discovery.etcd import EtcdRegistry
 from discovery.local_etcd import LocalEtcd
 from examples.common import StudentResult, cache_dir
 from examples.cv import teacher as cv_teacher
@@ -89,12 +90,11 @@ def sampling(address: str, timeline: Timeline, interval: float = 0.5) -> Iterato
     async def run() -> None:
         async with open_registry(address, timeout=2.0) as reg:
             last_reason = ""
-            decision_key = (keys.autoscaler_prefix(SERVICE) + "decision").encode()
             while not stop.is_set():
                 try:
                     teachers = await reg.teachers(SERVICE)
                     demand = await reg.demand(SERVICE)
-                    got = await reg.client().get(decision_key)  # type: ignore[attr-defined]
+                    decision = await reg.autoscaler_decision(SERVICE) if isinstance(reg, EtcdRegistry) else None
                 except Exception:  # etcd busy or restarting: skip this sample
                     await asyncio.sleep(interval)
                     continue
@@ -103,9 +103,9 @@ def sampling(address: str, timeline: Timeline, interval: float = 0.5) -> Iterato
                     "student_samples_per_s": sum(d.samples_per_s for d in demand),
                     "stall": max((d.wait_fraction for d in demand), default=0.0),
                 })
-                if got is not None:
-                    reason = json.loads(got.value).get("reason", "")
-                    if reason and reason.split(":")[0] != last_reason.split(":", maxsplit=1)[0]:
+                if decision is not None:
+                    reason = str(decision.get("reason", ""))
+                    if reason and reason.split(":", maxsplit=1)[0] != last_reason.split(":", maxsplit=1)[0]:
                         last_reason = reason
                         timeline.decisions.append((timeline.now(), reason))
                         _say(f"  [{timeline.now():5.1f}s] autoscaler: {reason[:150]}")

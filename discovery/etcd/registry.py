@@ -10,6 +10,7 @@ them in ``close()``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -287,6 +288,24 @@ class EtcdRegistry(Registry):
 
         self._check_open()
         return await self._connection.oneshot(f"read the student demand of {service!r}", read)
+
+    async def autoscaler_decision(self, service: str) -> dict[str, Any] | None:
+        """The last decision the leading autoscaler published for ``service`` (its JSON record, as
+        ``distill top`` shows it), or None when no autoscaler has published one or it is not JSON."""
+        key = (keys.autoscaler_prefix(service) + "decision").encode()
+
+        async def read(client: EtcdClient) -> dict[str, Any] | None:
+            got = await client.get(key)
+            if got is None:
+                return None
+            try:
+                record = json.loads(got.value)
+            except ValueError:
+                return None
+            return record if isinstance(record, dict) else None
+
+        self._check_open()
+        return await self._connection.oneshot(f"read the autoscaler decision of {service!r}", read)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:

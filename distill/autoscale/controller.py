@@ -1,6 +1,6 @@
 """The controller: every period, read the registry, ask the policy, apply through a backend.
 
-One controller per service acts at a time (:class:`~distill.autoscale.election.LeaderElection`);
+One controller per service acts at a time (:class:`~discovery.etcd.election.LeaderElection`);
 the others wait and take over when the leader goes away. While leading, each period:
 
 1. the teacher set comes from a registry watch (kept current in the background, loads included);
