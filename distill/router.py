@@ -98,6 +98,7 @@ class TeacherState:
     def describe(self) -> str:
         state = (
             "removed" if self.removed else f"incompatible: {self.incompatible}" if self.incompatible
+            else f"waiting for metadata ({self.last_error})" if self.meta is None and self.last_error
             else "waiting for metadata" if self.meta is None
             else f"ejected ({self.last_error})" if self.needs_probe or time.monotonic() < self.ejected_until
             else "ok"
