@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -32,7 +30,7 @@ import grpc
 import torch
 
 from discovery import Registry, open_registry
-from distill.fields import FieldArray, extract_inputs
+from distill.fields import FieldArray, LoaderThread, extract_inputs
 from distill.pool import Connect, TeacherPool
 from distill.router import TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats
@@ -94,56 +92,6 @@ class Chunk:
         return self.stop - self.start
 
 
-class _LoaderThread:
-    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
-    event loop and never keeps the interpreter from exiting."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the awaiting coroutine
-                _deliver(loop, _set_exception, fut, e)
-            else:
-                _deliver(loop, _set_result, fut, result)
-
-        self._jobs.put(run)
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
-             fut: asyncio.Future[Any], value: Any) -> None:
-    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
-    try:
-        loop.call_soon_threadsafe(setter, fut, value)
-    except RuntimeError:  # the event loop is closed
-        pass
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
 _END_OF_LOADER = object()
 
 
@@ -187,7 +135,7 @@ class Engine:
         }
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
-        self._loader = _LoaderThread()
+        self._loader = LoaderThread()
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(options.prefetch)
