@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -145,6 +146,7 @@ class Engine:
         self.fallback_batches = 0
         self.retries = 0
         self.hedges = 0
+        self._closed = False
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -300,10 +302,14 @@ class Engine:
         self._maybe_complete(job)
 
     def _send(self, svc: _Service, chunk: Chunk, t: TeacherState) -> None:
+        # Counted now, not when the call task first runs: the dispatcher hands out every queued chunk
+        # without yielding, and would otherwise see the teacher's slots free for all of them.
+        svc.router.started(t)
         task = self._spawn(self._call(svc, chunk, t), "chunk")
         chunk.sends.add(task)
         chunk.tried.add(t.key)
         task.add_done_callback(chunk.sends.discard)
+        task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
         delay = self._hedge_delay(svc)
         if delay is not None and len(chunk.tried) == 1:
             asyncio.get_running_loop().call_later(delay, self._hedge, svc, chunk)
@@ -340,19 +346,23 @@ class Engine:
             output_dtype=self.opts.output_dtype,
         )
 
+    def _call_cancelled(self, svc: _Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
+        """Account a call cancelled before or while it ran: it lost a hedge race, or we gave up on it."""
+        if not task.cancelled():
+            return
+        if chunk.done and chunk.winner != t.key:
+            svc.router.outpaced(t)
+            if not self._closed:
+                svc.pool.probe_if_ejected(t)
+        else:
+            svc.router.cancelled(t)
+
     async def _call(self, svc: _Service, chunk: Chunk, t: TeacherState) -> None:
+        """One chunk at one teacher (already counted in flight by `_send`)."""
         router = svc.router
-        router.started(t)
         started = time.perf_counter()
         try:
             outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
-        except asyncio.CancelledError:
-            if chunk.done and chunk.winner != t.key:
-                router.outpaced(t)
-                svc.pool.probe_if_ejected(t)
-            else:
-                router.cancelled(t)
-            raise
         except TeacherCallError as e:
             router.failed(t, e.code, e.details)
             svc.pool.probe_if_ejected(t)
@@ -498,6 +508,7 @@ class Engine:
 
     async def close(self) -> None:
         """Cancel everything, withdraw demand, close channels and registries."""
+        self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.remove_done_callback(self._task_done)

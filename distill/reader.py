@@ -29,7 +29,14 @@ import torch
 from distill.engine import Engine
 from distill.errors import ReaderClosedError
 from distill.fields import normalize_inputs
-from distill.flags import FALLBACKS, distill_options_from_args
+from distill.flags import (
+    checked,
+    distill_options_from_args,
+    fallback_choice,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from distill.router import RouterConfig
 from distill.stats import ConsumptionMeter, ReaderStats
 from distill.teacher_client import ClientTLS
@@ -133,30 +140,31 @@ class ReaderOptions:
             services = tuple(service)
         else:
             raise ValueError("registry= needs service='NAME' (the name teachers registered under)")
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be 'error' or 'hard_labels', got {self.fallback!r}")
-        for name, value in (("timeout", self.timeout), ("no_teacher_timeout", self.no_teacher_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        if self.max_teachers < 0 or self.teacher_batch_size < 0 or self.top_k < 0:
-            raise ValueError("max_teachers, teacher_batch_size and top_k must be >= 0")
+        # The same rules, and messages, as the --distill_* flags (distill.flags).
+        checked(fallback_choice, "fallback", self.fallback)
+        timeout = checked(positive_float, "timeout", self.timeout)
+        numbers: dict[str, Any] = {
+            "timeout": timeout,
+            "no_teacher_timeout": checked(positive_float, "no_teacher_timeout", self.no_teacher_timeout),
+            "prefetch": checked(positive_int, "prefetch", self.prefetch),
+            **{name: checked(non_negative_int, name, getattr(self, name))
+               for name in ("max_teachers", "teacher_batch_size", "top_k")},
+        }
         hedge = self.hedge_after
         if isinstance(hedge, str):
             if hedge != "auto":
                 raise ValueError(f"hedge_after must be seconds, 'auto' or None, got {hedge!r}")
-        elif hedge is not None and not 0 < hedge < self.timeout:
-            raise ValueError(f"hedge_after must be between 0 and timeout ({self.timeout}), got {hedge}")
+        elif hedge is not None and not 0 < hedge < timeout:
+            raise ValueError(f"hedge_after must be between 0 and timeout ({timeout:g} s), got {hedge}")
         dtype = self.output_dtype
         if dtype is not None and dtype.upper() not in _FLOAT_DTYPES:
             raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
         tls = (ClientTLS(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
                if any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)) else None)
         normalised: dict[str, Any] = {
+            **numbers,
             "inputs": normalize_inputs(self.inputs),
             "outputs": tuple(self.outputs) if self.outputs else None,
-            "timeout": float(self.timeout), "no_teacher_timeout": float(self.no_teacher_timeout),
             "device": torch.device(self.device) if self.device is not None else None,
             "output_dtype": dtype.upper() if dtype else None,
             "student_id": self.student_id or default_student_id(),

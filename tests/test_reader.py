@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from discovery import subset
-from distill import DistillReader, KDLoss, NoTeacherError, TeacherMismatchError, add_distill_args
+from distill import DistillReader, KDLoss, NoTeacherError, ReaderOptions, TeacherMismatchError, add_distill_args
 from distill.router import RouterConfig
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
@@ -407,7 +408,30 @@ def test_reader_argument_errors() -> None:
     with pytest.raises(ValueError, match="fallback"):
         DistillReader([], inputs=["X"], teachers="h:1", fallback="labels")
     with pytest.raises(TypeError, match="positions"):
-        DistillReader([], inputs=[0], teachers="h:1")  # type: ignore[list-item]
+        DistillReader([], inputs=[0], teachers="h:1")
+    with pytest.raises(ValueError, match="prefetch: must be an integer >= 1, got 0"):
+        DistillReader([], inputs=["X"], teachers="h:1", prefetch=0)
+    with pytest.raises(ValueError, match="hedge_after must be between 0 and timeout"):
+        DistillReader([], inputs=["X"], teachers="h:1", timeout=1.0, hedge_after=2.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefech'"):
+        DistillReader([], inputs=["X"], teachers="h:1", prefech=2)
+
+
+def test_reader_options_are_one_validated_frozen_record() -> None:
+    """Flags, keywords and a built ReaderOptions meet in the same normalised record."""
+    args = add_distill_args(argparse.ArgumentParser()).parse_args(
+        ["--distill_teachers", "127.0.0.1:9898", "--distill_hedge_ms", "50", "--distill_prefetch", "3"])
+    opts = ReaderOptions.from_args(args, inputs=["X"], outputs=["Y"], student_id="s1")
+    assert opts == ReaderOptions(inputs={"X": "X"}, outputs=("Y",), teachers="127.0.0.1:9898", hedge_after=0.05,
+                                 prefetch=3, student_id="s1")
+    assert opts.services == ("teachers",) and opts.static == {"teachers": "127.0.0.1:9898"}
+    assert opts.hedge_s == 0.05 and not opts.adaptive_hedge and opts.client_tls is None
+    field_name = "prefetch"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(opts, field_name, 5)
+    reader = DistillReader([], opts)
+    assert reader.options is opts and reader.student_id == "s1"
+    assert DistillReader.from_args(args, [], inputs=["X"], outputs=["Y"], student_id="s1").options == opts
 
 
 def test_bf16_inputs_travel_untouched() -> None:
