@@ -20,16 +20,21 @@ import torch
 from discovery import subset
 from distill.engine import Engine
 from distill.errors import NoTeacherError
+from distill.fields import extract_inputs
 from distill.reader import ReaderOptions
 from distill.router import RouterConfig
 from distill.stats import ConsumptionMeter
 from distill.teacher_client import (
     ChunkRequest,
     InferenceClient,
+    MalformedAnswerError,
     TeacherCallError,
     TeacherMetadata,
     TensorMeta,
+    decode_response,
+    encode_request,
 )
+from protos.kserve import service_pb2
 from tests.faults.helpers import assert_delivered_once_in_order
 
 MAX_BATCH = 8
@@ -349,3 +354,34 @@ def test_a_mixture_waits_for_every_service(services: tuple[str, ...]) -> None:
             assert torch.allclose(out["two"]["Y"], batch["X"] @ W, atol=1e-5)
 
     asyncio.run(main())
+
+
+def test_a_chunk_request_on_the_wire_and_its_answer_checked() -> None:
+    """The client's encoding carries only the chunk's rows, and its decoding refuses answers that do
+    not fit the request (the engine then marks the teacher incompatible)."""
+    x = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    _, fields = extract_inputs({"X": x}, {"X": "X"})
+    req = ChunkRequest("affine", "1", "3:7:2", fields, start=2, stop=4, outputs=("Y",), top_k=0,
+                       output_dtype="FP16")
+    wire = service_pb2.ModelInferRequest.FromString(encode_request(req))
+    assert (wire.model_name, wire.model_version, wire.id) == ("affine", "1", "3:7:2")
+    assert [(i.name, i.datatype, list(i.shape)) for i in wire.inputs] == [("X", "FP32", [2, 8])]
+    assert wire.raw_input_contents[0] == x[2:4].numpy().tobytes()
+    assert [o.name for o in wire.outputs] == ["Y"]
+    assert wire.parameters["top_k"].int64_param == 0 and wire.parameters["output_dtype"].string_param == "FP16"
+
+    y = torch.ones(2, 4)
+    answer = service_pb2.ModelInferResponse()
+    answer.outputs.add(name="Y", datatype="FP32", shape=[2, 4])
+    answer.raw_output_contents.append(y.numpy().tobytes())
+    assert torch.equal(decode_response(answer, req)["Y"], y)
+    short = service_pb2.ModelInferResponse()
+    short.outputs.add(name="Y", datatype="FP32", shape=[3, 4])
+    short.raw_output_contents.append(torch.ones(3, 4).numpy().tobytes())
+    with pytest.raises(MalformedAnswerError, match="shape \\[3, 4\\] for a chunk of 2"):
+        decode_response(short, req)
+    other = service_pb2.ModelInferResponse()
+    other.outputs.add(name="Z", datatype="FP32", shape=[2, 4])
+    other.raw_output_contents.append(y.numpy().tobytes())
+    with pytest.raises(MalformedAnswerError, match="lacks outputs \\['Y'\\]"):
+        decode_response(other, req)
