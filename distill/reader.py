@@ -168,7 +168,8 @@ class ReaderOptions:
             "device": torch.device(self.device) if self.device is not None else None,
             "output_dtype": dtype.upper() if dtype else None,
             "student_id": self.student_id or default_student_id(),
-            "registry_options": dict(self.registry_options),
+            "registry_options": dict(self.registry_options or {}),
+            "router": self.router or RouterConfig(),
             "services": services, "static": static, "client_tls": tls,
         }
         for name, value in normalised.items():
