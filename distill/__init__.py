@@ -25,6 +25,7 @@ _EXPORTS = {
     "SparseTargets": "distill.losses",
     "average_teachers": "distill.losses",
     "DistillReader": "distill.reader",
+    "ReaderOptions": "distill.reader",
     "RouterConfig": "distill.router",
     "ReaderStats": "distill.stats",
 }
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from distill.errors import DistillError, NoTeacherError, ReaderClosedError, TeacherMismatchError
     from distill.flags import add_distill_args, distill_options_from_args
     from distill.losses import KDLoss, SparseTargets, average_teachers
-    from distill.reader import DistillReader
+    from distill.reader import DistillReader, ReaderOptions
     from distill.router import RouterConfig
     from distill.stats import ReaderStats
 
@@ -53,6 +54,7 @@ __all__ = [
     "KDLoss",
     "NoTeacherError",
     "ReaderClosedError",
+    "ReaderOptions",
     "ReaderStats",
     "RouterConfig",
     "SparseTargets",

@@ -1,13 +1,15 @@
-"""The reader's engine: an asyncio program on a background thread.
+"""The reader's engine: an asyncio program on a background thread. Orchestration only: epochs,
+dispatch (with hedging and retry) and delivery; the pool (`distill.pool`) keeps the teachers, the
+router (`distill.router`) chooses among them, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
   loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop)
   read-ahead      a Job per batch, at most `prefetch` not yet consumed
   dispatcher      one per service: take the oldest chunk, pick a teacher, split the chunk to the
-                  teacher's max batch, send it (ModelInfer, pre-serialized, with a deadline)
-  on answer       check the outputs, copy them into the job's output tensors
+                  teacher's max batch, hand it to the teacher's client (one ModelInfer, a deadline)
+  on answer       copy the checked outputs into the job's output tensors
   on failure      put the chunk back at the head of the queue: another teacher takes it
-  delivery        completed jobs go to the training loop in loader order (or as they finish)
+  delivery        completed jobs go to the reader's sink in loader order (or as they finish)
 
 Exactly-once towards the training loop: a job is delivered once, when all its chunks have an
 answer; duplicate answers (hedges, late retries) are dropped. At-least-once towards teachers.
@@ -17,63 +19,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import queue
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import grpc
 import torch
 
-from discovery import Registry, TeacherSet, open_registry, subset
-from distill.errors import NoTeacherError, TeacherMismatchError
-from distill.fields import FieldArray, extract_inputs
-from distill.router import Router, RouterConfig, Teacher
+from discovery import Registry, open_registry
+from distill.fields import FieldArray, LoaderThread, extract_inputs
+from distill.pool import Connect, TeacherPool
+from distill.router import TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats
-from distill.teacher_client import ClientTLS, TeacherClient, TeacherMetadata
+from distill.teacher_client import (
+    ChunkRequest,
+    InferenceClient,
+    MalformedAnswerError,
+    TeacherCallError,
+    TeacherClient,
+    TeacherGoneError,
+)
 from protos import registry_pb2
-from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
+
+if TYPE_CHECKING:
+    from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
 
 Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """The reader's options, validated by DistillReader."""
+class Sink(Protocol):
+    """Where finished work goes: the reader's queue to the training loop (`distill.reader`)."""
 
-    inputs: Mapping[str, str | int]
-    outputs: tuple[str, ...] | None
-    services: tuple[str, ...]
-    static: Mapping[str, str] | None  # service -> "host:port,..." for fixed teacher lists
-    registry: str | None
-    registry_options: Mapping[str, Any]
-    model: str | None
-    model_version: str
-    timeout: float
-    no_teacher_timeout: float
-    fallback: str
-    max_teachers: int
-    prefetch: int
-    teacher_batch_size: int
-    hedge_after: float | None  # fixed hedge delay in seconds; None: adaptive (see _hedge_delay) or off
-    adaptive_hedge: bool
-    ordered: bool
-    top_k: int
-    output_dtype: str | None
-    student_id: str
-    pin_memory: bool
-    tls: ClientTLS | None = None
-    router: RouterConfig = field(default_factory=RouterConfig)
+    def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None: ...
 
+    def end(self, epoch: int) -> None: ...
 
-# Items for the training loop's queue: (epoch, kind, payload).
-BATCH, END, ERROR = "batch", "end", "error"
+    def error(self, epoch: int, error: BaseException) -> None: ...
 
 
 @dataclass(eq=False)
@@ -106,68 +93,18 @@ class Chunk:
         return self.stop - self.start
 
 
-class _LoaderThread:
-    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
-    event loop and never keeps the interpreter from exiting."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the awaiting coroutine
-                _deliver(loop, _set_exception, fut, e)
-            else:
-                _deliver(loop, _set_result, fut, result)
-
-        self._jobs.put(run)
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
-             fut: asyncio.Future[Any], value: Any) -> None:
-    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
-    try:
-        loop.call_soon_threadsafe(setter, fut, value)
-    except RuntimeError:  # the event loop is closed
-        pass
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
 _END_OF_LOADER = object()
 
 
 class _Service:
-    """One teacher service: its router, chunk queue and background tasks."""
+    """One teacher service: its pool of teachers, chunk queue and background tasks."""
 
-    def __init__(self, name: str, config: RouterConfig) -> None:
-        self.name = name
-        self.router = Router(name, config)
+    def __init__(self, pool: TeacherPool) -> None:
+        self.name = pool.service
+        self.pool = pool
+        self.router = pool.router
         self.queue: deque[Chunk] = deque()
         self.arrived = asyncio.Event()
-        self.tasks: list[asyncio.Task[None]] = []
 
     def push(self, chunk: Chunk, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(chunk)
@@ -181,18 +118,25 @@ class _Service:
 
 
 class Engine:
-    """Lives on the reader's event loop thread; the DistillReader talks to it thread-safely."""
+    """Lives on the reader's event loop thread; the DistillReader talks to it thread-safely.
 
-    def __init__(self, options: EngineOptions, out: queue.Queue[tuple[int, str, Any]],
-                 meter: ConsumptionMeter) -> None:
+    `connect` opens a client per teacher endpoint (default: a gRPC `TeacherClient` with the reader's
+    TLS settings); tests pass an in-memory one to drive the engine without servers.
+    """
+
+    def __init__(self, options: ReaderOptions, sink: Sink, meter: ConsumptionMeter,
+                 connect: Connect | None = None) -> None:
         self.opts = options
-        self._out = out
+        self._sink = sink
         self._meter = meter
-        self._services = {s: _Service(s, options.router) for s in options.services}
+        self._tls = options.client_tls.credentials() if options.client_tls is not None else None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._services = {
+            s: _Service(TeacherPool(s, options, connect or self._client, self._spawn_aux)) for s in options.services
+        }
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._loader = _LoaderThread()
+        self._loader = LoaderThread()
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(options.prefetch)
@@ -202,7 +146,7 @@ class Engine:
         self.fallback_batches = 0
         self.retries = 0
         self.hedges = 0
-        self._tls = options.tls.credentials() if options.tls is not None else None
+        self._closed = False
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -214,15 +158,15 @@ class Engine:
             # teacher's deregistration; load reports would reach every student 1/s per teacher.
             watch = registry.watch(svc.name, connect_timeout=min(opts.no_teacher_timeout, 30.0), loads=False)
             first = await watch.__anext__()  # RegistryUnavailableError surfaces here, at start
-            self._apply_snapshot(svc, first)
-            svc.tasks.append(self._spawn(self._watch(svc, watch), f"watch-{svc.name}"))
-            svc.tasks.append(self._spawn(self._dispatch(svc), f"dispatch-{svc.name}"))
+            svc.pool.apply(first)
+            self._spawn(svc.pool.follow(watch), f"watch-{svc.name}")
+            self._spawn(self._dispatch(svc), f"dispatch-{svc.name}")
             if opts.registry and not opts.static:
                 demand = registry.publish_demand(svc.name, self._demand_fn(svc), student_id=opts.student_id)
                 await demand.__aenter__()
                 self._closing.append(demand)
         for svc in self._services.values():
-            await self._check_first_teacher(svc)
+            await svc.pool.wait_first()
 
     def _registry_for(self, service: str) -> Registry:
         if self.opts.static is not None:
@@ -235,127 +179,13 @@ class Engine:
         self._registries.append(reg)
         return reg
 
-    async def _check_first_teacher(self, svc: _Service) -> None:
-        """Wait for one teacher's metadata and check names, so a typo fails before training starts."""
-        deadline = time.monotonic() + self.opts.no_teacher_timeout
-        while True:
-            metas = [t for t in svc.router.teachers.values() if t.meta is not None]
-            if metas:
-                break
-            if time.monotonic() >= deadline:
-                if self.opts.fallback == "hard_labels":
-                    log.warning("no teacher for service %r yet; training on hard labels until one appears", svc.name)
-                    return
-                raise self._no_teacher_error(svc)
-            await svc.router.wait_change(min(1.0, deadline - time.monotonic()))
-        t = metas[0]
-        assert t.meta is not None
-        missing_in = [n for n in self.opts.inputs if n not in t.meta.inputs]
-        if missing_in:
-            raise TeacherMismatchError(
-                f"service {svc.name!r}: teacher {t.endpoint} (model {t.meta.model_name!r}) has no input "
-                f"{missing_in[0]!r}; its inputs are {sorted(t.meta.inputs)}. Fix `inputs=` (teacher input name "
-                "-> batch field)."
-            )
-        for name in self.opts.outputs or ():
-            if name not in t.meta.outputs:
-                raise TeacherMismatchError(
-                    f"service {svc.name!r}: teacher {t.endpoint} (model {t.meta.model_name!r}) has no output "
-                    f"{name!r}; its outputs are {sorted(t.meta.outputs)}. Fix `outputs=`."
-                )
-
-    def _no_teacher_error(self, svc: _Service) -> NoTeacherError:
-        tried = ", ".join(t.describe() for t in svc.router.teachers.values()) or "none found"
-        where = f"registry {self.opts.registry}" if self.opts.registry else "the static teacher list"
-        return NoTeacherError(
-            f"no usable teacher for service {svc.name!r} for {self.opts.no_teacher_timeout:g} s (from {where}); "
-            f"teachers: {tried}. Start teacher-server processes, check the registry address and service name, "
-            "or pass fallback='hard_labels' to train on labels alone meanwhile."
-        )
-
-    # ---- membership -------------------------------------------------------------------------
-    async def _watch(self, svc: _Service, watch: Any) -> None:
-        async with contextlib.aclosing(watch):
-            async for snapshot in watch:
-                self._apply_snapshot(svc, snapshot)
-
-    def _apply_snapshot(self, svc: _Service, snapshot: TeacherSet) -> None:
-        keys = list(snapshot)
-        if self.opts.max_teachers and len(keys) > self.opts.max_teachers:
-            keys = subset(self.opts.student_id, keys, self.opts.max_teachers)
-        wanted = {k: snapshot[k] for k in keys}
-        router = svc.router
-        for key in list(router.teachers):
-            t = router.teachers[key]
-            entry = wanted.get(key)
-            if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
-                router.remove(key)
-                self._spawn(self._close_when_idle(router, t), f"close-{t.endpoint}", critical=False)
-                log.info("teacher %s left service %r", t.endpoint, svc.name)
-            elif t.meta is None or t.meta != self._metadata_from(entry.record):
-                meta = self._metadata_from(entry.record)
-                if meta is not None:
-                    router.set_metadata(t, meta)
-        for key, entry in wanted.items():
-            if key in router.teachers or (entry.load is not None and entry.load.draining):
-                continue
-            meta = self._metadata_from(entry.record)
-            t = router.add(key, entry.endpoint, self._client(entry.endpoint, entry.record.tls), meta)
-            log.info("teacher %s joined service %r", t.endpoint, svc.name)
-            if meta is None:
-                self._spawn(self._fetch_metadata(svc, t), f"metadata-{t.endpoint}", critical=False)
-            else:
-                self._check_model(svc, t)
-
-    def _client(self, endpoint: str, registered_tls: bool) -> TeacherClient:
+    def _client(self, endpoint: str, registered_tls: bool) -> InferenceClient:
         """Plaintext, unless the reader was given TLS settings or the teacher registered as TLS
         (then the system's root certificates verify it)."""
         credentials = self._tls if self._tls is not None else (grpc.ssl_channel_credentials() if registered_tls
                                                                else None)
-        server_name = self.opts.tls.server_name if self.opts.tls is not None else None
-        return TeacherClient(endpoint, credentials, server_name)
-
-    def _metadata_from(self, record: registry_pb2.TeacherRecord) -> TeacherMetadata | None:
-        return TeacherMetadata.from_record(record)
-
-    def _check_model(self, svc: _Service, t: Teacher) -> None:
-        if t.meta is None:
-            return
-        if self.opts.model and t.meta.model_name != self.opts.model:
-            svc.router.mark_incompatible(t, f"it serves model {t.meta.model_name!r}, not {self.opts.model!r}")
-        elif t.meta.max_batch_size < 1:
-            svc.router.mark_incompatible(t, "its model does not batch (max_batch_size 0)")
-        else:
-            missing = [n for n in self.opts.outputs or () if n not in t.meta.outputs]
-            if missing:
-                svc.router.mark_incompatible(t, f"it has no output {missing[0]!r} (outputs: {sorted(t.meta.outputs)})")
-
-    async def _fetch_metadata(self, svc: _Service, t: Teacher) -> None:
-        delay = 0.2
-        while not t.removed:
-            try:
-                meta = await t.client.fetch_metadata(self.opts.model, self.opts.model_version,
-                                                     timeout=min(self.opts.timeout, 10.0))
-            except grpc.aio.AioRpcError as e:
-                t.last_error = f"{e.code().name}: {e.details()}"
-            except grpc.aio.UsageError:
-                return  # the teacher left and its channel was closed
-            except ValueError as e:
-                svc.router.mark_incompatible(t, str(e))
-                return
-            else:
-                svc.router.set_metadata(t, meta)
-                self._check_model(svc, t)
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-    async def _close_when_idle(self, router: Router, t: Teacher) -> None:
-        """A departed teacher may still answer chunks it accepted (a drain); close after them."""
-        deadline = time.monotonic() + self.opts.timeout + 1
-        while t.in_flight > 0 and (remaining := deadline - time.monotonic()) > 0:
-            await router.wait_change(remaining)
-        await t.client.close()
+        tls = self.opts.client_tls
+        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None)
 
     # ---- epochs -----------------------------------------------------------------------------
     def begin_epoch(self, loader: Any) -> int:
@@ -445,7 +275,7 @@ class Engine:
                 svc.push(rest, front=True)
             self._send(svc, chunk, teacher)
 
-    async def _acquire(self, svc: _Service, chunk: Chunk) -> Teacher | None:
+    async def _acquire(self, svc: _Service, chunk: Chunk) -> TeacherState | None:
         """A teacher with a free slot that accepts this chunk's inputs; None after no_teacher_timeout."""
         router = svc.router
         while True:
@@ -461,7 +291,7 @@ class Engine:
 
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
         if self.opts.fallback != "hard_labels":
-            self._fatal(self._no_teacher_error(svc))
+            self._fatal(svc.pool.no_teacher_error())
             return
         job = chunk.job
         if job.outputs.get(svc.name, {}) is not None:
@@ -471,11 +301,15 @@ class Engine:
         job.remaining[svc.name] = 0
         self._maybe_complete(job)
 
-    def _send(self, svc: _Service, chunk: Chunk, t: Teacher) -> None:
+    def _send(self, svc: _Service, chunk: Chunk, t: TeacherState) -> None:
+        # Counted now, not when the call task first runs: the dispatcher hands out every queued chunk
+        # without yielding, and would otherwise see the teacher's slots free for all of them.
+        svc.router.started(t)
         task = self._spawn(self._call(svc, chunk, t), "chunk")
         chunk.sends.add(task)
         chunk.tried.add(t.key)
         task.add_done_callback(chunk.sends.discard)
+        task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
         delay = self._hedge_delay(svc)
         if delay is not None and len(chunk.tried) == 1:
             asyncio.get_running_loop().call_later(delay, self._hedge, svc, chunk)
@@ -483,8 +317,8 @@ class Engine:
     def _hedge_delay(self, svc: _Service) -> float | None:
         """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at
         most half the deadline, so healthy variance never hedges but a hung teacher costs < 1 s."""
-        if self.opts.hedge_after is not None or not self.opts.adaptive_hedge:
-            return self.opts.hedge_after
+        if self.opts.hedge_s is not None or not self.opts.adaptive_hedge:
+            return self.opts.hedge_s
         known = sorted(t.ewma_s for t in svc.router.teachers.values() if t.ewma_s > 0)
         typical = known[len(known) // 2] if known else 0.25
         return min(max(0.25, 4 * typical), self.opts.timeout / 2)
@@ -502,49 +336,43 @@ class Engine:
         self.hedges += 1
         self._send(svc, chunk, t)
 
-    def _encode(self, chunk: Chunk, t: Teacher) -> bytes:
+    def _request(self, chunk: Chunk, t: TeacherState) -> ChunkRequest:
         assert t.meta is not None
         job = chunk.job
-        header = service_pb2.ModelInferRequest(model_name=t.meta.model_name, model_version=self.opts.model_version,
-                                               id=f"{job.epoch}:{job.seq}:{chunk.start}")
-        raws = []
-        for name, f in job.fields.items():
-            header.inputs.add(name=name, datatype=f.datatype, shape=[chunk.size, *f.sample_shape])
-            raws.append(f.array[chunk.start:chunk.stop])
-        for name in self.opts.outputs or t.meta.outputs:
-            header.outputs.add(name=name)
-        # Always stated, 0 included: a teacher started with a --top-k default must still send this
-        # reader the full tensors it expects.
-        header.parameters["top_k"].int64_param = self.opts.top_k
-        if self.opts.output_dtype:
-            header.parameters["output_dtype"].string_param = self.opts.output_dtype
-        return serialize_infer_request(header, raws)
+        return ChunkRequest(
+            model_name=t.meta.model_name, model_version=self.opts.model_version,
+            request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
+            stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), top_k=self.opts.top_k,
+            output_dtype=self.opts.output_dtype,
+        )
 
-    async def _call(self, svc: _Service, chunk: Chunk, t: Teacher) -> None:
+    def _call_cancelled(self, svc: _Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
+        """Account a call cancelled before or while it ran: it lost a hedge race, or we gave up on it."""
+        if not task.cancelled():
+            return
+        if chunk.done and chunk.winner != t.key:
+            svc.router.outpaced(t)
+            if not self._closed:
+                svc.pool.probe_if_ejected(t)
+        else:
+            svc.router.cancelled(t)
+
+    async def _call(self, svc: _Service, chunk: Chunk, t: TeacherState) -> None:
+        """One chunk at one teacher (already counted in flight by `_send`)."""
         router = svc.router
-        router.started(t)
         started = time.perf_counter()
         try:
-            wire = self._encode(chunk, t)
-            response = await t.client.infer(wire, self.opts.timeout)
-            outputs = self._decode(response, chunk, t)
-        except asyncio.CancelledError:
-            if chunk.done and chunk.winner != t.key:
-                router.outpaced(t)
-                self._probe_if_ejected(svc, t)
-            else:
-                router.cancelled(t)
-            raise
-        except grpc.aio.AioRpcError as e:
-            router.failed(t, e.code(), e.details() or "")
-            self._probe_if_ejected(svc, t)
+            outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
+        except TeacherCallError as e:
+            router.failed(t, e.code, e.details)
+            svc.pool.probe_if_ejected(t)
             self._retry(svc, chunk)
             return
-        except grpc.aio.UsageError:  # the teacher left and its channel closed under this call
+        except TeacherGoneError:  # the teacher left and its channel closed under this call
             router.failed(t, grpc.StatusCode.UNAVAILABLE, "channel closed: the teacher left")
             self._retry(svc, chunk)
             return
-        except (ValueError, grpc.RpcError) as e:
+        except MalformedAnswerError as e:
             router.failed(t, grpc.StatusCode.INTERNAL, str(e))
             router.mark_incompatible(t, f"its answer did not fit the request: {e}")
             self._retry(svc, chunk)
@@ -559,31 +387,6 @@ class Engine:
                 other.cancel()
         self._fill(chunk, outputs)
 
-    def _probe_if_ejected(self, svc: _Service, t: Teacher) -> None:
-        if t.needs_probe and not t.probing and not t.removed:
-            t.probing = True
-            self._spawn(self._probe(svc, t), f"probe-{t.endpoint}", critical=False)
-
-    async def _probe(self, svc: _Service, t: Teacher) -> None:
-        """Readmit an ejected teacher only once a ModelReady answers within the probe deadline."""
-        try:
-            while t.needs_probe and not t.removed and t.meta is not None:
-                delay = t.ejected_until - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if t.removed:
-                    return  # it left the registry meanwhile; its channel may already be closed
-                try:
-                    ok = await t.client.ready(t.meta.model_name, timeout=svc.router.config.probe_timeout_s)
-                    detail = "" if ok else "ModelReady answered not ready"
-                except grpc.aio.AioRpcError as e:
-                    ok, detail = False, f"probe: {e.code().name}: {e.details()}"
-                except grpc.aio.UsageError:
-                    return  # the channel was closed because the teacher left
-                svc.router.probed(t, ok, detail)
-        finally:
-            t.probing = False
-
     def _retry(self, svc: _Service, chunk: Chunk) -> None:
         others = [s for s in chunk.sends if s is not asyncio.current_task() and not s.done()]
         if chunk.done or chunk.job.epoch != self.epoch or others:
@@ -591,29 +394,6 @@ class Engine:
         self.retries += 1
         chunk.tried.clear()
         svc.push(chunk, front=True)
-
-    def _decode(self, resp: service_pb2.ModelInferResponse, chunk: Chunk, t: Teacher) -> dict[str, torch.Tensor]:
-        assert t.meta is not None
-        if len(resp.raw_output_contents) != len(resp.outputs):
-            raise ValueError(f"{len(resp.outputs)} outputs but {len(resp.raw_output_contents)} raw buffers")
-        out: dict[str, torch.Tensor] = {}
-        for spec, raw in zip(resp.outputs, resp.raw_output_contents, strict=True):
-            dt = DATATYPES.get(spec.datatype)
-            shape = list(spec.shape)
-            if dt is None:
-                raise ValueError(f"output {spec.name!r} has unsupported datatype {spec.datatype!r}")
-            if not shape or shape[0] != chunk.size:
-                raise ValueError(f"output {spec.name!r} has shape {shape} for a chunk of {chunk.size}")
-            if len(raw) != shape_numel(shape) * dt.itemsize:
-                raise ValueError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
-            out[spec.name] = decode_tensor(raw, dt, shape)
-        wanted = list(self.opts.outputs or t.meta.outputs)
-        if self.opts.top_k:
-            wanted = [f"{n}_TOPK_{part}" for n in wanted for part in ("VALUES", "INDICES")]
-        missing = [n for n in wanted if n not in out]
-        if missing:
-            raise ValueError(f"the answer lacks outputs {missing} (got {sorted(out)})")
-        return {n: out[n] for n in wanted}
 
     def _fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
         job = chunk.job
@@ -650,11 +430,11 @@ class Engine:
                 job = self._ready.pop(self._next_seq)
                 self._next_seq += 1
                 if job.error is not None:
-                    self._out.put((job.epoch, ERROR, job.error))
+                    self._sink.error(job.epoch, job.error)
                     return
                 self._deliver(job)
         if self._end_seq is not None and self._next_seq >= self._end_seq:
-            self._out.put((self.epoch, END, None))
+            self._sink.end(self.epoch)
             self._end_seq = None
 
     def _deliver(self, job: Job) -> None:
@@ -663,10 +443,10 @@ class Engine:
             outputs: Any = next(iter(job.outputs.values()))
         else:
             outputs = dict(job.outputs)
-        self._out.put((job.epoch, BATCH, (job.batch, outputs, job.size)))
+        self._sink.batch(job.epoch, job.batch, outputs, job.size)
 
     def _fatal(self, error: BaseException) -> None:
-        self._out.put((self.epoch, ERROR, error))
+        self._sink.error(self.epoch, error)
         if self._epoch_task is not None:
             self._epoch_task.cancel()
         for svc in self._services.values():
@@ -697,13 +477,20 @@ class Engine:
             teachers={s: dict(svc.router.snapshot()) for s, svc in self._services.items()},
         )
 
-    def _spawn(self, coro: Any, name: str, critical: bool = True) -> asyncio.Task[Any]:
-        """An owned task, cancelled on close. A critical task's failure (data path: reading, dispatch,
-        a chunk) ends the epoch with the error; an auxiliary one's (probe, metadata, closing a
-        departed teacher's channel) is logged, since the teacher it served is at worst unusable."""
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """An owned task on the data path (reading, dispatch, a chunk), cancelled on close; its
+        failure ends the epoch with the error."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done if critical else self._aux_done)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _spawn_aux(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """An owned auxiliary task (probe, metadata, closing a departed teacher's channel), cancelled
+        on close; its failure is logged, since the teacher it served is at worst unusable."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._aux_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
@@ -721,6 +508,7 @@ class Engine:
 
     async def close(self) -> None:
         """Cancel everything, withdraw demand, close channels and registries."""
+        self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.remove_done_callback(self._task_done)
@@ -731,35 +519,8 @@ class Engine:
             with contextlib.suppress(Exception):
                 await cm.__aexit__(None, None, None)
         for svc in self._services.values():
-            for t in list(svc.router.teachers.values()):
-                with contextlib.suppress(Exception):
-                    await t.client.close()
+            await svc.pool.close()
         for reg in self._registries:
             with contextlib.suppress(Exception):
                 await reg.close()
         self._loader.close()
-
-
-def iterate_queue(out: queue.Queue[tuple[int, str, Any]], epoch: int, alive: Callable[[], bool],
-                  poll_s: float = 0.5) -> Iterator[tuple[str, Any]]:
-    """Items of `epoch` from the engine's queue; stale epochs are skipped. Raises if the engine died."""
-    while True:
-        try:
-            item_epoch, kind, payload = out.get(timeout=poll_s)
-        except queue.Empty:
-            if not alive():
-                raise RuntimeError("the reader's engine thread stopped unexpectedly") from None
-            continue
-        if item_epoch != epoch:
-            continue
-        yield kind, payload
-
-
-def as_device(outputs: Any, device: torch.device | None) -> Any:
-    """Teacher outputs on the student's device (non-blocking from pinned memory on CUDA)."""
-    if device is None or outputs is None:
-        return outputs
-    if isinstance(outputs, torch.Tensor):
-        return outputs.to(device, non_blocking=True)
-    return {k: as_device(v, device) for k, v in outputs.items()}
-

@@ -1,4 +1,5 @@
-"""Finding the teacher inputs inside whatever the user's loader yields.
+"""The user's loader, from the reader's side: pulling its batches on a thread of their own, and
+finding the teacher inputs inside whatever it yields.
 
 A batch may be a tensor, a tuple/list, or a dict (a torch DataLoader yields all three). The
 `inputs` option says which fields go to the teacher and under which teacher input name:
@@ -9,7 +10,10 @@ C-contiguous CPU numpy arrays without copying when they already are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,3 +122,53 @@ def extract_inputs(batch: Any, inputs: Mapping[str, str | int]) -> tuple[int, di
     if size == 0:
         raise TypeError("the loader yielded an empty batch (0 rows); teachers cannot answer it")
     return size, out
+
+
+class LoaderThread:
+    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
+    event loop and never keeps the interpreter from exiting."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # delivered to the awaiting coroutine
+                _deliver(loop, _set_exception, fut, e)
+            else:
+                _deliver(loop, _set_result, fut, result)
+
+        self._jobs.put(run)
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
+             fut: asyncio.Future[Any], value: Any) -> None:
+    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
+    try:
+        loop.call_soon_threadsafe(setter, fut, value)
+    except RuntimeError:  # the event loop is closed
+        pass
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -11,6 +11,9 @@ Flag names use underscores (``--distill_teachers``) to match the call form the u
 already have; the reader's keyword names are the flag names without the ``distill_`` prefix,
 except ``--distill_hedge_ms`` which becomes ``hedge_after`` in seconds ("auto" when not given, None
 when 0: off).
+
+The value checkers here (``positive_float``, ``non_negative_int``, ``fallback_choice``, ...) are the
+only definition of each rule: ``distill.reader.ReaderOptions`` validates its fields with them too.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ from discovery.address import parse_address, parse_endpoints
 from discovery.keys import validate_name
 from discovery.options import etcd_options
 
-__all__ = ["FALLBACKS", "add_distill_args", "distill_options_from_args"]
+__all__ = [
+    "FALLBACKS",
+    "add_distill_args",
+    "checked",
+    "distill_options_from_args",
+    "fallback_choice",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+]
 
 FALLBACKS: tuple[str, ...] = ("error", "hard_labels")
 """What the reader does after ``no_teacher_timeout`` seconds without any teacher: raise, or yield
@@ -105,35 +118,35 @@ def _int(text: str | int) -> int:
         raise ValueError(f"expected an integer, got {text!r}") from None
 
 
-def _positive_float(text: str | float) -> float:
+def positive_float(text: str | float) -> float:
     value = _float(text)
     if value <= 0:
         raise ValueError(f"must be > 0, got {text!r}")
     return value
 
 
-def _non_negative_float(text: str | float) -> float:
+def non_negative_float(text: str | float) -> float:
     value = _float(text)
     if value < 0:
         raise ValueError(f"must be >= 0, got {text!r}")
     return value
 
 
-def _positive_int(text: str | int) -> int:
+def positive_int(text: str | int) -> int:
     value = _int(text)
     if value <= 0:
         raise ValueError(f"must be an integer >= 1, got {text!r}")
     return value
 
 
-def _non_negative_int(text: str | int) -> int:
+def non_negative_int(text: str | int) -> int:
     value = _int(text)
     if value < 0:
         raise ValueError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
-def _fallback(text: str) -> str:
+def fallback_choice(text: str) -> str:
     if text not in FALLBACKS:
         raise ValueError(f"must be one of {', '.join(FALLBACKS)}, got {text!r}")
     return text
@@ -187,7 +200,7 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--distill_timeout",
-        type=_argtype(_positive_float, "seconds"),
+        type=_argtype(positive_float, "seconds"),
         default=10.0,
         metavar="SECONDS",
         help="deadline for one chunk at one teacher; a chunk that misses it is re-sent to another "
@@ -202,7 +215,7 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--distill_no_teacher_timeout",
-        type=_argtype(_positive_float, "seconds"),
+        type=_argtype(positive_float, "seconds"),
         default=60.0,
         metavar="SECONDS",
         help="how long to wait with no teacher at all before --distill_fallback applies "
@@ -210,7 +223,7 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--distill_max_teachers",
-        type=_argtype(_non_negative_int, "count"),
+        type=_argtype(non_negative_int, "count"),
         default=0,
         metavar="N",
         help="use at most N teachers, chosen by deterministic subsetting so that many students "
@@ -218,14 +231,14 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--distill_prefetch",
-        type=_argtype(_positive_int, "count"),
+        type=_argtype(positive_int, "count"),
         default=4,
         metavar="N",
         help="loader batches in flight to teachers ahead of the training loop (default: %(default)s)",
     )
     g.add_argument(
         "--distill_teacher_batch_size",
-        type=_argtype(_non_negative_int, "count"),
+        type=_argtype(non_negative_int, "count"),
         default=0,
         metavar="N",
         help="split batches into chunks of at most N samples per request; 0 = the teacher's "
@@ -233,7 +246,7 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument(
         "--distill_hedge_ms",
-        type=_argtype(_non_negative_float, "milliseconds"),
+        type=_argtype(non_negative_float, "milliseconds"),
         default=None,
         metavar="MS",
         help="send a second copy of a chunk to another teacher after MS milliseconds without a "
@@ -260,7 +273,8 @@ def _get(args: argparse.Namespace, name: str) -> Any:
         ) from None
 
 
-def _checked(check: Callable[[Any], _T], flag: str, value: Any) -> _T:
+def checked(check: Callable[[Any], _T], flag: str, value: Any) -> _T:
+    """``check(value)``, its ValueError prefixed with the flag or option name it is about."""
     try:
         return check(value)
     except ValueError as e:
@@ -291,23 +305,23 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "pass only one of --distill_teachers (a fixed set) and --distill_registry (discovery), not both"
         )
     if teachers is not None:
-        teachers = _checked(_teachers, "--distill_teachers", teachers)
+        teachers = checked(_teachers, "--distill_teachers", teachers)
         if service is not None:
             raise ValueError(
                 "--distill_service applies only with --distill_registry; "
                 "drop it when using --distill_teachers"
             )
     else:
-        registry = _checked(_registry, "--distill_registry", registry)
+        registry = checked(_registry, "--distill_registry", registry)
         if service is None:
             raise ValueError(
                 "--distill_registry needs --distill_service NAME, the service the teachers register under"
             )
-        service = _checked(_service, "--distill_service", service)
+        service = checked(_service, "--distill_service", service)
 
-    timeout = _checked(_positive_float, "--distill_timeout", _get(args, "distill_timeout"))
+    timeout = checked(positive_float, "--distill_timeout", _get(args, "distill_timeout"))
     raw_hedge = _get(args, "distill_hedge_ms")
-    hedge_ms = None if raw_hedge is None else _checked(_non_negative_float, "--distill_hedge_ms", raw_hedge)
+    hedge_ms = None if raw_hedge is None else checked(non_negative_float, "--distill_hedge_ms", raw_hedge)
     hedge_after: float | str | None = "auto" if hedge_ms is None else (hedge_ms / 1000.0 if hedge_ms > 0 else None)
     if isinstance(hedge_after, float) and hedge_after >= timeout:
         raise ValueError(
@@ -321,16 +335,16 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "registry": registry,
         "service": service,
         "timeout": timeout,
-        "fallback": _checked(_fallback, "--distill_fallback", _get(args, "distill_fallback")),
-        "no_teacher_timeout": _checked(
-            _positive_float, "--distill_no_teacher_timeout", _get(args, "distill_no_teacher_timeout")
+        "fallback": checked(fallback_choice, "--distill_fallback", _get(args, "distill_fallback")),
+        "no_teacher_timeout": checked(
+            positive_float, "--distill_no_teacher_timeout", _get(args, "distill_no_teacher_timeout")
         ),
-        "max_teachers": _checked(
-            _non_negative_int, "--distill_max_teachers", _get(args, "distill_max_teachers")
+        "max_teachers": checked(
+            non_negative_int, "--distill_max_teachers", _get(args, "distill_max_teachers")
         ),
-        "prefetch": _checked(_positive_int, "--distill_prefetch", _get(args, "distill_prefetch")),
-        "teacher_batch_size": _checked(
-            _non_negative_int, "--distill_teacher_batch_size", _get(args, "distill_teacher_batch_size")
+        "prefetch": checked(positive_int, "--distill_prefetch", _get(args, "distill_prefetch")),
+        "teacher_batch_size": checked(
+            non_negative_int, "--distill_teacher_batch_size", _get(args, "distill_teacher_batch_size")
         ),
         "hedge_after": hedge_after,
         "tls_ca": getattr(args, "distill_tls_ca", None),

@@ -20,15 +20,23 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from distill.engine import BATCH, END, ERROR, Engine, EngineOptions, as_device, iterate_queue
+from distill.engine import Engine
 from distill.errors import ReaderClosedError
-from distill.fields import InputSpec, normalize_inputs
-from distill.flags import distill_options_from_args
+from distill.fields import normalize_inputs
+from distill.flags import (
+    checked,
+    distill_options_from_args,
+    fallback_choice,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from distill.router import RouterConfig
 from distill.stats import ConsumptionMeter, ReaderStats
 from distill.teacher_client import ClientTLS
@@ -45,27 +53,24 @@ def default_student_id() -> str:
     return f"{base}-rank{rank}" if rank is not None else base
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Everything a reader is told, validated once here; the engine takes it as is.
 
-
-class DistillReader:
-    """Wraps a loader; yields (batch, teacher_outputs). See the module docstring.
+    Built by ``DistillReader(loader, **kwargs)`` (the keywords are these fields) and by
+    ``ReaderOptions.from_args(args, ...)`` / ``DistillReader.from_args`` from ``add_distill_args``
+    flags. Fields given as user-friendly forms are normalised in place (``inputs`` to a mapping,
+    ``outputs`` to a tuple, ``device`` to a ``torch.device``, ``output_dtype`` to upper case, a
+    missing ``student_id`` to host-pid[-rankN]).
 
     Args:
-        loader: any iterable of batches (a DataLoader, a generator factory's result, a list).
+        inputs: teacher input names taken from batch fields of the same name, or a mapping
+            {teacher_input: batch_key_or_position}.
+        outputs: teacher outputs to fetch (default: all the teacher has).
         teachers: fixed teachers, "host:port,host:port"; or {service: "host:port,..."} for several.
         registry: "etcd://host:2379[,host:2379]" to find teachers under `service` as they come and go.
         service: the service name(s) in the registry; several give a mixture of teachers, and the
             outputs come per service: {service: {name: tensor}}.
-        inputs: teacher input names taken from batch fields of the same name, or a mapping
-            {teacher_input: batch_key_or_position}.
-        outputs: teacher outputs to fetch (default: all the teacher has).
         model: model name on the teachers (default: what each teacher registered / serves).
         timeout: deadline per chunk, seconds; a chunk that misses it goes to another teacher.
         no_teacher_timeout: seconds without any usable teacher before NoTeacherError (or fallback).
@@ -85,46 +90,48 @@ class DistillReader:
             and this student's certificate and key when they require mutual TLS.
         tls_server_name: the name to verify in the teachers' certificates, when it differs from the
             endpoint's host.
+        router: the router's tuning (limits, backoff, probe deadline).
     """
 
-    def __init__(
-        self,
-        loader: Iterable[Any],
-        *,
-        inputs: InputSpec,
-        outputs: Sequence[str] | None = None,
-        teachers: str | Mapping[str, str] | None = None,
-        registry: str | None = None,
-        service: str | Sequence[str] | None = None,
-        model: str | None = None,
-        model_version: str = "",
-        timeout: float = 10.0,
-        no_teacher_timeout: float = 60.0,
-        fallback: str = "error",
-        max_teachers: int = 0,
-        prefetch: int = 4,
-        teacher_batch_size: int = 0,
-        hedge_after: float | str | None = "auto",
-        ordered: bool = True,
-        device: str | torch.device | None = None,
-        top_k: int = 0,
-        output_dtype: str | None = None,
-        student_id: str | None = None,
-        registry_options: Mapping[str, Any] | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
-        router: RouterConfig | None = None,
-    ) -> None:
-        if (teachers is None) == (registry is None):
+    inputs: Any  # an InputSpec (distill.fields); a {teacher input: batch field} dict after validation
+    outputs: Sequence[str] | None = None
+    teachers: str | Mapping[str, str] | None = None
+    registry: str | None = None
+    service: str | Sequence[str] | None = None
+    model: str | None = None
+    model_version: str = ""
+    timeout: float = 10.0
+    no_teacher_timeout: float = 60.0
+    fallback: str = "error"
+    max_teachers: int = 0
+    prefetch: int = 4
+    teacher_batch_size: int = 0
+    hedge_after: float | str | None = "auto"
+    ordered: bool = True
+    device: str | torch.device | None = None
+    top_k: int = 0
+    output_dtype: str | None = None
+    student_id: str = ""  # "": host-pid[-rankN]
+    registry_options: Mapping[str, Any] = field(default_factory=dict)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    router: RouterConfig = field(default_factory=RouterConfig)
+    # Derived in __post_init__:
+    services: tuple[str, ...] = field(init=False)
+    static: Mapping[str, str] | None = field(init=False)  # service -> "host:port,..." for fixed lists
+    client_tls: ClientTLS | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        teachers, service = self.teachers, self.service
+        if (teachers is None) == (self.registry is None):
             raise ValueError("pass exactly one of teachers='host:port,...' and registry='etcd://host:2379'")
+        static: dict[str, str] | None
         if isinstance(teachers, str):
-            static: dict[str, str] | None = {service if isinstance(service, str) else "teachers": teachers}
-        elif teachers is not None:
-            static = dict(teachers)
+            static = {service if isinstance(service, str) else "teachers": teachers}
         else:
-            static = None
+            static = dict(teachers) if teachers is not None else None
         if static is not None:
             services = tuple(static)
         elif isinstance(service, str):
@@ -133,40 +140,133 @@ class DistillReader:
             services = tuple(service)
         else:
             raise ValueError("registry= needs service='NAME' (the name teachers registered under)")
-        if fallback not in ("error", "hard_labels"):
-            raise ValueError(f"fallback must be 'error' or 'hard_labels', got {fallback!r}")
-        for name, value in (("timeout", timeout), ("no_teacher_timeout", no_teacher_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if max_teachers < 0 or teacher_batch_size < 0 or top_k < 0:
-            raise ValueError("max_teachers, teacher_batch_size and top_k must be >= 0")
-        if isinstance(hedge_after, str):
-            if hedge_after != "auto":
-                raise ValueError(f"hedge_after must be seconds, 'auto' or None, got {hedge_after!r}")
-        elif hedge_after is not None and not 0 < hedge_after < timeout:
-            raise ValueError(f"hedge_after must be between 0 and timeout ({timeout}), got {hedge_after}")
-        if output_dtype is not None and output_dtype.upper() not in _FLOAT_DTYPES:
-            raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {output_dtype!r}")
+        # The same rules, and messages, as the --distill_* flags (distill.flags).
+        checked(fallback_choice, "fallback", self.fallback)
+        timeout = checked(positive_float, "timeout", self.timeout)
+        numbers: dict[str, Any] = {
+            "timeout": timeout,
+            "no_teacher_timeout": checked(positive_float, "no_teacher_timeout", self.no_teacher_timeout),
+            "prefetch": checked(positive_int, "prefetch", self.prefetch),
+            **{name: checked(non_negative_int, name, getattr(self, name))
+               for name in ("max_teachers", "teacher_batch_size", "top_k")},
+        }
+        hedge = self.hedge_after
+        if isinstance(hedge, str):
+            if hedge != "auto":
+                raise ValueError(f"hedge_after must be seconds, 'auto' or None, got {hedge!r}")
+        elif hedge is not None and not 0 < hedge < timeout:
+            raise ValueError(f"hedge_after must be between 0 and timeout ({timeout:g} s), got {hedge}")
+        dtype = self.output_dtype
+        if dtype is not None and dtype.upper() not in _FLOAT_DTYPES:
+            raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
+        tls = (ClientTLS(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+               if any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)) else None)
+        normalised: dict[str, Any] = {
+            **numbers,
+            "inputs": normalize_inputs(self.inputs),
+            "outputs": tuple(self.outputs) if self.outputs else None,
+            "device": torch.device(self.device) if self.device is not None else None,
+            "output_dtype": dtype.upper() if dtype else None,
+            "student_id": self.student_id or default_student_id(),
+            "registry_options": dict(self.registry_options or {}),
+            "router": self.router or RouterConfig(),
+            "services": services, "static": static, "client_tls": tls,
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **kwargs: Any) -> ReaderOptions:
+        """From `add_distill_args` flags; keyword arguments (inputs, outputs, ...) are added or override."""
+        return cls(**{**distill_options_from_args(args), **kwargs})
+
+    @property
+    def hedge_s(self) -> float | None:
+        """The fixed hedge delay in seconds; None when adaptive or off."""
+        return None if isinstance(self.hedge_after, str) else self.hedge_after
+
+    @property
+    def adaptive_hedge(self) -> bool:
+        return self.hedge_after == "auto"
+
+    @property
+    def torch_device(self) -> torch.device | None:
+        """`device` as a torch.device (None: outputs stay on the CPU)."""
+        return torch.device(self.device) if self.device is not None else None
+
+    @property
+    def pin_memory(self) -> bool:
+        """Outputs land in pinned memory when they go on to a CUDA device."""
+        device = self.torch_device
+        return device is not None and device.type == "cuda"
+
+
+# The queue between the engine thread and the training loop carries (epoch, kind, payload).
+BATCH, END, ERROR = "batch", "end", "error"
+
+
+class Outbox:
+    """The engine's sink (`distill.engine.Sink`) on the reader's side: a thread-safe queue that the
+    training loop's thread reads with `items`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[int, str, Any]] = queue.Queue()
+
+    def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None:
+        self._queue.put((epoch, BATCH, (batch, outputs, size)))
+
+    def end(self, epoch: int) -> None:
+        self._queue.put((epoch, END, None))
+
+    def error(self, epoch: int, error: BaseException) -> None:
+        self._queue.put((epoch, ERROR, error))
+
+    def items(self, epoch: int, alive: Callable[[], bool], poll_s: float = 0.5) -> Iterator[tuple[str, Any]]:
+        """Items of `epoch`; stale epochs are skipped. Raises if the engine died."""
+        while True:
+            try:
+                item_epoch, kind, payload = self._queue.get(timeout=poll_s)
+            except queue.Empty:
+                if not alive():
+                    raise RuntimeError("the reader's engine thread stopped unexpectedly") from None
+                continue
+            if item_epoch != epoch:
+                continue
+            yield kind, payload
+
+
+def as_device(outputs: Any, device: torch.device | None) -> Any:
+    """Teacher outputs on the student's device (non-blocking from pinned memory on CUDA)."""
+    if device is None or outputs is None:
+        return outputs
+    if isinstance(outputs, torch.Tensor):
+        return outputs.to(device, non_blocking=True)
+    return {k: as_device(v, device) for k, v in outputs.items()}
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class DistillReader:
+    """Wraps a loader; yields (batch, teacher_outputs). See the module docstring.
+
+    `DistillReader(loader, inputs=["INPUT"], teachers="host:port")`: the keywords are the fields of
+    `ReaderOptions` (documented there), or pass a built `ReaderOptions` as `options=`.
+    """
+
+    def __init__(self, loader: Iterable[Any], options: ReaderOptions | None = None, **kwargs: Any) -> None:
+        if options is not None and kwargs:
+            raise TypeError("pass either options=ReaderOptions(...) or keyword arguments, not both")
+        self._options = options if options is not None else ReaderOptions(**kwargs)
         self._loader = loader
-        self._device = torch.device(device) if device is not None else None
-        self._options = EngineOptions(
-            inputs=normalize_inputs(inputs), outputs=tuple(outputs) if outputs else None, services=services,
-            static=static, registry=registry, registry_options=dict(registry_options or {}), model=model,
-            model_version=model_version, timeout=float(timeout), no_teacher_timeout=float(no_teacher_timeout),
-            fallback=fallback, max_teachers=max_teachers, prefetch=prefetch, teacher_batch_size=teacher_batch_size,
-            hedge_after=None if isinstance(hedge_after, str) else hedge_after,
-            adaptive_hedge=hedge_after == "auto", ordered=ordered, top_k=top_k,
-            output_dtype=output_dtype.upper() if output_dtype else None,
-            student_id=student_id or default_student_id(),
-            pin_memory=self._device is not None and self._device.type == "cuda",
-            tls=ClientTLS(tls_ca, tls_cert, tls_key, tls_server_name)
-            if any((tls_ca, tls_cert, tls_key, tls_server_name)) else None,
-            router=router or RouterConfig(),
-        )
         self._meter = ConsumptionMeter()
-        self._out: queue.Queue[tuple[int, str, Any]] = queue.Queue()
+        self._out = Outbox()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine: Engine | None = None
@@ -175,13 +275,15 @@ class DistillReader:
     @classmethod
     def from_args(cls, args: argparse.Namespace, loader: Iterable[Any], **kwargs: Any) -> DistillReader:
         """Build from `add_distill_args` flags; keyword arguments (inputs, outputs, ...) are added."""
-        options = distill_options_from_args(args)
-        options.update(kwargs)
-        return cls(loader, **options)
+        return cls(loader, ReaderOptions.from_args(args, **kwargs))
 
     @property
     def student_id(self) -> str:
         return self._options.student_id
+
+    @property
+    def options(self) -> ReaderOptions:
+        return self._options
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> DistillReader:
@@ -251,8 +353,8 @@ class DistillReader:
         return self._iterate(engine, loop, epoch)
 
     def _iterate(self, engine: Engine, loop: asyncio.AbstractEventLoop, epoch: int) -> Iterator[tuple[Any, Any]]:
-        thread = self._thread
-        items = iterate_queue(self._out, epoch, lambda: thread is not None and thread.is_alive() and not self._closed)
+        thread, device = self._thread, self._options.torch_device
+        items = self._out.items(epoch, lambda: thread is not None and thread.is_alive() and not self._closed)
         while True:
             started = time.perf_counter()
             if self._closed:
@@ -267,7 +369,7 @@ class DistillReader:
             batch, outputs, size = payload
             loop.call_soon_threadsafe(engine.consumed, epoch)
             self._meter.record(size, waited)
-            yield batch, as_device(outputs, self._device)
+            yield batch, as_device(outputs, device)
 
     def stats(self) -> ReaderStats:
         """Throughput, wait fraction, and per-teacher latency/errors (see ReaderStats)."""

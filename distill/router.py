@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from distill.teacher_client import TeacherClient, TeacherMetadata
+from distill.teacher_client import InferenceClient, TeacherMetadata
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,13 @@ class RouterConfig:
 
 
 @dataclass(eq=False)
-class Teacher:
-    """The router's view of one teacher instance."""
+class TeacherState:
+    """The router's record of one teacher instance: its client, limit, latency, health and counters.
+    (Named apart from the losses' teacher outputs: this is a connection's state, not a tensor.)"""
 
     key: str
     endpoint: str
-    client: TeacherClient
+    client: InferenceClient
     limit: float
     meta: TeacherMetadata | None = None
     in_flight: int = 0
@@ -97,6 +98,7 @@ class Teacher:
     def describe(self) -> str:
         state = (
             "removed" if self.removed else f"incompatible: {self.incompatible}" if self.incompatible
+            else f"waiting for metadata ({self.last_error})" if self.meta is None and self.last_error
             else "waiting for metadata" if self.meta is None
             else f"ejected ({self.last_error})" if self.needs_probe or time.monotonic() < self.ejected_until
             else "ok"
@@ -110,36 +112,36 @@ class Router:
     def __init__(self, service: str, config: RouterConfig | None = None) -> None:
         self.service = service
         self.config = config or RouterConfig()
-        self.teachers: dict[str, Teacher] = {}
+        self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
         self._no_teacher_since: float | None = time.monotonic()
 
     # ---- membership ------------------------------------------------------------------------
-    def add(self, key: str, endpoint: str, client: TeacherClient, meta: TeacherMetadata | None) -> Teacher:
-        t = Teacher(key, endpoint, client, self.config.initial_limit, meta)
+    def add(self, key: str, endpoint: str, client: InferenceClient, meta: TeacherMetadata | None) -> TeacherState:
+        t = TeacherState(key, endpoint, client, self.config.initial_limit, meta)
         self.teachers[key] = t
         self.notify()
         return t
 
-    def remove(self, key: str) -> Teacher | None:
+    def remove(self, key: str) -> TeacherState | None:
         t = self.teachers.pop(key, None)
         if t is not None:
             t.removed = True
             self.notify()
         return t
 
-    def set_metadata(self, t: Teacher, meta: TeacherMetadata) -> None:
+    def set_metadata(self, t: TeacherState, meta: TeacherMetadata) -> None:
         t.meta = meta
         t.checked.clear()
         self.notify()
 
-    def mark_incompatible(self, t: Teacher, reason: str) -> None:
+    def mark_incompatible(self, t: TeacherState, reason: str) -> None:
         if t.incompatible is None:
             log.error("teacher %s of service %r ejected: %s", t.endpoint, self.service, reason)
         t.incompatible = reason
         self.notify()
 
-    def check_signature(self, t: Teacher, signature: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bool:
+    def check_signature(self, t: TeacherState, signature: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bool:
         """Whether teacher `t` accepts inputs of this (name, datatype, sample shape) signature."""
         if signature in t.checked:
             return True
@@ -162,7 +164,7 @@ class Router:
     def notify(self) -> None:
         self._changed.set()
 
-    def usable(self) -> list[Teacher]:
+    def usable(self) -> list[TeacherState]:
         now = time.monotonic()
         ts = [t for t in self.teachers.values() if t.usable(now)]
         if ts:
@@ -176,7 +178,7 @@ class Router:
         self.usable()
         return 0.0 if self._no_teacher_since is None else time.monotonic() - self._no_teacher_since
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> Teacher | None:
+    def pick(self, exclude: frozenset[str] = frozenset()) -> TeacherState | None:
         """A teacher with a free slot by power of two choices; None when all are full or unusable."""
         free = [t for t in self.usable() if t.has_slot() and t.key not in exclude]
         if not free:
@@ -188,7 +190,7 @@ class Router:
         a, b = random.sample(free, 2)
         stale_before = time.monotonic() - self.config.stale_after_s
 
-        def cost(t: Teacher) -> float:
+        def cost(t: TeacherState) -> float:
             estimate = t.ewma_s or default
             if t.in_flight == 0 and t.last_result < stale_before:
                 estimate = min(estimate, default)
@@ -209,10 +211,10 @@ class Router:
             pass
 
     # ---- outcomes ---------------------------------------------------------------------------
-    def started(self, t: Teacher) -> None:
+    def started(self, t: TeacherState) -> None:
         t.in_flight += 1
 
-    def succeeded(self, t: Teacher, latency_s: float, samples: int) -> None:
+    def succeeded(self, t: TeacherState, latency_s: float, samples: int) -> None:
         was_full = t.in_flight >= max(1, int(t.limit))
         t.in_flight -= 1
         t.ok += 1
@@ -230,7 +232,7 @@ class Router:
             t.limit = max(1.0, t.limit * 0.9)
         self.notify()
 
-    def failed(self, t: Teacher, code: grpc.StatusCode | None, message: str) -> None:
+    def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:
         """Account a failed chunk; the caller re-routes it."""
         t.in_flight -= 1
         t.errors += 1
@@ -243,7 +245,7 @@ class Router:
             self._eject(t)
         self.notify()
 
-    def _eject(self, t: Teacher) -> None:
+    def _eject(self, t: TeacherState) -> None:
         t.streak += 1
         t.limit = 1.0
         t.needs_probe = True
@@ -253,11 +255,11 @@ class Router:
             log.warning("teacher %s of service %r failed (%s); its work goes elsewhere until it answers a "
                         "readiness probe (first in %.2fs)", t.endpoint, self.service, t.last_error, backoff)
 
-    def backoff(self, t: Teacher) -> float:
+    def backoff(self, t: TeacherState) -> float:
         base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** max(0, t.streak - 1))
         return base * random.uniform(0.8, 1.2)
 
-    def probed(self, t: Teacher, ok: bool, detail: str = "") -> None:
+    def probed(self, t: TeacherState, ok: bool, detail: str = "") -> None:
         """Outcome of a readiness probe of an ejected teacher: back in service, or wait longer."""
         if ok:
             t.needs_probe = False
@@ -274,12 +276,12 @@ class Router:
             t.ejected_until = time.monotonic() + self.backoff(t)
         self.notify()
 
-    def cancelled(self, t: Teacher) -> None:
+    def cancelled(self, t: TeacherState) -> None:
         """A chunk we gave up on ourselves (the reader closing, an epoch abandoned): no judgement."""
         t.in_flight -= 1
         self.notify()
 
-    def outpaced(self, t: Teacher) -> None:
+    def outpaced(self, t: TeacherState) -> None:
         """Another teacher answered this chunk first (a hedge race): treat `t` as slow."""
         t.in_flight -= 1
         t.outpaced += 1

@@ -1,21 +1,29 @@
-"""One gRPC channel to one teacher, speaking the raw KServe v2 protocol.
+"""The whole KServe v2 stub of the student side: one gRPC channel to one teacher, the request's
+encoding, the call, and the answer's decoding and checks.
 
 Requests go out as pre-serialized bytes (`protos.kserve.serialize_infer_request`: one copy of
 the inputs), so the student pays no protobuf arena copies on its hot path. Every call carries a
 deadline. The same client works against our teacher-server and a real Triton.
+
+The engine sees only `ChunkRequest` in, tensors or a typed error out (`TeacherCallError` with the
+gRPC status, `TeacherGoneError`, `MalformedAnswerError`), so it can be driven by any object with
+the same four methods (`InferenceClient`), an in-memory teacher included.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
+import torch
 
+from distill.fields import FieldArray
 from protos import registry_pb2
-from protos.kserve import service_pb2
+from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +108,107 @@ class TeacherMetadata:
         )
 
 
+class TeacherCallError(Exception):
+    """A call that the teacher (or the network on its way) refused or failed, with its gRPC status;
+    the router judges the teacher by `code`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class TeacherGoneError(Exception):
+    """The client's channel was closed under a call: the teacher left the pool meanwhile."""
+
+
+class MalformedAnswerError(ValueError):
+    """The teacher answered, but not what was asked (missing outputs, wrong shapes or sizes)."""
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """Rows [start, stop) of one batch's inputs for one teacher, and which outputs to fetch."""
+
+    model_name: str
+    model_version: str
+    request_id: str
+    inputs: Mapping[str, FieldArray]  # the whole batch; the request carries rows start..stop
+    start: int
+    stop: int
+    outputs: tuple[str, ...]
+    top_k: int = 0
+    output_dtype: str | None = None
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def wanted(self) -> list[str]:
+        """The output names the answer must carry (top-k outputs come as values and indices)."""
+        if self.top_k:
+            return [f"{n}_TOPK_{part}" for n in self.outputs for part in ("VALUES", "INDICES")]
+        return list(self.outputs)
+
+
+def encode_request(req: ChunkRequest) -> bytes:
+    """A ModelInferRequest's wire bytes: a small protobuf header, then each input's rows copied once."""
+    header = service_pb2.ModelInferRequest(model_name=req.model_name, model_version=req.model_version,
+                                           id=req.request_id)
+    raws = []
+    for name, f in req.inputs.items():
+        header.inputs.add(name=name, datatype=f.datatype, shape=[req.size, *f.sample_shape])
+        raws.append(f.array[req.start:req.stop])
+    for name in req.outputs:
+        header.outputs.add(name=name)
+    # Always stated, 0 included: a teacher started with a --top-k default must still send this
+    # reader the full tensors it expects.
+    header.parameters["top_k"].int64_param = req.top_k
+    if req.output_dtype:
+        header.parameters["output_dtype"].string_param = req.output_dtype
+    return serialize_infer_request(header, raws)
+
+
+def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> dict[str, torch.Tensor]:
+    """The wanted outputs as tensors over the answer's buffers; MalformedAnswerError when they do not
+    fit the request (a teacher that does, and keeps serving, is broken for this reader)."""
+    if len(resp.raw_output_contents) != len(resp.outputs):
+        raise MalformedAnswerError(f"{len(resp.outputs)} outputs but {len(resp.raw_output_contents)} raw buffers")
+    out: dict[str, torch.Tensor] = {}
+    for spec, raw in zip(resp.outputs, resp.raw_output_contents, strict=True):
+        dt = DATATYPES.get(spec.datatype)
+        shape = list(spec.shape)
+        if dt is None:
+            raise MalformedAnswerError(f"output {spec.name!r} has unsupported datatype {spec.datatype!r}")
+        if not shape or shape[0] != req.size:
+            raise MalformedAnswerError(f"output {spec.name!r} has shape {shape} for a chunk of {req.size}")
+        if len(raw) != shape_numel(shape) * dt.itemsize:
+            raise MalformedAnswerError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
+        out[spec.name] = decode_tensor(raw, dt, shape)
+    wanted = req.wanted()
+    missing = [n for n in wanted if n not in out]
+    if missing:
+        raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(out)})")
+    return {n: out[n] for n in wanted}
+
+
+class InferenceClient(Protocol):
+    """What the engine needs of a teacher; `TeacherClient` speaks it over gRPC."""
+
+    endpoint: str
+
+    async def infer(self, request: ChunkRequest, timeout: float) -> dict[str, torch.Tensor]: ...
+
+    async def ready(self, model: str, timeout: float) -> bool: ...
+
+    async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata: ...
+
+    async def close(self) -> None: ...
+
+
 class TeacherClient:
-    """Owns the channel to one teacher endpoint; close() releases it."""
+    """Owns the channel to one teacher endpoint; close() releases it. Every method raises
+    `TeacherCallError` / `TeacherGoneError` rather than gRPC's own exceptions."""
 
     def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None) -> None:
@@ -115,21 +222,43 @@ class TeacherClient:
             _INFER, request_serializer=None, response_deserializer=service_pb2.ModelInferResponse.FromString
         )
 
-    async def infer(self, wire: bytes, timeout: float) -> service_pb2.ModelInferResponse:
-        """One ModelInfer with a pre-serialized request; raises grpc.aio.AioRpcError on failure."""
-        response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout)
-        return response
+    async def infer(self, request: ChunkRequest, timeout: float) -> dict[str, torch.Tensor]:
+        """One ModelInfer of a chunk, pre-serialized, with a deadline; the checked outputs."""
+        wire = encode_request(request)
+        try:
+            response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise TeacherCallError(e.code(), e.details() or "") from None
+        except grpc.aio.UsageError:
+            raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
+        except grpc.RpcError as e:
+            raise MalformedAnswerError(str(e)) from None
+        return decode_response(response, request)
 
     async def ready(self, model: str, timeout: float) -> bool:
         """ModelReady: the cheap probe that tells a hung teacher from one that answers again."""
-        response = await self._channel.unary_unary(
-            _READY, request_serializer=service_pb2.ModelReadyRequest.SerializeToString,
-            response_deserializer=service_pb2.ModelReadyResponse.FromString,
-        )(service_pb2.ModelReadyRequest(name=model), timeout=timeout)
+        try:
+            response = await self._channel.unary_unary(
+                _READY, request_serializer=service_pb2.ModelReadyRequest.SerializeToString,
+                response_deserializer=service_pb2.ModelReadyResponse.FromString,
+            )(service_pb2.ModelReadyRequest(name=model), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise TeacherCallError(e.code(), e.details() or "") from None
+        except grpc.aio.UsageError:
+            raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
         return bool(response.ready)
 
     async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
-        """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given."""
+        """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given.
+        ValueError when the teacher serves several models and none was named."""
+        try:
+            return await self._fetch_metadata(model, version, timeout)
+        except grpc.aio.AioRpcError as e:
+            raise TeacherCallError(e.code(), e.details() or "") from None
+        except grpc.aio.UsageError:
+            raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
+
+    async def _fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         if not model:
             index = await self._channel.unary_unary(
                 _INDEX, request_serializer=service_pb2.RepositoryIndexRequest.SerializeToString,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -11,12 +12,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
-from distill import DistillReader, KDLoss, NoTeacherError, TeacherMismatchError, add_distill_args
+from discovery import subset
+from distill import DistillReader, KDLoss, NoTeacherError, ReaderOptions, TeacherMismatchError, add_distill_args
 from distill.router import RouterConfig
+from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
+from tests.faults.helpers import assert_delivered_once_in_order
 from tests.models import Affine, Affine2
 from tests.servers import ServerThread, teacher_process
 
@@ -174,6 +179,7 @@ def test_hard_label_fallback_then_recovery_when_the_teacher_returns(tmp_path: Pa
                     time.sleep(0.05)  # give the router time to find it again
                 yield b
 
+    seen: list[int] = []
     results: dict[int, bool] = {}
     with contextlib.ExitStack() as stack:
         proc, info = stack.enter_context(teacher_process(args, tmp_path))
@@ -183,6 +189,7 @@ def test_hard_label_fallback_then_recovery_when_the_teacher_returns(tmp_path: Pa
         kd = KDLoss(temperature=2.0, alpha=0.5)
         for batch, teacher in reader:
             i = int(batch["idx"][0])
+            seen.append(i)
             results[i] = teacher is not None
             student = torch.randn(4, 4, requires_grad=True)
             loss = kd(student, None if teacher is None else teacher["Y"], torch.zeros(4, dtype=torch.long))
@@ -196,7 +203,7 @@ def test_hard_label_fallback_then_recovery_when_the_teacher_returns(tmp_path: Pa
             if i == 20:
                 stack.enter_context(teacher_process([*args, "--port", str(info["port"])], tmp_path))
                 back.set()
-    assert sorted(results) == list(range(60)), "every batch exactly once, fallback or not"
+    assert_delivered_once_in_order(seen, 60)  # every batch exactly once and in order, fallback or not
     assert all(results[i] for i in range(10)), "batches before the loss carry teacher outputs"
     assert not any(results[i] for i in range(11, 21)), "batches while no teacher lived fell back to hard labels"
     assert results[59], "the teacher back on its port serves again"
@@ -319,18 +326,45 @@ def test_flags_build_a_reader(two_teachers: tuple[ServerThread, ServerThread]) -
         _check_epoch(reader, data)
 
 
+def _threads_left(before: set[threading.Thread], timeout: float = 10.0) -> list[threading.Thread]:
+    """The reader threads (engine loop, loader) started since `before` that are still alive after
+    waiting up to `timeout` for each to end. Identities, not names: every reader names its threads
+    alike, so a name check cannot tell a leaked reader from one that was already running."""
+    new = [t for t in threading.enumerate() if t not in before and t.name.startswith("distill-")]
+    deadline = time.monotonic() + timeout
+    for t in new:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in new if t.is_alive()]
+
+
 def test_close_stops_the_engine_thread(two_teachers: tuple[ServerThread, ServerThread]) -> None:
     a, _ = two_teachers
-    before = {t.name for t in threading.enumerate()}
+    before = set(threading.enumerate())
     reader = DistillReader(_batches(50), teachers=a.url, inputs=["X"])
     it = iter(reader)
     next(it)  # mid-epoch
+    assert {t.name for t in threading.enumerate() if t not in before} >= {"distill-reader", "distill-loader"}
     reader.close()
-    time.sleep(0.2)
-    leftover = [t for t in threading.enumerate() if t.name == "distill-reader" and t.name not in before]
+    leftover = _threads_left(before)
     assert not leftover, leftover
     with pytest.raises(Exception, match="closed"):
         next(it)
+
+
+def test_the_thread_check_catches_a_reader_left_open(two_teachers: tuple[ServerThread, ServerThread]) -> None:
+    """The check above must fail on a leak, even while another reader (with threads of the same
+    names) is open: here one reader stays open throughout and a second one is leaked on purpose."""
+    a, _ = two_teachers
+    with DistillReader(_batches(5), teachers=a.url, inputs=["X"]) as already_open:
+        next(iter(already_open))
+        before = set(threading.enumerate())
+        leaked = DistillReader(_batches(5), teachers=a.url, inputs=["X"]).start()
+        try:
+            left = _threads_left(before, timeout=1.0)  # its threads run on: the wait ends at the timeout
+            assert {t.name for t in left} == {"distill-reader", "distill-loader"}, left
+        finally:
+            leaked.close()
+        assert not _threads_left(before), "closing the leaked reader ends its threads"
 
 
 def test_a_loader_that_answers_after_close_raises_nothing(two_teachers: tuple[ServerThread, ServerThread]) -> None:
@@ -349,12 +383,18 @@ def test_a_loader_that_answers_after_close_raises_nothing(two_teachers: tuple[Se
     previous = threading.excepthook
     threading.excepthook = lambda args: errors.append(args.exc_value)
     try:
+        before = set(threading.enumerate())
         reader = DistillReader(slow_loader(), teachers=a.url, inputs=["X"], prefetch=1)
         it = iter(reader)
         next(it)
+        loader_threads = [t for t in threading.enumerate() if t not in before and t.name == "distill-loader"]
+        assert len(loader_threads) == 1, loader_threads
         reader.close()
         release.set()
-        time.sleep(0.3)  # the loader thread answers into the closed reader
+        # The loader thread answers into the closed reader, then ends: an exception would reach
+        # the excepthook before the thread ends.
+        loader_threads[0].join(10)
+        assert not loader_threads[0].is_alive(), "the loader thread ends once its late answer is dropped"
     finally:
         threading.excepthook = previous
     assert errors == [], errors
@@ -368,7 +408,30 @@ def test_reader_argument_errors() -> None:
     with pytest.raises(ValueError, match="fallback"):
         DistillReader([], inputs=["X"], teachers="h:1", fallback="labels")
     with pytest.raises(TypeError, match="positions"):
-        DistillReader([], inputs=[0], teachers="h:1")  # type: ignore[list-item]
+        DistillReader([], inputs=[0], teachers="h:1")
+    with pytest.raises(ValueError, match="prefetch: must be an integer >= 1, got 0"):
+        DistillReader([], inputs=["X"], teachers="h:1", prefetch=0)
+    with pytest.raises(ValueError, match="hedge_after must be between 0 and timeout"):
+        DistillReader([], inputs=["X"], teachers="h:1", timeout=1.0, hedge_after=2.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefech'"):
+        DistillReader([], inputs=["X"], teachers="h:1", prefech=2)
+
+
+def test_reader_options_are_one_validated_frozen_record() -> None:
+    """Flags, keywords and a built ReaderOptions meet in the same normalised record."""
+    args = add_distill_args(argparse.ArgumentParser()).parse_args(
+        ["--distill_teachers", "127.0.0.1:9898", "--distill_hedge_ms", "50", "--distill_prefetch", "3"])
+    opts = ReaderOptions.from_args(args, inputs=["X"], outputs=["Y"], student_id="s1")
+    assert opts == ReaderOptions(inputs={"X": "X"}, outputs=("Y",), teachers="127.0.0.1:9898", hedge_after=0.05,
+                                 prefetch=3, student_id="s1")
+    assert opts.services == ("teachers",) and opts.static == {"teachers": "127.0.0.1:9898"}
+    assert opts.hedge_s == 0.05 and not opts.adaptive_hedge and opts.client_tls is None
+    field_name = "prefetch"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(opts, field_name, 5)
+    reader = DistillReader([], opts)
+    assert reader.options is opts and reader.student_id == "s1"
+    assert DistillReader.from_args(args, [], inputs=["X"], outputs=["Y"], student_id="s1").options == opts
 
 
 def test_bf16_inputs_travel_untouched() -> None:
@@ -421,3 +484,39 @@ def test_full_outputs_even_from_a_server_with_a_top_k_default() -> None:
         data = _batches(3)
         with DistillReader(data, teachers=srv.url, inputs=["X"], outputs=["Y"]) as reader:
             _check_epoch(reader, data)
+
+
+def _inference_count(url: str) -> int:
+    """Samples the teacher itself says it inferred (KServe ModelStatistics)."""
+    with grpc.insecure_channel(url) as channel:
+        stats = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+            service_pb2.ModelStatisticsRequest(), timeout=10)
+    return int(stats.model_stats[0].inference_count)
+
+
+def test_max_teachers_uses_only_the_students_rendezvous_subset() -> None:
+    student = "student-7"
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_affine_server()) for _ in range(4)]
+        urls = [s.url for s in servers]
+        before = {u: _inference_count(u) for u in urls}
+        data = _batches(20)
+        with DistillReader(data, teachers=",".join(urls), inputs=["X"], max_teachers=2, student_id=student) as r:
+            _check_epoch(r, data)
+        served = {u for u in urls if _inference_count(u) > before[u]}
+    assert served == set(subset(student, urls, 2)), f"teachers that got requests: {served}"
+
+
+def test_no_teacher_error_names_every_teacher_and_its_state() -> None:
+    dead = "127.0.0.1:1"  # nothing listens: its metadata never comes
+    # Same names as the affine teacher, but it expects X with 4 features, not 8: refused at the first chunk.
+    cfg = ServerConfig(model="tests.models:linear4", name="affine", device="cpu",
+                       io=ModelIO.parse(["X:FP32:4"], ["Y:FP32:3"]))
+    with ServerThread(cfg) as wrong:
+        reader = DistillReader(_batches(2), teachers=f"{dead},{wrong.url}", inputs=["X"], no_teacher_timeout=5.0)
+        with reader, pytest.raises(NoTeacherError) as caught:
+            list(reader)
+    text = str(caught.value)
+    assert f"{dead} [waiting for metadata (UNAVAILABLE: " in text, text
+    assert f"{wrong.url} [incompatible: input 'X' is FP32[8] per sample here, the teacher expects FP32[4]]" in text
+    assert "no usable teacher for service 'teachers' for 5 s (from the static teacher list)" in text, text

@@ -8,21 +8,21 @@ import collections
 
 import grpc
 
-from distill.router import Router, RouterConfig, Teacher
+from distill.router import Router, RouterConfig, TeacherState
 from distill.teacher_client import TeacherClient, TeacherMetadata
 
 META = TeacherMetadata("affine", "1", 8, {}, {})
 PICKS = 400
 
 
-def _router(config: RouterConfig, n: int) -> tuple[Router, list[Teacher]]:
+def _router(config: RouterConfig, n: int) -> tuple[Router, list[TeacherState]]:
     router = Router("svc", config)
     teachers = [router.add(f"k{i}", f"127.0.0.1:{i + 1}", TeacherClient(f"127.0.0.1:{i + 1}"), META)
                 for i in range(n)]
     return router, teachers
 
 
-def _serve(router: Router, t: Teacher, latency_s: float) -> None:
+def _serve(router: Router, t: TeacherState, latency_s: float) -> None:
     router.started(t)
     router.succeeded(t, latency_s, samples=8)
 
@@ -37,7 +37,7 @@ def _share(router: Router, picks: int = PICKS) -> collections.Counter[str]:
     return counts
 
 
-async def _close(teachers: list[Teacher]) -> None:
+async def _close(teachers: list[TeacherState]) -> None:
     await asyncio.gather(*(t.client.close() for t in teachers))
 
 

@@ -105,11 +105,17 @@ def run_epoch(reader: DistillReader, on_batch: Callable[[int], None] | None = No
 
 def assert_exactly_once(result: EpochResult, count: int) -> None:
     """0 lost, 0 duplicated, in order: the delivered tags are exactly 0..count-1."""
-    seen = result.seen
-    lost = sorted(set(range(count)) - set(seen))
-    dup = sorted({i for i in seen if seen.count(i) > 1}) if len(seen) != len(set(seen)) else []
+    assert_delivered_once_in_order(result.seen, count)
+
+
+def assert_delivered_once_in_order(seen: Sequence[int], count: int) -> None:
+    """The batch tags delivered in one epoch are exactly 0..count-1 in order; the message names the
+    lost and duplicated tags, or says the order broke."""
+    tags = list(seen)
+    lost = sorted(set(range(count)) - set(tags))
+    dup = sorted({i for i in tags if tags.count(i) > 1}) if len(tags) != len(set(tags)) else []
     assert not lost and not dup, f"lost batches {lost[:20]}, duplicated batches {dup[:20]}"
-    assert seen == list(range(count)), "batches were reordered"
+    assert tags == list(range(count)), f"batches were reordered: {tags[:40]}"
 
 
 def report_stall(record_property: Callable[[str, object], None], fault: str, result: EpochResult) -> None:

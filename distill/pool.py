@@ -1,0 +1,196 @@
+"""One service's teachers as the reader knows them: who is in the pool, what each serves, and
+whether an ejected one may come back.
+
+The pool follows the registry's snapshots (keeping this student's rendezvous subset when
+`max_teachers` is set), opens a client per teacher, learns each teacher's model metadata (from its
+registry record, else by asking it), refuses teachers that serve something else, and readmits an
+ejected teacher only after a readiness probe answers in time. Choosing among the usable teachers
+is the router's job (`distill.router`); sending chunks is the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from discovery import TeacherSet, subset
+from distill.errors import NoTeacherError, TeacherMismatchError
+from distill.router import Router, TeacherState
+from distill.teacher_client import InferenceClient, TeacherCallError, TeacherGoneError, TeacherMetadata
+
+if TYPE_CHECKING:
+    from distill.reader import ReaderOptions
+
+log = logging.getLogger("distill.reader")
+
+Connect = Callable[[str, bool], InferenceClient]
+"""Opens a client to an endpoint; the flag says whether the teacher registered as TLS."""
+
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
+"""Starts an auxiliary task owned (and cancelled on close) by the engine."""
+
+
+class TeacherPool:
+    """The teachers of one service; lives on the engine's event loop."""
+
+    def __init__(self, service: str, options: ReaderOptions, connect: Connect, spawn: Spawn) -> None:
+        self.service = service
+        self.opts = options
+        self.router = Router(service, options.router)
+        self._connect = connect
+        self._spawn = spawn
+
+    # ---- membership -------------------------------------------------------------------------
+    async def follow(self, watch: Any) -> None:
+        """Apply every snapshot of `watch` until cancelled."""
+        async with contextlib.aclosing(watch):
+            async for snapshot in watch:
+                self.apply(snapshot)
+
+    def apply(self, snapshot: TeacherSet) -> None:
+        """Make the pool match the registry's snapshot: drop leavers (their channels close once their
+        in-flight chunks end), add newcomers, refresh changed metadata."""
+        keys = list(snapshot)
+        if self.opts.max_teachers and len(keys) > self.opts.max_teachers:
+            keys = subset(self.opts.student_id, keys, self.opts.max_teachers)
+        wanted = {k: snapshot[k] for k in keys}
+        router = self.router
+        for key in list(router.teachers):
+            t = router.teachers[key]
+            entry = wanted.get(key)
+            if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
+                router.remove(key)
+                self._spawn(self._close_when_idle(t), f"close-{t.endpoint}")
+                log.info("teacher %s left service %r", t.endpoint, self.service)
+            else:
+                meta = TeacherMetadata.from_record(entry.record)
+                if meta is not None and t.meta != meta:
+                    router.set_metadata(t, meta)
+        for key, entry in wanted.items():
+            if key in router.teachers or (entry.load is not None and entry.load.draining):
+                continue
+            meta = TeacherMetadata.from_record(entry.record)
+            t = router.add(key, entry.endpoint, self._connect(entry.endpoint, entry.record.tls), meta)
+            log.info("teacher %s joined service %r", t.endpoint, self.service)
+            if meta is None:
+                self._spawn(self._fetch_metadata(t), f"metadata-{t.endpoint}")
+            else:
+                self._check_model(t)
+
+    async def _close_when_idle(self, t: TeacherState) -> None:
+        """A departed teacher may still answer chunks it accepted (a drain); close after them."""
+        deadline = time.monotonic() + self.opts.timeout + 1
+        while t.in_flight > 0 and (remaining := deadline - time.monotonic()) > 0:
+            await self.router.wait_change(remaining)
+        await t.client.close()
+
+    async def close(self) -> None:
+        """Close every member's client (the engine has cancelled their calls already)."""
+        for t in list(self.router.teachers.values()):
+            with contextlib.suppress(Exception):
+                await t.client.close()
+
+    # ---- metadata ---------------------------------------------------------------------------
+    def _check_model(self, t: TeacherState) -> None:
+        if t.meta is None:
+            return
+        if self.opts.model and t.meta.model_name != self.opts.model:
+            self.router.mark_incompatible(t, f"it serves model {t.meta.model_name!r}, not {self.opts.model!r}")
+        elif t.meta.max_batch_size < 1:
+            self.router.mark_incompatible(t, "its model does not batch (max_batch_size 0)")
+        else:
+            missing = [n for n in self.opts.outputs or () if n not in t.meta.outputs]
+            if missing:
+                self.router.mark_incompatible(
+                    t, f"it has no output {missing[0]!r} (outputs: {sorted(t.meta.outputs)})")
+
+    async def _fetch_metadata(self, t: TeacherState) -> None:
+        delay = 0.2
+        while not t.removed:
+            try:
+                meta = await t.client.fetch_metadata(self.opts.model, self.opts.model_version,
+                                                     timeout=min(self.opts.timeout, 10.0))
+            except TeacherCallError as e:
+                t.last_error = str(e)
+            except TeacherGoneError:
+                return
+            except ValueError as e:
+                self.router.mark_incompatible(t, str(e))
+                return
+            else:
+                self.router.set_metadata(t, meta)
+                self._check_model(t)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def wait_first(self) -> None:
+        """Wait for one teacher's metadata and check names, so a typo fails before training starts."""
+        deadline = time.monotonic() + self.opts.no_teacher_timeout
+        while True:
+            metas = [t for t in self.router.teachers.values() if t.meta is not None]
+            if metas:
+                break
+            if time.monotonic() >= deadline:
+                if self.opts.fallback == "hard_labels":
+                    log.warning("no teacher for service %r yet; training on hard labels until one appears",
+                                self.service)
+                    return
+                raise self.no_teacher_error()
+            await self.router.wait_change(min(1.0, deadline - time.monotonic()))
+        t = metas[0]
+        assert t.meta is not None
+        missing_in = [n for n in self.opts.inputs if n not in t.meta.inputs]
+        if missing_in:
+            raise TeacherMismatchError(
+                f"service {self.service!r}: teacher {t.endpoint} (model {t.meta.model_name!r}) has no input "
+                f"{missing_in[0]!r}; its inputs are {sorted(t.meta.inputs)}. Fix `inputs=` (teacher input name "
+                "-> batch field)."
+            )
+        for name in self.opts.outputs or ():
+            if name not in t.meta.outputs:
+                raise TeacherMismatchError(
+                    f"service {self.service!r}: teacher {t.endpoint} (model {t.meta.model_name!r}) has no output "
+                    f"{name!r}; its outputs are {sorted(t.meta.outputs)}. Fix `outputs=`."
+                )
+
+    def no_teacher_error(self) -> NoTeacherError:
+        """The error naming every teacher of the pool and its state, and what to do."""
+        tried = ", ".join(t.describe() for t in self.router.teachers.values()) or "none found"
+        where = f"registry {self.opts.registry}" if self.opts.registry else "the static teacher list"
+        return NoTeacherError(
+            f"no usable teacher for service {self.service!r} for {self.opts.no_teacher_timeout:g} s (from {where}); "
+            f"teachers: {tried}. Start teacher-server processes, check the registry address and service name, "
+            "or pass fallback='hard_labels' to train on labels alone meanwhile."
+        )
+
+    # ---- readmission --------------------------------------------------------------------------
+    def probe_if_ejected(self, t: TeacherState) -> None:
+        """Start the readiness probe of an ejected teacher, once."""
+        if t.needs_probe and not t.probing and not t.removed:
+            t.probing = True
+            self._spawn(self._probe(t), f"probe-{t.endpoint}")
+
+    async def _probe(self, t: TeacherState) -> None:
+        """Readmit an ejected teacher only once a ModelReady answers within the probe deadline."""
+        try:
+            while t.needs_probe and not t.removed and t.meta is not None:
+                delay = t.ejected_until - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if t.removed:
+                    return  # it left the registry meanwhile; its channel may already be closed
+                try:
+                    ok = await t.client.ready(t.meta.model_name, timeout=self.router.config.probe_timeout_s)
+                    detail = "" if ok else "ModelReady answered not ready"
+                except TeacherCallError as e:
+                    ok, detail = False, f"probe: {e}"
+                except TeacherGoneError:
+                    return  # the channel was closed because the teacher left
+                self.router.probed(t, ok, detail)
+        finally:
+            t.probing = False
