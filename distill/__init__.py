@@ -24,6 +24,9 @@ _EXPORTS = {
     "KDLoss": "distill.losses",
     "SparseTargets": "distill.losses",
     "average_teachers": "distill.losses",
+    "TeacherTargets": "distill.losses",
+    "TokenKDLoss": "distill.losses",
+    "token_divergence": "distill.losses",
     "DistillReader": "distill.reader",
     "ReaderOptions": "distill.reader",
     "RouterConfig": "distill.router",
@@ -33,7 +36,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from distill.errors import DistillError, NoTeacherError, ReaderClosedError, TeacherMismatchError
     from distill.flags import add_distill_args, distill_options_from_args
-    from distill.losses import KDLoss, SparseTargets, average_teachers
+    from distill.losses import KDLoss, SparseTargets, TeacherTargets, TokenKDLoss, average_teachers, token_divergence
     from distill.reader import DistillReader, ReaderOptions
     from distill.router import RouterConfig
     from distill.stats import ReaderStats
@@ -59,7 +62,10 @@ __all__ = [
     "RouterConfig",
     "SparseTargets",
     "TeacherMismatchError",
+    "TeacherTargets",
+    "TokenKDLoss",
     "add_distill_args",
     "average_teachers",
     "distill_options_from_args",
+    "token_divergence",
 ]
