@@ -99,16 +99,22 @@ def decode_tensor(buf: bytes | memoryview, dt: Datatype, shape: Sequence[int]) -
     return t.reshape(tuple(shape))
 
 
-def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
-                    shape: Sequence[int]) -> torch.Tensor:
-    """A tensor from typed `contents` (clients other than tritonclient may send them)."""
+def decode_values(values: Sequence[object], dt: Datatype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor from typed values (KServe's typed `contents`, or JSON `data`), for clients that do
+    not send raw bytes."""
     if dt.contents_field is None:
         raise ValueError(f"datatype {dt.name} can only be sent as raw_input_contents")
-    values = getattr(contents, dt.contents_field)
     arr = np.asarray(values, dtype=dt.numpy_dtype)
     if arr.size != shape_numel(shape):
         raise ValueError(f"{arr.size} values for shape {list(shape)} ({shape_numel(shape)} expected)")
     return torch.from_numpy(arr).reshape(tuple(shape))
+
+
+def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
+                    shape: Sequence[int]) -> torch.Tensor:
+    """A tensor from a protobuf InferTensorContents, reading the field of datatype `dt`."""
+    values = getattr(contents, dt.contents_field) if dt.contents_field is not None else ()
+    return decode_values(values, dt, shape)
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:

@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from teacher_server.instance import ModelInstance, Work
-from teacher_server.model import EncodedOutput
+from teacher_server.instance import ModelInstance
+from teacher_server.outputs import EncodedOutput
+from teacher_server.work import Work
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
 log = logging.getLogger("teacher_server")
 
 # A registration hook: given the ready server, an async context manager that keeps it registered.
-Registration = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
+RegistrationHook = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def registration_from_args(args: argparse.Namespace) -> Registration | None:
+def registration_from_args(args: argparse.Namespace) -> RegistrationHook | None:
     """The registry hook for --registry/--service; None when the teacher runs unregistered."""
     if not args.registry:
         if args.service:
@@ -142,7 +142,7 @@ def registration_from_args(args: argparse.Namespace) -> Registration | None:
     return register
 
 
-async def serve(config: ServerConfig, registration: Registration | None = None,
+async def serve(config: ServerConfig, registration: RegistrationHook | None = None,
                 ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain and return."""
     stop = asyncio.Event()

@@ -14,20 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from teacher_server.model import EncodedOutput, LoadedModel, OutputRequest, encode_output
-
-
-@dataclass
-class Work:
-    """One request's share of a batch: decoded inputs (CPU, declared order) and wanted outputs."""
-
-    inputs: list[torch.Tensor]
-    batch_size: int
-    outputs: list[OutputRequest]
+from teacher_server.model import LoadedModel
+from teacher_server.outputs import EncodedOutput, encode_output
+from teacher_server.work import Work
 
 
 @dataclass
 class BatchResult:
+    """Each request's encoded outputs, in batch order, and the batch's compute time."""
+
     per_request: list[list[EncodedOutput]]
     compute_ns: int
 
