@@ -66,6 +66,7 @@ class ServerMetrics:
         self._last_inference_ms = 0.0
         # Read at scrape time (from the HTTP thread): the batcher's queue length.
         self._pending_source: Callable[[], int] = lambda: 0
+        self._in_flight_source: Callable[[], int] = lambda: 0
 
     def record_success(self, batch_size: int, request_ns: int, queue_ns: int, compute_ns: int) -> None:
         """One request answered: `batch_size` inferences, its whole duration, its time queued and
@@ -90,6 +91,10 @@ class ServerMetrics:
     def watch_pending(self, source: Callable[[], int]) -> None:
         """Where the pending-request gauge is read from at scrape time (the batcher's queue)."""
         self._pending_source = source
+
+    def watch_in_flight(self, source: Callable[[], int]) -> None:
+        """Where the in-flight gauge is read from at scrape time (the request lifecycle)."""
+        self._in_flight_source = source
 
     def failures(self, reason: str) -> int:
         return self._request_failure[reason]
@@ -123,6 +128,13 @@ class ServerMetrics:
             f"# HELP {name} Instantaneous number of pending requests awaiting execution per-model.",
             f"# TYPE {name} gauge",
             f"{name}{lab} {float(self._pending_source())}",
+        ]
+        # Not a Triton family: what a drain waits for, so operators (and tests) can watch it.
+        name = "teacher_in_flight_request_count"
+        lines += [
+            f"# HELP {name} Requests admitted and not yet answered (queued, executing or being validated).",
+            f"# TYPE {name} gauge",
+            f"{name}{lab} {float(self._in_flight_source())}",
         ]
         return "\n".join(lines) + "\n"
 

@@ -114,6 +114,7 @@ class TeacherServer:
                         OutputDefaults(config.output_dtype, config.top_k)),
             self.metrics,
         )
+        self.metrics.watch_in_flight(lambda: self.requests.in_flight)
         self.instance_id = config.instance_id or f"{config.name}-{uuid.uuid4().hex[:12]}"
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
@@ -122,6 +123,7 @@ class TeacherServer:
         self._load = LoadMeter(config.instances)
         self._metrics_http: MetricsHTTPServer | None = None
         self._port = 0
+        self.abandoned_batches = 0  # forward passes still running when the server stopped
 
     # ---- properties students and the registry read -----------------------------------------
     @property
@@ -251,18 +253,23 @@ class TeacherServer:
         return False
 
     async def stop(self, grace_s: float | None = None) -> None:
+        """drain(), then close. Requests still running when the grace ran out are answered
+        UNAVAILABLE (students re-route them) before the transport closes; a forward pass that is
+        still running is left behind (see `abandoned_batches`)."""
         if self._grpc is None:
             return
         await self.drain(grace_s)
         await self._close_transport(1.0)
 
     async def _close_transport(self, grace: float) -> None:
+        # The batcher first: whatever it still holds fails with BatcherClosedError, which the
+        # lifecycle answers as UNAVAILABLE while the transport is still open to carry the answer.
+        if self._batcher is not None:
+            self.abandoned_batches += await self._batcher.close()
+            self._batcher = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
-        if self._batcher is not None:
-            await self._batcher.close()
-            self._batcher = None
         if self._metrics_http is not None:
             self._metrics_http.close()
             self._metrics_http = None

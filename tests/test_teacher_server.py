@@ -458,3 +458,42 @@ def test_load_figures_for_the_registry(ref_server: ServerThread, client: tg.Infe
     assert load.capacity_samples_per_s > 0 and load.samples_per_s > 0 and 0 < load.busy_fraction <= 1
     assert rec.endpoint == ref_server.url and rec.max_batch_size == 64
     assert [i.name for i in rec.inputs] == ["INPUT"] and list(rec.outputs[0].shape) == [100]
+
+
+# ---- the protocol-neutral lifecycle a second front end would use -------------------------------------
+def test_lifecycle_serves_a_protocol_neutral_request(ref_server: ServerThread, ref_model: torch.nn.Module) -> None:
+    """What an HTTP front end would do: build an InferRequest from its own wire form, await the
+    shared lifecycle, and map typed errors itself; no gRPC type involved."""
+    from teacher_server import (
+        InferRequest,
+        InputTensor,
+        InvalidRequestError,
+        ModelNotFoundError,
+        RequestedOutput,
+    )
+
+    assert ref_server.server is not None
+    lifecycle = ref_server.server.requests
+    x = _images(3, seed=11)
+    req = InferRequest(model_name="ref_teacher", id="neutral",
+                       inputs=[InputTensor("INPUT", "FP32", [3, 3, 32, 32])],
+                       outputs=[RequestedOutput("LOGITS", {"top_k": 4})], raw_inputs=[x.tobytes()])
+    result = ref_server.call(lifecycle.infer(req))
+    names = [name for name, *_ in result.outputs]
+    assert names == ["LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES"] and result.batch_size == 3
+    _, dtype, shape, raw = result.outputs[1]
+    ref_i = torch.topk(_expected(ref_model, x), 4, dim=-1).indices
+    assert dtype == "INT64" and shape == [3, 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int64).reshape(3, 4), ref_i)
+    typed = InferRequest(model_name="ref_teacher", inputs=[
+        InputTensor("INPUT", "FP32", [1, 3, 32, 32], values=x[:1].ravel().tolist())])
+    _, _, _, raw = ref_server.call(lifecycle.infer(typed)).outputs[0]
+    got = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(1, 100)
+    assert torch.allclose(got, _expected(ref_model, x[:1]), atol=1e-5)
+    with pytest.raises(ModelNotFoundError, match="'nope' is not served here"):
+        ref_server.call(lifecycle.infer(InferRequest(model_name="nope")))
+    with pytest.raises(InvalidRequestError, match="missing inputs"):
+        ref_server.call(lifecycle.infer(InferRequest(model_name="ref_teacher")))
+    with pytest.raises(InvalidRequestError, match="shape"):
+        ref_server.call(lifecycle.infer(InferRequest(
+            model_name="ref_teacher", inputs=[InputTensor("INPUT", "FP32", [1] * 100_000)])))
