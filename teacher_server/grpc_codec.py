@@ -42,8 +42,19 @@ def grpc_status(error: InferError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _parameters(params: Mapping[str, Any]) -> Parameters:
+# Parameters read per input or output: a map inside one field is not bounded by the field count
+# of `parse_infer_request`, and converting each entry costs Python time on the event loop.
+MAX_TENSOR_PARAMETERS = 64
+
+
+class _TooManyParametersError(Exception):
+    pass
+
+
+def _parameters(params: Mapping[str, Any], where: str = "") -> Parameters:
     """A protobuf map<string, InferParameter> as plain values (None for a parameter set empty)."""
+    if where and len(params) > MAX_TENSOR_PARAMETERS:
+        raise _TooManyParametersError(f"{where} carries {len(params)} parameters; at most {MAX_TENSOR_PARAMETERS}")
     out: dict[str, object] = {}
     for key, p in params.items():
         which = p.WhichOneof("parameter_choice")
@@ -57,7 +68,7 @@ def _input(t: service_pb2.ModelInferRequest.InferInputTensor) -> InputTensor:
     return InputTensor(
         name=t.name, datatype=t.datatype, shape=t.shape,
         values=getattr(t.contents, field) if field is not None and t.HasField("contents") else (),
-        parameters=_parameters(t.parameters) if t.parameters else {},
+        parameters=_parameters(t.parameters, f"input {t.name!r}") if t.parameters else {},
     )
 
 
@@ -66,7 +77,8 @@ def to_infer_request(header: service_pb2.ModelInferRequest, raws: list[memoryvie
     return InferRequest(
         model_name=header.model_name, model_version=header.model_version, id=header.id,
         inputs=[_input(t) for t in header.inputs],
-        outputs=[RequestedOutput(o.name, _parameters(o.parameters) if o.parameters else {}) for o in header.outputs],
+        outputs=[RequestedOutput(o.name, _parameters(o.parameters, f"output {o.name!r}") if o.parameters else {})
+                 for o in header.outputs],
         parameters=_parameters(header.parameters) if header.parameters else {},
         raw_inputs=raws,
     )
@@ -79,7 +91,11 @@ def deserialize_infer(data: bytes) -> InferRequest:
         header, raws = parse_infer_request(data)
     except WireFormatError as e:
         return InferRequest(model_name="", malformed=f"malformed ModelInferRequest: {e}")
-    return to_infer_request(header, raws)
+    try:
+        return to_infer_request(header, raws)
+    except _TooManyParametersError as e:
+        return InferRequest(model_name=header.model_name, model_version=header.model_version, id=header.id,
+                            malformed=f"malformed ModelInferRequest: {e}")
 
 
 def build_response(request: InferRequest, model_name: str, version: str,
