@@ -8,7 +8,8 @@ received bytes into a small protobuf header and zero-copy views of the raw input
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -47,6 +48,9 @@ def grpc_status(error: InferError) -> grpc.StatusCode:
 MAX_TENSOR_PARAMETERS = 64
 
 
+_NONE: Parameters = MappingProxyType({})  # shared, read-only: most tensors carry no parameters
+
+
 class _TooManyParametersError(Exception):
     pass
 
@@ -63,13 +67,13 @@ def _parameters(params: Mapping[str, Any], where: str = "") -> Parameters:
 
 
 def _input(t: service_pb2.ModelInferRequest.InferInputTensor) -> InputTensor:
-    dt = DATATYPES.get(t.datatype)
-    field = dt.contents_field if dt is not None else None
-    return InputTensor(
-        name=t.name, datatype=t.datatype, shape=t.shape,
-        values=getattr(t.contents, field) if field is not None and t.HasField("contents") else (),
-        parameters=_parameters(t.parameters, f"input {t.name!r}") if t.parameters else {},
-    )
+    values: Sequence[Any] = ()
+    if t.HasField("contents"):
+        dt = DATATYPES.get(t.datatype)
+        if dt is not None and dt.contents_field is not None:
+            values = getattr(t.contents, dt.contents_field)
+    params = _parameters(t.parameters, f"input {t.name!r}") if t.parameters else _NONE
+    return InputTensor(t.name, t.datatype, t.shape, values, params)
 
 
 def to_infer_request(header: service_pb2.ModelInferRequest, raws: list[memoryview]) -> InferRequest:
@@ -77,9 +81,9 @@ def to_infer_request(header: service_pb2.ModelInferRequest, raws: list[memoryvie
     return InferRequest(
         model_name=header.model_name, model_version=header.model_version, id=header.id,
         inputs=[_input(t) for t in header.inputs],
-        outputs=[RequestedOutput(o.name, _parameters(o.parameters, f"output {o.name!r}") if o.parameters else {})
+        outputs=[RequestedOutput(o.name, _parameters(o.parameters, f"output {o.name!r}") if o.parameters else _NONE)
                  for o in header.outputs],
-        parameters=_parameters(header.parameters) if header.parameters else {},
+        parameters=_parameters(header.parameters) if header.parameters else _NONE,
         raw_inputs=raws,
     )
 

@@ -18,8 +18,11 @@ the sender set the name without a value."""
 
 RawBuffer = bytes | memoryview
 
+# Not frozen: a request is built once per call on the event loop, and frozen dataclasses pay for
+# object.__setattr__ on every field. Treat instances as read-only all the same.
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True)
 class InputTensor:
     """One input as received: declared name, datatype and shape, and its values when they came
     typed (a list of numbers) instead of as raw bytes.
@@ -35,7 +38,7 @@ class InputTensor:
     parameters: Parameters = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestedOutput:
     """An output the request names, with its own parameters (output_dtype, top_k)."""
 
@@ -43,7 +46,7 @@ class RequestedOutput:
     parameters: Parameters = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InferRequest:
     """A received request, protocol-neutral.
 
