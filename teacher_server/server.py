@@ -5,7 +5,10 @@ Lifecycle, in the order a student can observe it:
             model loads and warms up (off the event loop), then SERVING.
   drain()   health NOT_SERVING, new requests UNAVAILABLE (students re-route at once), requests
             already accepted finish, bounded by a grace period.
-  stop()    drain, then close gRPC, the batcher, the instance threads and the metrics endpoint.
+  stop()    drain, then close the batcher (whatever outlived the grace is answered UNAVAILABLE),
+            gRPC, the instance threads and the metrics endpoint.
+Requests themselves belong to the `RequestLifecycle` (`self.requests`), which the gRPC front end
+(and any later one) calls; the server only moves it from loading to serving to draining.
 The registry hook (discovery) sits between: registered once ready, deregistered before the drain
 waits, so a student learns of the stop from two sides.
 """
