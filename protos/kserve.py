@@ -99,16 +99,22 @@ def decode_tensor(buf: bytes | memoryview, dt: Datatype, shape: Sequence[int]) -
     return t.reshape(tuple(shape))
 
 
-def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
-                    shape: Sequence[int]) -> torch.Tensor:
-    """A tensor from typed `contents` (clients other than tritonclient may send them)."""
+def decode_values(values: Sequence[object], dt: Datatype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor from typed values (KServe's typed `contents`, or JSON `data`), for clients that do
+    not send raw bytes."""
     if dt.contents_field is None:
         raise ValueError(f"datatype {dt.name} can only be sent as raw_input_contents")
-    values = getattr(contents, dt.contents_field)
     arr = np.asarray(values, dtype=dt.numpy_dtype)
     if arr.size != shape_numel(shape):
         raise ValueError(f"{arr.size} values for shape {list(shape)} ({shape_numel(shape)} expected)")
     return torch.from_numpy(arr).reshape(tuple(shape))
+
+
+def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
+                    shape: Sequence[int]) -> torch.Tensor:
+    """A tensor from a protobuf InferTensorContents, reading the field of datatype `dt`."""
+    values = getattr(contents, dt.contents_field) if dt.contents_field is not None else ()
+    return decode_values(values, dt, shape)
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
@@ -170,18 +176,37 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise WireFormatError("varint longer than 64 bits")
 
 
-def parse_infer_request(data: bytes) -> tuple[service_pb2.ModelInferRequest, list[memoryview]]:
+# Bounds on the work one received message may cause on the event loop. A real request has a
+# field per input, output, raw buffer and parameter (tens), and its non-raw part is names, shapes
+# and parameters (kilobytes); within --max-message-mb a message of millions of tiny fields would
+# otherwise hold the loop for seconds (walked here in Python) or tens of milliseconds per MiB
+# (parsed by protobuf, which holds the GIL).
+MAX_FIELDS = 1024
+MAX_HEADER_BYTES = 1 << 20
+
+
+def parse_infer_request(
+    data: bytes, *, max_fields: int = MAX_FIELDS, max_header_bytes: int = MAX_HEADER_BYTES
+) -> tuple[service_pb2.ModelInferRequest, list[memoryview]]:
     """Split a serialized ModelInferRequest into its header and zero-copy views of the raw inputs.
 
     The mirror of `serialize_infer_request`: protobuf parses only the small fields; each
     raw_input_contents (field 7) stays a view into the received bytes, so a multi-megabyte input
     is never copied on the way to the model (protobuf copies it on parse and again on every access).
+    A message of more than `max_fields` top-level fields, or whose fields other than the raw
+    inputs take more than `max_header_bytes`, is refused (WireFormatError) before any more work.
     """
     view = memoryview(data)
     header: list[memoryview] = []
     raws: list[memoryview] = []
     pos, end = 0, len(view)
+    fields = header_bytes = 0
     while pos < end:
+        fields += 1
+        if fields > max_fields:
+            raise WireFormatError(
+                f"more than {max_fields} fields; a ModelInferRequest needs one per input, output, raw "
+                "buffer and parameter")
         start = pos
         tag, pos = _read_varint(view, pos)
         field_number, wire_type = tag >> 3, tag & 7
@@ -205,6 +230,11 @@ def parse_infer_request(data: bytes) -> tuple[service_pb2.ModelInferRequest, lis
             raise WireFormatError(f"field {field_number}: unsupported wire type {wire_type}")
         if pos > end:
             raise WireFormatError(f"field {field_number} runs past the end of the message")
+        header_bytes += pos - start
+        if header_bytes > max_header_bytes:
+            raise WireFormatError(
+                f"the fields other than raw_input_contents take more than {max_header_bytes} bytes; "
+                "send tensors as raw_input_contents, not typed contents")
         header.append(view[start:pos])
     try:
         return service_pb2.ModelInferRequest.FromString(b"".join(header)), raws

@@ -3,6 +3,11 @@
 `TeacherServer` owns one model from load to drain; `ServerConfig` is its whole configuration;
 `ModelIO` / `TensorSpec` declare a model's tensors. The CLI is `teacher-server`.
 
+One request's data path, module by module: `grpc_codec` (bytes -> `infer_request.InferRequest`),
+`lifecycle` (admission, accounting), `validation` (-> `work.Work`), `batcher` (queue),
+`instance` (forward pass), `outputs` (transform and encode), `grpc_codec` again (response).
+Refusals are the typed exceptions of `errors`, mapped to status codes by each front end.
+
 The names below are imported on first use: `teacher_server.launch` (which the autoscaler's local
 backend uses to start teachers) must not make every importer pay for torch.
 """
@@ -14,6 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from teacher_server.batcher import BatchingConfig
+    from teacher_server.errors import (
+        InferError,
+        InvalidRequestError,
+        ModelExecutionError,
+        ModelNotFoundError,
+        OverloadedError,
+        UnavailableError,
+    )
+    from teacher_server.infer_request import InferRequest, InputTensor, RequestedOutput
+    from teacher_server.lifecycle import InferResult, RequestLifecycle
     from teacher_server.model import LoadedModel, ModelLoadError, load_model
     from teacher_server.server import ServerConfig, TeacherServer
     from teacher_server.spec import ModelIO, SpecError, TensorSpec
@@ -22,20 +37,37 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchingConfig",
+    "InferError",
+    "InferRequest",
+    "InferResult",
+    "InputTensor",
+    "InvalidRequestError",
     "LoadedModel",
+    "ModelExecutionError",
     "ModelIO",
     "ModelLoadError",
+    "ModelNotFoundError",
+    "OverloadedError",
+    "RequestLifecycle",
+    "RequestedOutput",
     "ServerConfig",
     "SpecError",
     "TeacherServer",
     "TensorSpec",
+    "UnavailableError",
     "__version__",
     "load_model",
 ]
 
 _WHERE = {
-    "BatchingConfig": "batcher", "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
-    "ServerConfig": "server", "TeacherServer": "server", "ModelIO": "spec", "SpecError": "spec", "TensorSpec": "spec",
+    "BatchingConfig": "batcher",
+    "InferError": "errors", "InvalidRequestError": "errors", "ModelExecutionError": "errors",
+    "ModelNotFoundError": "errors", "OverloadedError": "errors", "UnavailableError": "errors",
+    "InferRequest": "infer_request", "InputTensor": "infer_request", "RequestedOutput": "infer_request",
+    "InferResult": "lifecycle", "RequestLifecycle": "lifecycle",
+    "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
+    "ServerConfig": "server", "TeacherServer": "server",
+    "ModelIO": "spec", "SpecError": "spec", "TensorSpec": "spec",
 }
 
 

@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from teacher_server.instance import ModelInstance, Work
-from teacher_server.model import EncodedOutput
+from teacher_server.instance import ModelInstance
+from teacher_server.outputs import EncodedOutput
+from teacher_server.work import Work
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,10 @@ class DynamicBatcher:
             for listener in self._listeners:
                 listener(samples, len(batch), result.compute_ns)
 
-    async def close(self) -> None:
-        """Stop the workers and fail whatever is still queued (drain first for a clean stop)."""
+    async def close(self) -> int:
+        """Stop the workers and fail whatever is still queued or running (drain first for a clean
+        stop). Returns how many instances were left running a batch: their callers have been
+        answered, but the forward pass itself cannot be interrupted."""
         self._closed = True
         for t in self._workers:
             t.cancel()
@@ -208,5 +211,12 @@ class DynamicBatcher:
         self._workers = []
         while (p := self._pop_live()) is not None:
             p.future.set_exception(BatcherClosedError("the server stopped before this request ran"))
+        abandoned = 0
         for inst in self._instances:
-            await asyncio.to_thread(inst.close)
+            if inst.busy:
+                log.warning("model instance %d is still running a batch; leaving it behind", inst.index)
+                inst.close(wait=False)
+                abandoned += 1
+            else:
+                await asyncio.to_thread(inst.close)
+        return abandoned

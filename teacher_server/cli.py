@@ -19,7 +19,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from discovery.options import add_registry_security_args, registry_security_options
 from teacher_server.batcher import BatchingConfig
@@ -28,9 +28,10 @@ from teacher_server.server import ServerConfig, TeacherServer, configure_torch_t
 from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
 
 log = logging.getLogger("teacher_server")
+_T = TypeVar("_T")
 
 # A registration hook: given the ready server, an async context manager that keeps it registered.
-Registration = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
+RegistrationHook = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def registration_from_args(args: argparse.Namespace) -> Registration | None:
+def registration_from_args(args: argparse.Namespace) -> RegistrationHook | None:
     """The registry hook for --registry/--service; None when the teacher runs unregistered."""
     if not args.registry:
         if args.service:
@@ -142,9 +143,10 @@ def registration_from_args(args: argparse.Namespace) -> Registration | None:
     return register
 
 
-async def serve(config: ServerConfig, registration: Registration | None = None,
-                ready_file: str | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain and return."""
+async def serve(config: ServerConfig, registration: RegistrationHook | None = None,
+                ready_file: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT, then drain and return the number of forward passes left running
+    when --drain-grace ran out (0 after a clean drain)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,7 +163,12 @@ async def serve(config: ServerConfig, registration: Registration | None = None,
             log.info("signal received: draining")
             await server.begin_drain()  # refuse new work first, then deregister (stack exit)
         await server.stop()
-        log.info("stopped cleanly")
+        if server.abandoned_batches:
+            log.warning("stopped with %d forward pass(es) still running after --drain-grace",
+                        server.abandoned_batches)
+        else:
+            log.info("stopped cleanly")
+        return server.abandoned_batches
     finally:
         await server.stop(0)
 
@@ -174,14 +181,14 @@ def _write_ready_file(path: str, server: TeacherServer) -> None:
     tmp.replace(path)
 
 
-def run_async(coro: Coroutine[Any, Any, None]) -> None:
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
     """Run on uvloop where it exists (Linux, macOS), else on asyncio's default loop."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        asyncio.run(coro)
+        return asyncio.run(coro)
     else:
-        uvloop.run(coro)
+        return uvloop.run(coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,11 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     configure_torch_threads(args.threads or None, config.instances)
     try:
-        run_async(serve(config, registration, args.ready_file))
+        abandoned = run_async(serve(config, registration, args.ready_file))
     except (ModelLoadError, SpecError) as e:
         log.error("%s", e)
         return 2
     except OSError as e:
         log.error("cannot serve: %s", e)
         return 1
+    if abandoned:
+        # A forward pass cannot be interrupted, and interpreter shutdown would join its thread:
+        # the process would outlive --drain-grace by however long the pass takes. Its callers were
+        # answered UNAVAILABLE and the registry entry is gone, so leave now.
+        logging.shutdown()
+        os._exit(0)
     return 0

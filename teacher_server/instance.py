@@ -14,20 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from teacher_server.model import EncodedOutput, LoadedModel, OutputRequest, encode_output
-
-
-@dataclass
-class Work:
-    """One request's share of a batch: decoded inputs (CPU, declared order) and wanted outputs."""
-
-    inputs: list[torch.Tensor]
-    batch_size: int
-    outputs: list[OutputRequest]
+from teacher_server.model import LoadedModel
+from teacher_server.outputs import EncodedOutput, encode_output
+from teacher_server.work import Work
 
 
 @dataclass
 class BatchResult:
+    """Each request's encoded outputs, in batch order, and the batch's compute time."""
+
     per_request: list[list[EncodedOutput]]
     compute_ns: int
 
@@ -42,6 +37,7 @@ class ModelInstance:
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
+        self._running = 0
 
     def _pinned_staging(self, max_batch_size: int) -> list[torch.Tensor | None]:
         """Pinned host buffers per input, so a batch is assembled once and copied to the GPU async."""
@@ -57,8 +53,20 @@ class ModelInstance:
     def executor(self) -> ThreadPoolExecutor:
         return self._executor
 
+    @property
+    def busy(self) -> bool:
+        """A batch is running on this instance's thread right now."""
+        return self._running > 0
+
     def run(self, works: Sequence[Work]) -> BatchResult:
         """Run one batch (called on this instance's thread)."""
+        self._running += 1
+        try:
+            return self._run(works)
+        finally:
+            self._running -= 1
+
+    def _run(self, works: Sequence[Work]) -> BatchResult:
         start = time.perf_counter_ns()
         with torch.inference_mode():
             if self._stream is not None:
@@ -103,5 +111,7 @@ class ModelInstance:
             offset += w.batch_size
         return result
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=False)
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread; with wait=False, return at once and leave a running batch behind (a
+        forward pass cannot be interrupted; its thread ends when the pass does)."""
+        self._executor.shutdown(wait=wait, cancel_futures=True)

@@ -37,33 +37,87 @@ def _labels(d: dict[str, str]) -> str:
     return "{" + body + "}"
 
 
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The counters at one moment, for ModelStatistics-style answers."""
+
+    request_success: int
+    request_failure: int
+    inference_count: int
+    exec_count: int
+    request_duration_us: float
+    queue_duration_us: float
+    compute_infer_duration_us: float
+    last_inference_ms: float
+
+
 class ServerMetrics:
-    """Triton-named counters for one served model."""
+    """Triton-named counters for one served model, recorded through the record_* methods."""
 
     def __init__(self, model: str, version: str) -> None:
         self.labels = {"model": model, "version": version}
-        self.request_success = 0
-        self.request_failure = dict.fromkeys(FAILURE_REASONS, 0)
-        self.inference_count = 0
-        self.exec_count = 0
-        self.request_duration_us = 0.0
-        self.queue_duration_us = 0.0
-        self.compute_infer_duration_us = 0.0
+        self._request_success = 0
+        self._request_failure = dict.fromkeys(FAILURE_REASONS, 0)
+        self._inference_count = 0
+        self._exec_count = 0
+        self._request_duration_us = 0.0
+        self._queue_duration_us = 0.0
+        self._compute_infer_duration_us = 0.0
+        self._last_inference_ms = 0.0
         # Read at scrape time (from the HTTP thread): the batcher's queue length.
-        self.pending_source: Callable[[], int] = lambda: 0
+        self._pending_source: Callable[[], int] = lambda: 0
+        self._in_flight_source: Callable[[], int] = lambda: 0
+
+    def record_success(self, batch_size: int, request_ns: int, queue_ns: int, compute_ns: int) -> None:
+        """One request answered: `batch_size` inferences, its whole duration, its time queued and
+        the compute time of the batch that carried it."""
+        self._request_success += 1
+        self._inference_count += batch_size
+        self._request_duration_us += request_ns / 1000
+        self._queue_duration_us += queue_ns / 1000
+        self._compute_infer_duration_us += compute_ns / 1000
+        self._last_inference_ms = time.time() * 1000
+
+    def record_failure(self, reason: str) -> None:
+        """One request failed; `reason` is one of FAILURE_REASONS (Triton's label values)."""
+        if reason not in self._request_failure:
+            raise ValueError(f"failure reason {reason!r}; use one of {', '.join(FAILURE_REASONS)}")
+        self._request_failure[reason] += 1
+
+    def record_execution(self) -> None:
+        """One batch ran on a model instance."""
+        self._exec_count += 1
+
+    def watch_pending(self, source: Callable[[], int]) -> None:
+        """Where the pending-request gauge is read from at scrape time (the batcher's queue)."""
+        self._pending_source = source
+
+    def watch_in_flight(self, source: Callable[[], int]) -> None:
+        """Where the in-flight gauge is read from at scrape time (the request lifecycle)."""
+        self._in_flight_source = source
+
+    def failures(self, reason: str) -> int:
+        return self._request_failure[reason]
+
+    def snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            self._request_success, sum(self._request_failure.values()), self._inference_count, self._exec_count,
+            self._request_duration_us, self._queue_duration_us, self._compute_infer_duration_us,
+            self._last_inference_ms,
+        )
 
     def render(self) -> str:
         lab = _labels(self.labels)
         values: dict[str, list[tuple[str, float]]] = {
-            "nv_inference_request_success": [(lab, self.request_success)],
+            "nv_inference_request_success": [(lab, self._request_success)],
             "nv_inference_request_failure": [
-                (_labels({**self.labels, "reason": r}), n) for r, n in self.request_failure.items()
+                (_labels({**self.labels, "reason": r}), n) for r, n in self._request_failure.items()
             ],
-            "nv_inference_count": [(lab, self.inference_count)],
-            "nv_inference_exec_count": [(lab, self.exec_count)],
-            "nv_inference_request_duration_us": [(lab, self.request_duration_us)],
-            "nv_inference_queue_duration_us": [(lab, self.queue_duration_us)],
-            "nv_inference_compute_infer_duration_us": [(lab, self.compute_infer_duration_us)],
+            "nv_inference_count": [(lab, self._inference_count)],
+            "nv_inference_exec_count": [(lab, self._exec_count)],
+            "nv_inference_request_duration_us": [(lab, self._request_duration_us)],
+            "nv_inference_queue_duration_us": [(lab, self._queue_duration_us)],
+            "nv_inference_compute_infer_duration_us": [(lab, self._compute_infer_duration_us)],
         }
         lines: list[str] = []
         for name, doc in _COUNTERS.items():
@@ -73,7 +127,14 @@ class ServerMetrics:
         lines += [
             f"# HELP {name} Instantaneous number of pending requests awaiting execution per-model.",
             f"# TYPE {name} gauge",
-            f"{name}{lab} {float(self.pending_source())}",
+            f"{name}{lab} {float(self._pending_source())}",
+        ]
+        # Not a Triton family: what a drain waits for, so operators (and tests) can watch it.
+        name = "teacher_in_flight_request_count"
+        lines += [
+            f"# HELP {name} Requests admitted and not yet answered (queued, executing or being validated).",
+            f"# TYPE {name} gauge",
+            f"{name}{lab} {float(self._in_flight_source())}",
         ]
         return "\n".join(lines) + "\n"
 

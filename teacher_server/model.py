@@ -1,4 +1,4 @@
-"""Loading a teacher and running batches of it on a model instance.
+"""Loading a teacher: from what the command line names to a module ready to run on its device.
 
 A teacher comes from one of three sources, all loaded only from what the command line names:
 `package.module:factory` (a callable returning an `nn.Module`), a TorchScript file, or a
@@ -18,29 +18,16 @@ from typing import Any
 
 import torch
 
-from protos.kserve import datatype, datatype_of, encode_tensor
-from teacher_server.spec import ModelIO, SpecError, TensorSpec
+from protos.kserve import datatype_of
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError, TensorSpec
 
 log = logging.getLogger(__name__)
 
-FLOAT_OUTPUT_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+__all__ = ["FLOAT_OUTPUT_DTYPES", "LoadedModel", "ModelLoadError", "import_factory", "load_model", "resolve_device"]
 
 
 class ModelLoadError(RuntimeError):
     """The model could not be loaded or does not run on its declared inputs."""
-
-
-@dataclass(frozen=True)
-class OutputRequest:
-    """One output a request wants, and how: datatype for floating outputs, top-k or the full tensor."""
-
-    name: str
-    datatype: str | None = None  # None: keep the model's dtype
-    top_k: int = 0
-
-
-# (name, datatype, shape, raw bytes) of one encoded output tensor, ready for the response.
-EncodedOutput = tuple[str, str, list[int], bytes]
 
 
 @dataclass
@@ -207,24 +194,3 @@ def _probe(model: LoadedModel) -> ModelIO:
     )
     log.info("outputs inferred from a warm-up forward: %s", ", ".join(f"{s.name}{list(s.shape)}" for s in specs))
     return ModelIO(model.io.inputs, specs)
-
-
-def encode_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputRequest) -> list[EncodedOutput]:
-    """Convert one request's slice of an output as asked (top-k, dtype) and encode it for the wire."""
-    target = FLOAT_OUTPUT_DTYPES.get(want.datatype or spec.datatype)
-    if not tensor.is_floating_point():
-        target = None
-    if want.top_k:
-        k = min(want.top_k, tensor.shape[-1])
-        values, indices = torch.topk(tensor, k, dim=-1, sorted=True)
-        if target is not None:
-            values = values.to(target)
-        return [
-            (f"{spec.name}_TOPK_VALUES", *encode_tensor(values)),
-            (f"{spec.name}_TOPK_INDICES", *encode_tensor(indices.to(torch.int64))),
-        ]
-    if target is not None and tensor.dtype != target:
-        tensor = tensor.to(target)
-    elif target is None and tensor.dtype != spec.torch_dtype:
-        tensor = tensor.to(datatype(spec.datatype).torch_dtype)
-    return [(spec.name, *encode_tensor(tensor))]

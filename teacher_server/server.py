@@ -5,7 +5,10 @@ Lifecycle, in the order a student can observe it:
             model loads and warms up (off the event loop), then SERVING.
   drain()   health NOT_SERVING, new requests UNAVAILABLE (students re-route at once), requests
             already accepted finish, bounded by a grace period.
-  stop()    drain, then close gRPC, the batcher, the instance threads and the metrics endpoint.
+  stop()    drain, then close the batcher (whatever outlived the grace is answered UNAVAILABLE),
+            gRPC, the instance threads and the metrics endpoint.
+Requests themselves belong to the `RequestLifecycle` (`self.requests`), which the gRPC front end
+(and any later one) calls; the server only moves it from loading to serving to draining.
 The registry hook (discovery) sits between: registered once ready, deregistered before the drain
 waits, so a student learns of the stop from two sides.
 """
@@ -27,12 +30,13 @@ from grpc_health.v1._async import HealthServicer
 
 from protos import registry_pb2
 from teacher_server.batcher import BatchingConfig, DynamicBatcher
+from teacher_server.grpc_service import InferenceService, add_inference_service
 from teacher_server.instance import ModelInstance
+from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
-from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, load_model, resolve_device
-from teacher_server.requests import InferError, OutputDefaults
-from teacher_server.service import InferenceService, add_inference_service
-from teacher_server.spec import ModelIO, SpecError
+from teacher_server.model import LoadedModel, load_model, resolve_device
+from teacher_server.outputs import OutputDefaults
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -96,16 +100,25 @@ class ServerConfig:
 
 
 class TeacherServer:
-    """Serves one model; use `async with TeacherServer(cfg) as srv:` or start()/stop()."""
+    """Serves one model; use `async with TeacherServer(cfg) as srv:` or start()/stop().
+
+    The server owns the process-level pieces (gRPC transport, health, model load, batcher,
+    instances, metrics endpoint) and drives a `RequestLifecycle`, which every front end shares and
+    which owns each request from admission to answer.
+    """
 
     def __init__(self, config: ServerConfig, model: LoadedModel | None = None) -> None:
         self.config = config
         self._model = model
         self.device = model.device if model is not None else resolve_device(config.device)
         self.metrics = ServerMetrics(config.name, config.version)
-        self.output_defaults = OutputDefaults(config.output_dtype, config.top_k)
+        self.requests = RequestLifecycle(
+            ServedModel(config.name, config.version, self.device, config.instances, config.batching,
+                        OutputDefaults(config.output_dtype, config.top_k)),
+            self.metrics,
+        )
+        self.metrics.watch_in_flight(lambda: self.requests.in_flight)
         self.instance_id = config.instance_id or f"{config.name}-{uuid.uuid4().hex[:12]}"
-        self.last_inference_ms = 0.0
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
         self._health = HealthServicer()
@@ -113,11 +126,7 @@ class TeacherServer:
         self._load = LoadMeter(config.instances)
         self._metrics_http: MetricsHTTPServer | None = None
         self._port = 0
-        self._ready = False
-        self._draining = False
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.abandoned_batches = 0  # forward passes still running when the server stopped
 
     # ---- properties students and the registry read -----------------------------------------
     @property
@@ -130,9 +139,8 @@ class TeacherServer:
 
     @property
     def io(self) -> ModelIO:
-        if self._model is None:
-            raise InferError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
-        return self._model.io
+        """The served tensors; UnavailableError while the model loads."""
+        return self.requests.io
 
     @property
     def batcher(self) -> DynamicBatcher:
@@ -153,41 +161,15 @@ class TeacherServer:
 
     @property
     def accepting(self) -> bool:
-        return self._ready and not self._draining
+        return self.requests.accepting
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.requests.state is ServingState.DRAINING
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
-
-    def unavailable_reason(self) -> str:
-        if self._draining:
-            return "the teacher is draining (shutting down); retry on another teacher"
-        return "the model is still loading; retry shortly"
-
-    def check_model(self, name: str, version: str) -> None:
-        if name != self.config.name:
-            raise InferError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} is not served here; this server serves {self.config.name!r}",
-            )
-        if version not in ("", self.config.version):
-            raise InferError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} has no version {version!r}; served version is {self.config.version!r}",
-            )
-
-    def begin_request(self) -> None:
-        self._in_flight += 1
-        self._idle.clear()
-
-    def end_request(self) -> None:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            self._idle.set()
+        return self.requests.in_flight
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,7 +186,7 @@ class TeacherServer:
                 ("grpc.http2.max_ping_strikes", 0),
             ]
         )
-        add_inference_service(InferenceService(self), self._grpc)
+        add_inference_service(InferenceService(self.requests), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         credentials = cfg.server_credentials()
@@ -232,12 +214,12 @@ class TeacherServer:
             self._batcher = DynamicBatcher(instances, cfg.batching)
             self._batcher.on_batch(self._on_batch)
             batcher = self._batcher
-            self.metrics.pending_source = lambda: batcher.queue_depth
+            self.metrics.watch_pending(lambda: batcher.queue_depth)
             self._batcher.start()
         except BaseException:
             await self._close_transport(0)
             raise
-        self._ready = True
+        self.requests.serve(self._model.io, self._batcher)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "serving %s (version %s) on %s%s, device %s, %d instance(s), max batch %d%s",
@@ -248,7 +230,7 @@ class TeacherServer:
         )
 
     def _on_batch(self, samples: int, requests: int, compute_ns: int) -> None:
-        self.metrics.exec_count += 1
+        self.metrics.record_execution()
         self._load.record(samples, requests, compute_ns)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
@@ -258,36 +240,39 @@ class TeacherServer:
 
     async def begin_drain(self) -> None:
         """Stop taking new requests (health NOT_SERVING, ModelInfer UNAVAILABLE); return at once."""
-        if self._draining:
+        if self.draining:
             return
-        self._draining = True
+        self.requests.begin_drain()
         await self._health.enter_graceful_shutdown()
-        log.info("draining: %d request(s) in flight", self._in_flight)
+        log.info("draining: %d request(s) in flight", self.requests.in_flight)
 
     async def drain(self, grace_s: float | None = None) -> bool:
         """begin_drain(), then wait for accepted requests to finish; False if the grace ran out."""
         await self.begin_drain()
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        try:
-            await asyncio.wait_for(self._idle.wait(), grace)
+        if await self.requests.wait_idle(grace):
             return True
-        except TimeoutError:
-            log.warning("drain grace of %.1fs ran out with %d request(s) in flight", grace, self._in_flight)
-            return False
+        log.warning("drain grace of %.1fs ran out with %d request(s) in flight", grace, self.requests.in_flight)
+        return False
 
     async def stop(self, grace_s: float | None = None) -> None:
+        """drain(), then close. Requests still running when the grace ran out are answered
+        UNAVAILABLE (students re-route them) before the transport closes; a forward pass that is
+        still running is left behind (see `abandoned_batches`)."""
         if self._grpc is None:
             return
         await self.drain(grace_s)
         await self._close_transport(1.0)
 
     async def _close_transport(self, grace: float) -> None:
+        # The batcher first: whatever it still holds fails with BatcherClosedError, which the
+        # lifecycle answers as UNAVAILABLE while the transport is still open to carry the answer.
+        if self._batcher is not None:
+            self.abandoned_batches += await self._batcher.close()
+            self._batcher = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
-        if self._batcher is not None:
-            await self._batcher.close()
-            self._batcher = None
         if self._metrics_http is not None:
             self._metrics_http.close()
             self._metrics_http = None
@@ -319,8 +304,8 @@ class TeacherServer:
         return registry_pb2.TeacherLoad(
             instance_id=self.instance_id,
             queue_depth=self._batcher.queue_depth if self._batcher else 0,
-            in_flight=self._in_flight, samples_per_s=f.samples_per_s, busy_fraction=f.busy_fraction,
-            capacity_samples_per_s=f.capacity_samples_per_s, updated_at=time.time(), draining=self._draining,
+            in_flight=self.requests.in_flight, samples_per_s=f.samples_per_s, busy_fraction=f.busy_fraction,
+            capacity_samples_per_s=f.capacity_samples_per_s, updated_at=time.time(), draining=self.draining,
         )
 
 

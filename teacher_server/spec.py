@@ -16,6 +16,10 @@ import torch
 
 from protos.kserve import DATATYPES, datatype
 
+# Floating dtypes a model may compute in and floating outputs may be sent as (--compute-dtype,
+# --output-dtype and the output_dtype request parameter).
+FLOAT_OUTPUT_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
 _FORMS = "NAME:DATATYPE:D1,D2,... (e.g. INPUT:FP32:3,32,32 or TOKENS:INT64:-1)"
 
 

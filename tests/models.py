@@ -122,3 +122,17 @@ class Bf16In(nn.Module):
 
 def bf16_in() -> Bf16In:
     return Bf16In()
+
+
+class Stuck(Affine):
+    """Affine that blocks for TEST_STUCK_S seconds (default 120) on any batch that is not all
+    zeros: a forward pass far longer than any drain grace. The warm-up batch (zeros) runs at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.any()):
+            time.sleep(float(os.environ.get("TEST_STUCK_S", "120")))
+        return super().forward(x)
+
+
+def stuck() -> Stuck:
+    return Stuck()

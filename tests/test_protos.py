@@ -84,9 +84,17 @@ def test_parse_infer_request_round_trips_and_keeps_views() -> None:
 @given(st.binary(max_size=256))
 @settings(max_examples=400, deadline=None)
 def test_parse_infer_request_rejects_garbage_with_its_own_error(data: bytes) -> None:
-    from protos.kserve import WireFormatError, parse_infer_request
+    """Garbage either raises WireFormatError, or parses to exactly what protobuf itself reads
+    from the same bytes: the header fields, and field 7 as the raw inputs in order."""
+    from protos.kserve import WireFormatError, parse_infer_request, service_pb2
 
     try:
-        parse_infer_request(data)
+        header, raws = parse_infer_request(data)
     except WireFormatError:
-        pass
+        return
+    reference = service_pb2.ModelInferRequest.FromString(data)  # must parse too: same bytes, same rules
+    assert [bytes(r) for r in raws] == list(reference.raw_input_contents)
+    assert not header.raw_input_contents, "raw inputs are views, never copied into the header"
+    reference.ClearField("raw_input_contents")
+    assert header == reference
+    assert header.SerializeToString(deterministic=True) == reference.SerializeToString(deterministic=True)

@@ -7,11 +7,14 @@ import contextlib
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import tritonclient.grpc as tg
+from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
@@ -73,6 +76,58 @@ def test_teacher_server_registers_publishes_load_and_deregisters_on_sigterm(etcd
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert _registered(etcd, service) == {}, "a drained teacher leaves no key behind"
+
+
+def _in_flight(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "teacher_in_flight_request_count":
+            return float(fam.samples[0].value)
+    raise AssertionError("/metrics has no teacher_in_flight_request_count")
+
+
+def test_drain_revokes_the_registry_entry_before_in_flight_requests_finish(etcd: LocalEtcd,
+                                                                           tmp_path: Path) -> None:
+    """SIGTERM with a 5 s request running: the key is gone while the request still runs (students
+    stop choosing the teacher at once), then the request completes and the process exits 0."""
+    service = unique_service("revoke")
+    args = [*ARGS, "--registry", etcd.address, "--service", service, "--instance-id", "t-drain",
+            "--metrics-port", "0"]
+    with teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "5000"}) as (proc, info):
+        assert list(_registered(etcd, service)) == ["t-drain"]
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
+        answer: list[object] = []
+        done = threading.Event()
+
+        def request() -> None:
+            try:
+                with tg.InferenceServerClient(info["endpoint"]) as c:
+                    inp = tg.InferInput("X", [2, 8], "FP32")
+                    inp.set_data_from_numpy(x.numpy())
+                    answer.append(c.infer("affine", [inp], client_timeout=60).as_numpy("Y"))
+            except BaseException as e:  # reported by the assertions below
+                answer.append(e)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=request, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 30
+        while _in_flight(info["metrics_port"]) != 1:
+            assert time.monotonic() < deadline and not done.is_set(), f"the request was not admitted: {answer}"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _registered(etcd, service):
+            assert time.monotonic() < deadline, "the registry entry outlived SIGTERM by 30 s"
+            time.sleep(0.02)
+        assert not done.is_set(), f"the request finished before the key was revoked: {answer}"
+        assert done.wait(60) and len(answer) == 1
+        assert not isinstance(answer[0], BaseException), f"the in-flight request failed on drain: {answer[0]}"
+        with torch.inference_mode():
+            assert torch.allclose(torch.from_numpy(answer[0]), AFFINE(x), atol=1e-5)  # type: ignore[arg-type]
+        assert proc.wait(30) == 0
+        worker.join(10)
 
 
 def test_student_uses_a_teacher_that_joins_mid_epoch(etcd: LocalEtcd, tmp_path: Path) -> None:

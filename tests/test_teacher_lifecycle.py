@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +19,7 @@ import torch
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as tga
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from protos.kserve import service_pb2, service_pb2_grpc
@@ -40,27 +43,61 @@ def _expected(x: np.ndarray) -> np.ndarray:
         return affine()(torch.from_numpy(x)).numpy()
 
 
+def scrape(metrics_port: int) -> dict[str, float]:
+    """The server's /metrics by family name (the first sample of each family)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {fam.name: float(fam.samples[0].value) for fam in text_string_to_metric_families(text) if fam.samples}
+
+
+def in_flight(metrics_port: int) -> float:
+    """The server's in-flight request count, as its /metrics endpoint reports it."""
+    return scrape(metrics_port)["teacher_in_flight_request_count"]
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Poll `check` (bounded in count and time) until it is true; fail naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout / 0.02) + 1):
+        if await check():
+            return
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{what}: not true within {timeout} s")
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> None:
-    args = ["--model", "tests.models:sleepy", "--name", "slow", "--device", "cpu",
+    args = ["--model", "tests.models:sleepy", "--name", "slow", "--device", "cpu", "--metrics-port", "0",
             "--max-batch-size", "2", "--max-queue-delay-us", "0", "--drain-grace", "20", "--instances", "1"]
     with teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "300"}) as (proc, info):
         url = info["endpoint"]
 
         async def go() -> tuple[list[object], object, int]:
-            async with tga.InferenceServerClient(url) as c:
+            async with tga.InferenceServerClient(url) as c, grpc.aio.insecure_channel(url) as ch:
                 xs = [_x(1, seed=i) for i in range(8)]
-                in_flight = [asyncio.create_task(c.infer("slow", [_input(x)], client_timeout=30)) for x in xs]
-                await asyncio.sleep(0.4)  # all 8 accepted; 4 batches of 300 ms ahead of them
+                in_flight_tasks = [asyncio.create_task(c.infer("slow", [_input(x)], client_timeout=30)) for x in xs]
+
+                async def all_accepted() -> bool:  # in flight, or already answered
+                    m = await asyncio.to_thread(scrape, info["metrics_port"])
+                    return m["teacher_in_flight_request_count"] + m["nv_inference_request_success"] == 8
+
+                await until(all_accepted, "all 8 requests accepted")
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
-                async with grpc.aio.insecure_channel(url) as ch:
-                    health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                health_stub = health_pb2_grpc.HealthStub(ch)
+
+                async def not_serving() -> bool:
+                    resp = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    return bool(resp.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+                await until(not_serving, "health NOT_SERVING after SIGTERM")
+                health = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
                 late: object
                 try:
                     late = await c.infer("slow", [_input(_x(1))], client_timeout=10)
                 except InferenceServerException as e:
                     late = e
-                results = await asyncio.gather(*in_flight, return_exceptions=True)
+                results = await asyncio.gather(*in_flight_tasks, return_exceptions=True)
                 return [*zip(xs, results, strict=True)], late, health.status
 
         pairs, late, health_status = asyncio.run(asyncio.wait_for(go(), 60))
@@ -70,6 +107,35 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path: Path) -> No
         assert health_status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert isinstance(late, InferenceServerException) and late.status() == "StatusCode.UNAVAILABLE"
         assert "draining" in late.message()
+        assert proc.wait(30) == 0
+
+
+def test_drain_grace_running_out_answers_unavailable_and_exits(tmp_path: Path) -> None:
+    """A forward pass far longer than --drain-grace: the process leaves within about the grace,
+    not when the pass ends, and the request gets UNAVAILABLE (students re-route), not a hang."""
+    args = ["--model", "tests.models:stuck", "--name", "slow", "--device", "cpu", "--metrics-port", "0",
+            "--max-batch-size", "1", "--drain-grace", "1", "--instances", "1"]
+    with teacher_process(args, tmp_path, env={"TEST_STUCK_S": "120"}) as (proc, info):
+
+        async def go() -> object:
+            async with tga.InferenceServerClient(info["endpoint"]) as c:
+                running = asyncio.create_task(c.infer("slow", [_input(_x(1))], client_timeout=100))
+
+                async def admitted() -> bool:
+                    return await asyncio.to_thread(in_flight, info["metrics_port"]) == 1
+
+                await until(admitted, "the request in flight")
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    return await running
+                except InferenceServerException as e:
+                    return e
+
+        failure = asyncio.run(asyncio.wait_for(go(), 60))
+        assert isinstance(failure, InferenceServerException), f"the 120 s request did not fail: {failure}"
+        assert failure.status() == "StatusCode.UNAVAILABLE", failure
+        assert "retry on another teacher" in (failure.message() or ""), failure
+        # The pass would run for two minutes; the process must not wait for it.
         assert proc.wait(30) == 0
 
 

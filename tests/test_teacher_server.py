@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -458,3 +459,105 @@ def test_load_figures_for_the_registry(ref_server: ServerThread, client: tg.Infe
     assert load.capacity_samples_per_s > 0 and load.samples_per_s > 0 and 0 < load.busy_fraction <= 1
     assert rec.endpoint == ref_server.url and rec.max_batch_size == 64
     assert [i.name for i in rec.inputs] == ["INPUT"] and list(rec.outputs[0].shape) == [100]
+
+
+# ---- the protocol-neutral lifecycle a second front end would use -------------------------------------
+def test_lifecycle_serves_a_protocol_neutral_request(ref_server: ServerThread, ref_model: torch.nn.Module) -> None:
+    """What an HTTP front end would do: build an InferRequest from its own wire form, await the
+    shared lifecycle, and map typed errors itself; no gRPC type involved."""
+    from teacher_server import (
+        InferRequest,
+        InputTensor,
+        InvalidRequestError,
+        ModelNotFoundError,
+        RequestedOutput,
+    )
+
+    assert ref_server.server is not None
+    lifecycle = ref_server.server.requests
+    x = _images(3, seed=11)
+    req = InferRequest(model_name="ref_teacher", id="neutral",
+                       inputs=[InputTensor("INPUT", "FP32", [3, 3, 32, 32])],
+                       outputs=[RequestedOutput("LOGITS", {"top_k": 4})], raw_inputs=[x.tobytes()])
+    result = ref_server.call(lifecycle.infer(req))
+    names = [name for name, *_ in result.outputs]
+    assert names == ["LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES"] and result.batch_size == 3
+    _, dtype, shape, raw = result.outputs[1]
+    ref_i = torch.topk(_expected(ref_model, x), 4, dim=-1).indices
+    assert dtype == "INT64" and shape == [3, 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int64).reshape(3, 4), ref_i)
+    typed = InferRequest(model_name="ref_teacher", inputs=[
+        InputTensor("INPUT", "FP32", [1, 3, 32, 32], values=x[:1].ravel().tolist())])
+    _, _, _, raw = ref_server.call(lifecycle.infer(typed)).outputs[0]
+    got = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(1, 100)
+    assert torch.allclose(got, _expected(ref_model, x[:1]), atol=1e-5)
+    with pytest.raises(ModelNotFoundError, match="'nope' is not served here"):
+        ref_server.call(lifecycle.infer(InferRequest(model_name="nope")))
+    with pytest.raises(InvalidRequestError, match="missing inputs"):
+        ref_server.call(lifecycle.infer(InferRequest(model_name="ref_teacher")))
+    with pytest.raises(InvalidRequestError, match="shape"):
+        ref_server.call(lifecycle.infer(InferRequest(
+            model_name="ref_teacher", inputs=[InputTensor("INPUT", "FP32", [1] * 100_000)])))
+
+
+# ---- what a client can make the event loop do ------------------------------------------------------
+def _field_bombs(size: int) -> dict[str, bytes]:
+    """Valid protobuf framing, millions of tiny fields: unknown varints, empty raw inputs, and the
+    same packed inside one input (a nested message protobuf itself would have to walk)."""
+    inner = b"\x78\x00" * (size // 2)
+    length = bytearray()
+    n = len(inner)
+    while True:
+        length.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            break
+    return {"unknown fields": b"\x78\x00" * (size // 2), "empty raw inputs": b"\x3a\x00" * (size // 2),
+            "nested unknown fields": b"\x2a" + bytes(length) + inner}
+
+
+def test_field_bomb_does_not_stall_the_event_loop() -> None:
+    """4 MiB of two-byte fields (within --max-message-mb) once held the loop ~3 s: every client,
+    health checks included, waited. The longest loop stall while bombs arrive must stay far below
+    that (a bound on the harm, not a speed target), each bomb gets INVALID_ARGUMENT, and the
+    server serves on."""
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", max_message_mb=8)
+    with ServerThread(cfg) as s:
+        async def watch(stop: asyncio.Event) -> float:
+            worst = 0.0
+            for _ in range(1_000_000):  # bounded: ends when the bombs are answered
+                if stop.is_set():
+                    break
+                before = time.perf_counter()
+                await asyncio.sleep(0.002)
+                worst = max(worst, time.perf_counter() - before - 0.002)
+            return worst
+
+        async def start() -> tuple[asyncio.Event, asyncio.Task[float]]:
+            stop = asyncio.Event()
+            return stop, asyncio.create_task(watch(stop))
+
+        async def finish(stop: asyncio.Event, task: asyncio.Task[float]) -> float:
+            stop.set()
+            return await asyncio.wait_for(task, 30)
+
+        stop, task = s.call(start())
+        codes = {}
+        with grpc.insecure_channel(s.url) as ch:
+            call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                                  response_deserializer=service_pb2.ModelInferResponse.FromString)
+            for name, bomb in _field_bombs(4 << 20).items():
+                with pytest.raises(grpc.RpcError) as e:
+                    call(bomb, timeout=60)
+                codes[name] = (e.value.code(), e.value.details() or "")
+            x = np.ones((2, 8), np.float32)
+            req = service_pb2.ModelInferRequest(model_name="affine")
+            req.inputs.add(name="X", datatype="FP32", shape=[2, 8])
+            req.raw_input_contents.append(x.tobytes())
+            ok = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+        worst = s.call(finish(stop, task))
+    assert worst < 0.5, f"the event loop stalled {worst:.3f} s on a field bomb"
+    for name, (code, details) in codes.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed ModelInferRequest" in details, (name, details)
+    got = torch.frombuffer(bytearray(ok.raw_output_contents[0]), dtype=torch.float32).reshape(2, 4)
+    assert torch.allclose(got, affine()(torch.from_numpy(x)).detach(), atol=1e-5)

@@ -29,6 +29,7 @@ from tests.fuzz.wire import (
     MODEL,
     Case,
     check_outputs,
+    field_bombs,
     garbage_bytes,
     infer_cases,
     parses,
@@ -101,6 +102,15 @@ def test_model_infer_raw_garbage_bytes(channel: grpc.Channel, case: Case) -> Non
     _check_unary(channel, case)
 
 
+BOMBS = settings(FUZZ, max_examples=max(10, EXAMPLES // 5))
+
+
+@BOMBS
+@given(case=field_bombs(allow_oversize=True))
+def test_model_infer_field_bombs(channel: grpc.Channel, case: Case) -> None:
+    _check_unary(channel, case)
+
+
 def _stream(channel: grpc.Channel, messages: list[bytes], timeout: float = 15.0) -> list[
         service_pb2.ModelStreamInferResponse]:
     """Send ``messages`` on one ModelStreamInfer call; collect one reply per message."""
@@ -126,7 +136,7 @@ def _stream(channel: grpc.Channel, messages: list[bytes], timeout: float = 15.0)
 
 
 @FUZZ
-@given(cases=st.lists(infer_cases() | garbage_bytes, min_size=1, max_size=3))
+@given(cases=st.lists(infer_cases() | garbage_bytes | field_bombs(), min_size=1, max_size=3))
 def test_model_stream_infer_mutated_requests(channel: grpc.Channel, cases: list[Case]) -> None:
     """Fuzzed requests and a valid one on one stream: every request gets one answer, errors come
     as error_message with an allowed code, and the stream (and the valid request) go on."""

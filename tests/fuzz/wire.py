@@ -166,6 +166,47 @@ def infer_cases(draw: st.DrawFn, allow_oversize: bool = False) -> Case:
 
 garbage_bytes = st.binary(max_size=2048).map(lambda b: Case(b, ["garbage"]))
 
+# Tiny well-framed fields to repeat: unknown varint / fixed32 / fixed64 / empty string fields, an
+# empty raw input, an empty input, output or parameter entry, a model name of one byte.
+BOMB_UNITS = [b"\x78\x00", b"\x3a\x00", b"\x2a\x00", b"\x32\x00", b"\x22\x00", b"\x0a\x01m",
+              b"\x7d\x00\x00\x00\x00", b"\x79" + b"\x00" * 8, b"\x7a\x00", b"\x08\x00"]
+
+
+def _length_delimited(field_number: int, body: bytes) -> bytes:
+    return bytes([(field_number << 3) | 2]) + _varint(len(body)) + body
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+@st.composite
+def field_bombs(draw: st.DrawFn, allow_oversize: bool = False) -> Case:
+    """Byte-level protobuf field bombs: one tiny field repeated up to the message limit, at the top
+    level or packed inside an input, an output, a parameter or typed contents, sometimes after a
+    valid request. Each must be answered (refused or served) without stalling the server."""
+    unit = draw(st.sampled_from(BOMB_UNITS) | st.binary(min_size=1, max_size=6))
+    limit = MAX_MESSAGE + (4096 if allow_oversize else -64)
+    size = draw(st.sampled_from([limit, limit // 2, 4096]) | st.integers(1, limit))
+    body = unit * max(1, size // len(unit))
+    where = draw(st.sampled_from(["top", "input", "output", "parameter", "contents"]))
+    if where == "input":
+        body = _length_delimited(5, body)
+    elif where == "output":
+        body = _length_delimited(6, body)
+    elif where == "parameter":
+        body = _length_delimited(4, _length_delimited(2, body))
+    elif where == "contents":
+        body = _length_delimited(5, _length_delimited(5, body))
+    if draw(st.booleans()):
+        body = valid_request(rid="bomb")[0] + body
+    return Case(body[: max(1, limit)], ["bomb", where])
+
 
 def _decode(raw: bytes, datatype: str, shape: list[int]) -> torch.Tensor:
     dt = DATATYPES[datatype]

@@ -1,46 +1,48 @@
 """The Triton / KServe v2 `GRPCInferenceService`, as tritonclient and Triton's own tools expect it.
 
-Metadata and config answers mirror what Triton reports for a PyTorch model with dynamic
-batching, so `tritonclient`, `perf_analyzer` and our student treat this server and a real
-Triton the same way. Streaming requests run concurrently and answer in completion order,
-matched by `id`; a failed stream request answers with `error_message` and the stream goes on.
+The gRPC front end of a `RequestLifecycle`: it decodes (`grpc_codec`), awaits the lifecycle, and
+maps typed refusals to gRPC codes; it holds no request state of its own. Metadata and config
+answers mirror what Triton reports for a PyTorch model with dynamic batching, so `tritonclient`,
+`perf_analyzer` and our student treat this server and a real Triton the same way. Streaming
+requests run concurrently and answer in completion order, matched by `id`; a failed stream
+request answers with `error_message` and the stream goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from protos.kserve import DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
-from teacher_server.batcher import BatcherClosedError, QueueFullError
-from teacher_server.requests import InferError, InferWire, build_response, deserialize_infer, parse_request
-
-if TYPE_CHECKING:
-    from teacher_server.server import TeacherServer
+from teacher_server.errors import InferError
+from teacher_server.grpc_codec import build_response, deserialize_infer, grpc_status
+from teacher_server.infer_request import InferRequest
+from teacher_server.lifecycle import RequestLifecycle, ServingState
+from teacher_server.spec import ModelIO
 
 _STREAM_MAX_IN_FLIGHT = 1024
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Answers the inference protocol for the one model a TeacherServer serves."""
+    """Answers the inference protocol for the one model a RequestLifecycle serves."""
 
-    def __init__(self, server: TeacherServer) -> None:
-        self._server = server
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self._lifecycle = lifecycle
 
     # ---- health and metadata -------------------------------------------------------------
     async def ServerLive(self, request: Any, context: Any) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> service_pb2.ServerReadyResponse:
-        return service_pb2.ServerReadyResponse(ready=self._server.accepting)
+        return service_pb2.ServerReadyResponse(ready=self._lifecycle.accepting)
 
     async def ModelReady(self, request: Any, context: Any) -> service_pb2.ModelReadyResponse:
-        known = request.name == self._server.model_name and request.version in ("", self._server.model_version)
-        return service_pb2.ModelReadyResponse(ready=known and self._server.accepting)
+        model = self._lifecycle.model
+        known = request.name == model.name and request.version in ("", model.version)
+        return service_pb2.ModelReadyResponse(ready=known and self._lifecycle.accepting)
 
     async def ServerMetadata(self, request: Any, context: Any) -> service_pb2.ServerMetadataResponse:
         from teacher_server import __version__
@@ -51,10 +53,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Any) -> service_pb2.ModelMetadataResponse:
         await self._require_model(request.name, request.version, context)
-        io = self._server.io
-        resp = service_pb2.ModelMetadataResponse(
-            name=self._server.model_name, versions=[self._server.model_version], platform="pytorch_libtorch"
-        )
+        model = self._lifecycle.model
+        io = await self._io(context)
+        resp = service_pb2.ModelMetadataResponse(name=model.name, versions=[model.version], platform="pytorch_libtorch")
         for s in io.inputs:
             resp.inputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
         for s in io.outputs:
@@ -63,40 +64,41 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: Any, context: Any) -> service_pb2.ModelConfigResponse:
         await self._require_model(request.name, request.version, context)
-        srv = self._server
+        model = self._lifecycle.model
+        io = await self._io(context)
+        batching = model.batching
         cfg = model_config_pb2.ModelConfig(
-            name=srv.model_name, platform="pytorch_libtorch", backend="pytorch",
-            max_batch_size=srv.config.batching.max_batch_size,
+            name=model.name, platform="pytorch_libtorch", backend="pytorch", max_batch_size=batching.max_batch_size,
         )
-        for s in srv.io.inputs:
+        for s in io.inputs:
             cfg.input.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
-        for s in srv.io.outputs:
+        for s in io.outputs:
             cfg.output.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
-        if srv.config.batching.enabled:
-            cfg.dynamic_batching.max_queue_delay_microseconds = srv.config.batching.max_queue_delay_us
-            cfg.dynamic_batching.default_queue_policy.max_queue_size = srv.config.batching.max_queue_size
-        gpu = srv.device.type == "cuda"
+        if batching.enabled:
+            cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+            cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+        gpu = model.device.type == "cuda"
         group = cfg.instance_group.add(
-            name=f"{srv.model_name}_0", count=srv.config.instances,
+            name=f"{model.name}_0", count=model.instances,
             kind=model_config_pb2.ModelInstanceGroup.KIND_GPU if gpu else model_config_pb2.ModelInstanceGroup.KIND_CPU,
         )
         if gpu:
-            group.gpus.append(srv.device.index or 0)
+            group.gpus.append(model.device.index or 0)
         return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStatistics(self, request: Any, context: Any) -> service_pb2.ModelStatisticsResponse:
         if request.name:
             await self._require_model(request.name, request.version, context)
-        m = self._server.metrics
+        model = self._lifecycle.model
+        m = self._lifecycle.metrics.snapshot()
         stats = service_pb2.ModelStatistics(
-            name=self._server.model_name, version=self._server.model_version,
-            last_inference=int(self._server.last_inference_ms), inference_count=m.inference_count,
-            execution_count=m.exec_count,
+            name=model.name, version=model.version, last_inference=int(m.last_inference_ms),
+            inference_count=m.inference_count, execution_count=m.exec_count,
         )
         st = stats.inference_stats
         st.success.count = m.request_success
         st.success.ns = int(m.request_duration_us * 1000)
-        st.fail.count = sum(m.request_failure.values())
+        st.fail.count = m.request_failure
         st.queue.count = m.request_success
         st.queue.ns = int(m.queue_duration_us * 1000)
         st.compute_infer.count = m.request_success
@@ -104,84 +106,54 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelStatisticsResponse(model_stats=[stats])
 
     async def RepositoryIndex(self, request: Any, context: Any) -> service_pb2.RepositoryIndexResponse:
-        state = "READY" if self._server.accepting else ("UNAVAILABLE" if self._server.draining else "LOADING")
+        model = self._lifecycle.model
+        state = {ServingState.SERVING: "READY", ServingState.DRAINING: "UNAVAILABLE",
+                 ServingState.LOADING: "LOADING"}[self._lifecycle.state]
         return service_pb2.RepositoryIndexResponse(
-            models=[{"name": self._server.model_name, "version": self._server.model_version, "state": state}]
+            models=[{"name": model.name, "version": model.version, "state": state}]
         )
 
     async def _require_model(self, name: str, version: str, context: Any) -> None:
         try:
-            self._server.check_model(name, version)
+            self._lifecycle.check_model(name, version)
         except InferError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc_status(e), e.message)
+
+    async def _io(self, context: Any) -> ModelIO:
+        try:
+            return self._lifecycle.io
+        except InferError as e:  # UnavailableError while the model loads
+            await context.abort(grpc_status(e), e.message)
+            raise  # unreachable: abort raises
 
     # ---- inference -----------------------------------------------------------------------
-    async def _infer(self, wire: InferWire) -> service_pb2.ModelInferResponse:
-        srv = self._server
-        m = srv.metrics
-        request = wire.header
-        start = time.perf_counter_ns()
-        srv.begin_request()
-        try:
-            if wire.error:
-                raise InferError(grpc.StatusCode.INVALID_ARGUMENT, wire.error)
-            srv.check_model(request.model_name, request.model_version)
-            if not srv.accepting:
-                raise InferError(grpc.StatusCode.UNAVAILABLE, srv.unavailable_reason())
-            work = parse_request(request, wire.raws, srv.io, srv.config.batching.max_batch_size,
-                                 srv.output_defaults)
-            try:
-                outputs, timing = await srv.batcher.submit(work)
-            except QueueFullError as e:
-                m.request_failure["REJECTED"] += 1
-                raise InferError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-            except BatcherClosedError as e:
-                m.request_failure["OTHER"] += 1
-                raise InferError(grpc.StatusCode.UNAVAILABLE, f"{e}; retry on another teacher") from None
-            except asyncio.CancelledError:
-                m.request_failure["CANCELED"] += 1
-                raise
-            except Exception as e:
-                m.request_failure["BACKEND"] += 1
-                raise InferError(grpc.StatusCode.INTERNAL, f"model execution failed: {e}") from e
-            response = build_response(request, srv.model_name, srv.model_version, outputs)
-        except InferError as e:
-            if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                m.request_failure["OTHER"] += 1
-            raise
-        finally:
-            srv.end_request()
-        m.request_success += 1
-        m.inference_count += work.batch_size
-        m.request_duration_us += (time.perf_counter_ns() - start) / 1000
-        m.queue_duration_us += timing.queue_ns / 1000
-        m.compute_infer_duration_us += timing.compute_ns / 1000
-        srv.last_inference_ms = time.time() * 1000
-        return response
+    async def _infer(self, request: InferRequest) -> service_pb2.ModelInferResponse:
+        result = await self._lifecycle.infer(request)
+        model = self._lifecycle.model
+        return build_response(request, model.name, model.version, result.outputs)
 
-    async def ModelInfer(self, request: Any, context: Any) -> service_pb2.ModelInferResponse:
+    async def ModelInfer(self, request: InferRequest, context: Any) -> service_pb2.ModelInferResponse:
         try:
             return await self._infer(request)
         except InferError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc_status(e), e.message)
             raise  # unreachable: abort raises
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[InferWire], context: Any
+        self, request_iterator: AsyncIterator[InferRequest], context: Any
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Bidirectional stream: requests run concurrently, answers go out as they complete."""
         out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         slots = asyncio.Semaphore(_STREAM_MAX_IN_FLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def one(wire: InferWire) -> None:
-            req = wire.header
+        async def one(req: InferRequest) -> None:
             try:
-                resp = await self._infer(wire)
+                resp = await self._infer(req)
                 await out.put(service_pb2.ModelStreamInferResponse(infer_response=resp))
             except InferError as e:
                 await out.put(service_pb2.ModelStreamInferResponse(
-                    error_message=f"{e.code.name}: {e.message}",
+                    error_message=f"{grpc_status(e).name}: {e.message}",
                     infer_response=service_pb2.ModelInferResponse(
                         id=req.id, model_name=req.model_name, model_version=req.model_version
                     ),
@@ -221,8 +193,8 @@ def _unimplemented(name: str) -> Any:
 
 def add_inference_service(servicer: InferenceService, server: grpc.aio.Server) -> None:
     """Register the service from its descriptor, as the generated helper would, except that the two
-    inference methods receive `InferWire` (header + zero-copy raw input views) instead of a parsed
-    ModelInferRequest, whose accessors copy every raw buffer."""
+    inference methods receive a protocol-neutral `InferRequest` over zero-copy views of the raw
+    inputs instead of a parsed ModelInferRequest, whose accessors copy every raw buffer."""
     service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
     for method in service.methods:

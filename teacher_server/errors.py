@@ -1,0 +1,38 @@
+"""Why a request was refused, in words any front end can map to its own status codes.
+
+The request lifecycle raises these; each protocol edge turns them into its status (gRPC codes in
+`grpc_service`, HTTP statuses for a REST front end) and nothing below the edge knows which
+protocol carried the request. Every message tells the caller what to change.
+"""
+
+from __future__ import annotations
+
+
+class InferError(Exception):
+    """A refused request. Subclasses say why; `message` is what the caller reads."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(InferError):
+    """The request itself is wrong (tensor names, datatypes, shapes, sizes, parameters, bytes);
+    sending it again unchanged fails again. gRPC: INVALID_ARGUMENT."""
+
+
+class ModelNotFoundError(InferError):
+    """The request names a model or version this server does not serve. gRPC: NOT_FOUND."""
+
+
+class UnavailableError(InferError):
+    """The server cannot take the request now (loading, draining, stopping); another teacher or a
+    retry shortly will. gRPC: UNAVAILABLE."""
+
+
+class OverloadedError(InferError):
+    """The batcher's queue is full; retry on another teacher or later. gRPC: RESOURCE_EXHAUSTED."""
+
+
+class ModelExecutionError(InferError):
+    """The model raised while running the batch that held this request. gRPC: INTERNAL."""

@@ -1,0 +1,111 @@
+"""The gRPC edge's translations: KServe v2 protobuf <-> the protocol-neutral request and result.
+
+`deserialize_infer` is the request deserializer of ModelInfer / ModelStreamInfer: it splits the
+received bytes into a small protobuf header and zero-copy views of the raw inputs
+(`protos.kserve.parse_infer_request`) and hands the lifecycle an `InferRequest` over them.
+`build_response` encodes outputs back, and `grpc_status` maps a typed refusal to its gRPC code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import grpc
+
+from protos.kserve import DATATYPES, WireFormatError, parse_infer_request, service_pb2
+from teacher_server.errors import (
+    InferError,
+    InvalidRequestError,
+    ModelExecutionError,
+    ModelNotFoundError,
+    OverloadedError,
+    UnavailableError,
+)
+from teacher_server.infer_request import InferRequest, InputTensor, Parameters, RequestedOutput
+from teacher_server.outputs import EncodedOutput
+
+_STATUS: dict[type[InferError], grpc.StatusCode] = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ModelExecutionError: grpc.StatusCode.INTERNAL,
+}
+
+
+def grpc_status(error: InferError) -> grpc.StatusCode:
+    """The gRPC code for a refusal (INTERNAL for one this edge does not know)."""
+    for cls, code in _STATUS.items():
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+# Parameters read per input or output: a map inside one field is not bounded by the field count
+# of `parse_infer_request`, and converting each entry costs Python time on the event loop.
+MAX_TENSOR_PARAMETERS = 64
+
+
+_NONE: Parameters = MappingProxyType({})  # shared, read-only: most tensors carry no parameters
+
+
+class _TooManyParametersError(Exception):
+    pass
+
+
+def _parameters(params: Mapping[str, Any], where: str = "") -> Parameters:
+    """A protobuf map<string, InferParameter> as plain values (None for a parameter set empty)."""
+    if where and len(params) > MAX_TENSOR_PARAMETERS:
+        raise _TooManyParametersError(f"{where} carries {len(params)} parameters; at most {MAX_TENSOR_PARAMETERS}")
+    out: dict[str, object] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(p, which)
+    return out
+
+
+def _input(t: service_pb2.ModelInferRequest.InferInputTensor) -> InputTensor:
+    values: Sequence[Any] = ()
+    if t.HasField("contents"):
+        dt = DATATYPES.get(t.datatype)
+        if dt is not None and dt.contents_field is not None:
+            values = getattr(t.contents, dt.contents_field)
+    params = _parameters(t.parameters, f"input {t.name!r}") if t.parameters else _NONE
+    return InputTensor(t.name, t.datatype, t.shape, values, params)
+
+
+def to_infer_request(header: service_pb2.ModelInferRequest, raws: list[memoryview]) -> InferRequest:
+    """The neutral request over a parsed header and the raw input views (no tensor bytes copied)."""
+    return InferRequest(
+        model_name=header.model_name, model_version=header.model_version, id=header.id,
+        inputs=[_input(t) for t in header.inputs],
+        outputs=[RequestedOutput(o.name, _parameters(o.parameters, f"output {o.name!r}") if o.parameters else _NONE)
+                 for o in header.outputs],
+        parameters=_parameters(header.parameters) if header.parameters else _NONE,
+        raw_inputs=raws,
+    )
+
+
+def deserialize_infer(data: bytes) -> InferRequest:
+    """gRPC request deserializer for ModelInfer / ModelStreamInfer; never raises, so malformed bytes
+    become INVALID_ARGUMENT from the handler instead of an opaque INTERNAL from gRPC."""
+    try:
+        header, raws = parse_infer_request(data)
+    except WireFormatError as e:
+        return InferRequest(model_name="", malformed=f"malformed ModelInferRequest: {e}")
+    try:
+        return to_infer_request(header, raws)
+    except _TooManyParametersError as e:
+        return InferRequest(model_name=header.model_name, model_version=header.model_version, id=header.id,
+                            malformed=f"malformed ModelInferRequest: {e}")
+
+
+def build_response(request: InferRequest, model_name: str, version: str,
+                   outputs: list[EncodedOutput]) -> service_pb2.ModelInferResponse:
+    resp = service_pb2.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
+    for name, dtype, shape, _ in outputs:
+        resp.outputs.add(name=name, datatype=dtype, shape=shape)
+    resp.raw_output_contents.extend(raw for *_, raw in outputs)
+    return resp

@@ -1,0 +1,182 @@
+"""The life of one inference request, the same for every front end.
+
+    admit  ->  validate  ->  batcher queue  ->  model instance  ->  encoded outputs
+    (model name/version, serving state)   (in-flight count, metrics and failure reasons throughout)
+
+A front end (gRPC now, KServe v2 over HTTP later) decodes what it received into an
+`InferRequest`, awaits `RequestLifecycle.infer`, and turns the `InferResult` or the typed
+`InferError` into its own response and status. The lifecycle never sees a protocol type. The
+server drives it with three calls: `serve()` once the model is loaded, `begin_drain()` and
+`wait_idle()`; front ends read `model` (static facts), `state`, `io` and `metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
+from teacher_server.errors import (
+    InferError,
+    InvalidRequestError,
+    ModelExecutionError,
+    ModelNotFoundError,
+    OverloadedError,
+    UnavailableError,
+)
+from teacher_server.infer_request import InferRequest
+from teacher_server.metrics import ServerMetrics
+from teacher_server.outputs import EncodedOutput, OutputDefaults
+from teacher_server.spec import ModelIO
+from teacher_server.validation import validate
+
+
+class ServingState(enum.Enum):
+    LOADING = "LOADING"  # the port answers, the model is not ready yet
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"  # refusing new requests, finishing accepted ones
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The static facts every front end reports about the one model served (metadata, config)."""
+
+    name: str
+    version: str
+    device: torch.device
+    instances: int
+    batching: BatchingConfig
+    output_defaults: OutputDefaults = field(default_factory=OutputDefaults)
+
+
+@dataclass(frozen=True)
+class InferResult:
+    """A request's answer: its outputs, encoded, in the order the request asked for them."""
+
+    outputs: list[EncodedOutput]
+    batch_size: int
+
+
+# Typed refusals to Triton's failure reasons in nv_inference_request_failure.
+_FAILURE_REASON: dict[type[InferError], str] = {
+    OverloadedError: "REJECTED",
+    ModelExecutionError: "BACKEND",
+}
+
+
+class RequestLifecycle:
+    """Admits, validates, schedules and accounts every inference request for one served model."""
+
+    def __init__(self, model: ServedModel, metrics: ServerMetrics) -> None:
+        self.model = model
+        self.metrics = metrics
+        self._state = ServingState.LOADING
+        self._io: ModelIO | None = None
+        self._batcher: DynamicBatcher | None = None
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- what the server drives -------------------------------------------------------------
+    def serve(self, io: ModelIO, batcher: DynamicBatcher) -> None:
+        """The model is loaded and its batcher runs: start admitting requests."""
+        self._io = io
+        self._batcher = batcher
+        if self._state is ServingState.LOADING:
+            self._state = ServingState.SERVING
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (UnavailableError); accepted ones go on."""
+        self._state = ServingState.DRAINING
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if `timeout_s` ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    # ---- what front ends read ---------------------------------------------------------------
+    @property
+    def state(self) -> ServingState:
+        return self._state
+
+    @property
+    def accepting(self) -> bool:
+        return self._state is ServingState.SERVING
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet answered (queued, executing, or being validated)."""
+        return self._in_flight
+
+    @property
+    def io(self) -> ModelIO:
+        """The served model's tensors; UnavailableError while it loads."""
+        if self._io is None:
+            raise UnavailableError("the model is still loading; retry shortly")
+        return self._io
+
+    def check_model(self, name: str, version: str) -> None:
+        """ModelNotFoundError unless `name` (and `version`, when given) is the served model."""
+        m = self.model
+        if name != m.name:
+            raise ModelNotFoundError(f"model {name!r} is not served here; this server serves {m.name!r}")
+        if version not in ("", m.version):
+            raise ModelNotFoundError(
+                f"model {name!r} has no version {version!r}; served version is {m.version!r}")
+
+    def _unavailable(self) -> UnavailableError:
+        if self._state is ServingState.DRAINING:
+            return UnavailableError("the teacher is draining (shutting down); retry on another teacher")
+        return UnavailableError("the model is still loading; retry shortly")
+
+    # ---- the request ------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResult:
+        """Run one request to its outputs; raise an InferError subclass saying why not.
+
+        Every outcome is counted once: success with its durations, or a failure under Triton's
+        reason (REJECTED, BACKEND, CANCELED, OTHER). Cancellation (the caller went away)
+        propagates unchanged.
+        """
+        start = time.perf_counter_ns()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            outputs, timing, batch_size = await self._run(request)
+        except InferError as e:
+            self.metrics.record_failure(_FAILURE_REASON.get(type(e), "OTHER"))
+            raise
+        except asyncio.CancelledError:
+            self.metrics.record_failure("CANCELED")
+            raise
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+        self.metrics.record_success(batch_size, time.perf_counter_ns() - start, timing.queue_ns, timing.compute_ns)
+        return InferResult(outputs, batch_size)
+
+    async def _run(self, request: InferRequest) -> tuple[list[EncodedOutput], Timing, int]:
+        if request.malformed:
+            raise InvalidRequestError(request.malformed)
+        self.check_model(request.model_name, request.model_version)
+        if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
+            raise self._unavailable()
+        work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
+        try:
+            outputs, timing = await self._batcher.submit(work)
+        except QueueFullError as e:
+            raise OverloadedError(str(e)) from None
+        except BatcherClosedError as e:
+            raise UnavailableError(f"{e}; retry on another teacher") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise ModelExecutionError(f"model execution failed: {e}") from e
+        return outputs, timing, work.batch_size

@@ -1,0 +1,144 @@
+"""Turning a received `InferRequest` into `Work` for the batcher, or a precise refusal.
+
+Every check happens before a request is queued, so a bad request costs its sender a clear
+`InvalidRequestError` (INVALID_ARGUMENT) and costs everyone else nothing. Raw input bytes are
+wrapped, not copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from protos.kserve import DATATYPES, decode_tensor, decode_values, shape_numel
+from teacher_server.errors import InvalidRequestError
+from teacher_server.infer_request import InferRequest, Parameters
+from teacher_server.outputs import OutputDefaults, OutputTransform
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO
+from teacher_server.work import Work
+
+REQUEST_PARAMETERS = ("output_dtype", "top_k", "priority", "timeout")
+OUTPUT_PARAMETERS = ("output_dtype", "top_k")
+
+
+def _output_options(params: Parameters, where: str, base: OutputTransform,
+                    allowed: tuple[str, ...]) -> OutputTransform:
+    dtype, top_k = base.datatype, base.top_k
+    for key, value in params.items():
+        if key == "output_dtype":
+            if not isinstance(value, str) or value.upper() not in FLOAT_OUTPUT_DTYPES:
+                raise InvalidRequestError(
+                    f"{where}: output_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {value!r}")
+            dtype = value.upper()
+        elif key == "top_k":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidRequestError(
+                    f"{where}: top_k must be a non-negative integer (int64_param), got {value!r}")
+            top_k = value
+        elif key == "classification":
+            raise InvalidRequestError(f"{where}: 'classification' outputs are not served; ask for top_k instead")
+        elif key not in allowed:
+            raise InvalidRequestError(f"{where}: unknown parameter {key!r}; accepted: {', '.join(allowed)}")
+    return OutputTransform(base.name, dtype, top_k)
+
+
+def _uses_shared_memory(req: InferRequest) -> bool:
+    return any(k.startswith("shared_memory") for t in req.inputs for k in t.parameters) or any(
+        k.startswith("shared_memory") for t in req.outputs for k in t.parameters
+    )
+
+
+def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: OutputDefaults) -> Work:
+    """Check one request against the model and decode its inputs; raise InvalidRequestError naming
+    the first problem found."""
+    if _uses_shared_memory(req):
+        raise InvalidRequestError("shared-memory tensors are not supported; send raw_input_contents")
+    raws = req.raw_inputs
+    if raws and len(raws) != len(req.inputs):
+        raise InvalidRequestError(
+            f"{len(raws)} raw_input_contents for {len(req.inputs)} inputs; "
+            "send one raw buffer per input, in the same order"
+        )
+    seen: dict[str, torch.Tensor] = {}
+    batch: int | None = None
+    for i, t in enumerate(req.inputs):
+        spec = io.input(t.name)
+        if spec is None:
+            raise InvalidRequestError(
+                f"unknown input {t.name!r}; the model's inputs are {[s.name for s in io.inputs]}")
+        if t.name in seen:
+            raise InvalidRequestError(f"input {t.name!r} appears twice")
+        if t.datatype != spec.datatype:
+            raise InvalidRequestError(
+                f"input {t.name!r}: datatype {t.datatype!r} received, the model expects {spec.datatype!r}")
+        expected = [-1, *spec.shape]
+        if len(t.shape) != len(expected):  # before list(): a shape may arrive with millions of dims
+            raise InvalidRequestError(
+                f"input {t.name!r}: shape {_shape_text(t.shape)} received, the model expects {expected}")
+        shape = list(t.shape)
+        if any(d < 0 for d in shape) or not spec.matches(shape[1:]):
+            raise InvalidRequestError(f"input {t.name!r}: shape {shape} received, the model expects {expected}")
+        n = shape[0]
+        if n < 1:
+            raise InvalidRequestError(f"input {t.name!r}: batch size must be at least 1, got {n}")
+        if n > max_batch_size:
+            raise InvalidRequestError(
+                f"input {t.name!r}: batch size {n} exceeds the model's max_batch_size {max_batch_size}")
+        if batch is not None and n != batch:
+            raise InvalidRequestError(f"input {t.name!r}: batch size {n} differs from the other inputs' {batch}")
+        batch = n
+        dt = DATATYPES[spec.datatype]
+        if raws:
+            buf = raws[i]
+            want = shape_numel(shape) * dt.itemsize
+            if len(buf) != want:
+                raise InvalidRequestError(
+                    f"input {t.name!r}: {len(buf)} bytes received, shape {shape} of {spec.datatype} needs {want}"
+                )
+            seen[t.name] = decode_tensor(buf, dt, shape)
+        else:
+            try:
+                seen[t.name] = decode_values(t.values, dt, shape)
+            except ValueError as e:
+                raise InvalidRequestError(f"input {t.name!r}: {e}") from None
+    missing = [s.name for s in io.inputs if s.name not in seen]
+    if missing:
+        raise InvalidRequestError(f"missing inputs {missing}; the model's inputs are {[s.name for s in io.inputs]}")
+    assert batch is not None
+    return Work([seen[s.name] for s in io.inputs], batch, _wanted_outputs(req, io, defaults))
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    if len(shape) <= 16:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:16]))}, ...] ({len(shape)} dimensions)"
+
+
+def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) -> list[OutputTransform]:
+    base = _output_options(req.parameters, "request", OutputTransform("", defaults.datatype, defaults.top_k),
+                           REQUEST_PARAMETERS)
+    if req.outputs:
+        wanted = []
+        names = set()
+        for o in req.outputs:
+            spec = io.output(o.name)
+            if spec is None:
+                raise InvalidRequestError(
+                    f"unknown output {o.name!r}; the model's outputs are {[s.name for s in io.outputs]}")
+            if o.name in names:
+                raise InvalidRequestError(f"output {o.name!r} requested twice")
+            names.add(o.name)
+            inherited = OutputTransform(o.name, base.datatype, base.top_k)
+            wanted.append(_output_options(o.parameters, f"output {o.name!r}", inherited, OUTPUT_PARAMETERS))
+    else:
+        wanted = [OutputTransform(s.name, base.datatype, base.top_k) for s in io.outputs]
+    for w in wanted:
+        spec = io.output(w.name)
+        assert spec is not None
+        if w.top_k and not spec.shape:
+            raise InvalidRequestError(f"output {w.name!r} has no class dimension; top_k needs one")
+        if w.top_k and spec.shape[-1] != -1 and w.top_k > spec.shape[-1]:
+            raise InvalidRequestError(
+                f"output {w.name!r}: top_k {w.top_k} exceeds its last dimension {spec.shape[-1]}")
+    return wanted
