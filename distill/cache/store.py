@@ -210,6 +210,20 @@ class Lookup:
         """Positions of the keys to send to a teacher."""
         return np.flatnonzero(~self.hit)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """The fixed-shape output ``name`` as a ``[n_hits, *shape]`` tensor (typed access to ``outputs``)."""
+        value = self.outputs[name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"output {name!r} has a variable length per sample: use lookup.ragged({name!r})")
+        return value
+
+    def ragged(self, name: str) -> Ragged:
+        """The variable-length output ``name`` as a :class:`Ragged` (typed access to ``outputs``)."""
+        value = self.outputs[name]
+        if not isinstance(value, Ragged):
+            raise TypeError(f"output {name!r} has a fixed shape per sample: use lookup.tensor({name!r})")
+        return value
+
 
 @dataclass(frozen=True)
 class UnsealedFile:
