@@ -141,7 +141,7 @@ def test_fixed_and_variable_round_trip_bit_exact(tmp_path: Path, dtype: torch.dt
         ]
     keys = np.arange(100, 100 + n)
     store = TeacherOutputStore.open(tmp_path, NS, mode="a")
-    with store.writer(shard_max_rows=5) as w:  # several shards, several record batches
+    with store.writer(shard_max_rows=5, batch_bytes=1) as w:  # several shards, several record batches
         for lo in range(0, n, 3):
             w.append(keys[lo : lo + 3], {"F": fixed[lo : lo + 3], "R": ragged[lo : lo + 3]})
     store.refresh()
@@ -160,6 +160,21 @@ def test_fixed_and_variable_round_trip_bit_exact(tmp_path: Path, dtype: torch.dt
         assert torch.equal(bits(got_t), bits(ragged[i]))
     padded = r.padded()
     assert padded.shape == (len(order), max(len(ragged[i]) for i in order - 100), 8)
+
+
+def test_variable_outputs_accept_packed_and_same_length_forms(tmp_path: Path) -> None:
+    store = TeacherOutputStore.open(tmp_path, NS, mode="a")
+    values = torch.arange(6 * 2, dtype=torch.int16).view(6, 2)
+    with store.writer() as w:
+        w.append([0, 1, 2], {"IDS": Ragged(values, torch.tensor([1, 0, 5]))})  # packed, one sample empty
+        w.append([3, 4], {"IDS": torch.ones(2, 3, 2, dtype=torch.int16)})  # [N, T, k]: all T equal
+        with pytest.raises(SchemaMismatchError, match="does not fit"):
+            w.append([5, 6], {"IDS": Ragged(values, torch.tensor([1, 1]))})
+    store.refresh()
+    got = store.lookup([2, 1, 0, 4]).ragged("IDS")
+    assert got.lengths.tolist() == [5, 0, 1, 3]
+    assert torch.equal(got[0], values[1:6]) and got[1].shape == (0, 2)
+    assert torch.equal(got[2], values[:1]) and torch.equal(got[3], torch.ones(3, 2, dtype=torch.int16))
 
 
 def test_bytes_keys_hashes_and_strings(tmp_path: Path) -> None:
@@ -351,7 +366,7 @@ def test_two_writer_processes_then_every_sample_exactly_once(tmp_path: Path) -> 
 def test_writer_sigkilled_mid_shard_leaves_the_store_readable(tmp_path: Path) -> None:
     script = _CHILD_PRELUDE + textwrap.dedent(
         """
-        w = store.writer()
+        w = store.writer(batch_bytes=1)  # every append reaches the file
         keys = np.arange(50)
         w.append(keys, {"LOGITS": fixed_out(keys), "V": var_out(keys)})
         w.seal()

@@ -75,7 +75,8 @@ _MAX_KEY_BYTES = 65535  # bytes keys carry a 2-byte length in the index
 
 KeyType = Literal["int64", "bytes"]
 Mode = Literal["r", "a"]
-OutputValue = Union[torch.Tensor, np.ndarray, Sequence[Union[torch.Tensor, np.ndarray]]]  # noqa: UP007 (py3.10 alias)
+# A fixed-shape output [N, ...]; or a variable-length one: N tensors [T_i, ...], or a Ragged (packed).
+OutputValue = Union[torch.Tensor, np.ndarray, "Ragged", Sequence[Union[torch.Tensor, np.ndarray]]]  # noqa: UP007
 
 # dtype name -> (torch dtype, arrow storage type). bfloat16 is not a numpy or Arrow type: it is
 # stored as its raw 16 bits (uint16) and the field's metadata says how to view them back.
@@ -676,35 +677,35 @@ class TeacherOutputStore:
         if n == 0:
             empty = torch.empty((0, *spec.item_shape), dtype=spec.torch_dtype)
             return Ragged(empty, torch.zeros(0, dtype=torch.int64)) if spec.variable else empty.view(0, *spec.shape)
-        used = np.unique(seg_ids)
-        contiguous = len(used) == 1 and (n == 1 or bool(np.all(np.diff(rows) == 1)))
+        # One stable sort groups the hits by segment; each group is then one vectorised index.
+        order = np.argsort(seg_ids, kind="stable")
+        cuts = np.flatnonzero(np.diff(seg_ids[order])) + 1
+        groups = [(int(seg_ids[g[0]]), g) for g in np.split(order, cuts)]
+        contiguous = len(groups) == 1 and (n == 1 or bool(np.all(np.diff(rows) == 1)))
         if not spec.variable:
             if contiguous:
-                return segs[int(used[0])].fixed[spec.name][int(rows[0]) : int(rows[-1]) + 1]
+                return segs[groups[0][0]].fixed[spec.name][int(rows[0]) : int(rows[-1]) + 1]
             out = torch.empty((n, *spec.shape), dtype=spec.torch_dtype)
-            for s in used:
-                m = seg_ids == s
-                out[torch.from_numpy(np.flatnonzero(m))] = segs[int(s)].fixed[spec.name][torch.from_numpy(rows[m])]
+            for s, pos in groups:
+                out[torch.from_numpy(pos)] = segs[s].fixed[spec.name][torch.from_numpy(rows[pos])]
             return out
         starts = np.empty(n, dtype=np.int64)
         lens = np.empty(n, dtype=np.int64)
-        for s in used:
-            m = seg_ids == s
-            off = segs[int(s)].offsets[spec.name]
-            r = rows[m]
-            starts[m] = off[r]
-            lens[m] = off[r + 1] - off[r]
+        for s, pos in groups:
+            off = segs[s].offsets[spec.name]
+            r = rows[pos]
+            starts[pos] = off[r]
+            lens[pos] = off[r + 1] - off[r]
         lengths = torch.from_numpy(lens)
         if contiguous:
-            items = segs[int(used[0])].items[spec.name]
+            items = segs[groups[0][0]].items[spec.name]
             return Ragged(items[int(starts[0]) : int(starts[0] + lens.sum())], lengths)
         out_starts = np.cumsum(lens) - lens
         values = torch.empty((int(lens.sum()), *spec.item_shape), dtype=spec.torch_dtype)
-        for s in used:
-            m = seg_ids == s
-            src = _ranges(starts[m], lens[m])
-            dst = _ranges(out_starts[m], lens[m])
-            values[torch.from_numpy(dst)] = segs[int(s)].items[spec.name][torch.from_numpy(src)]
+        for s, pos in groups:
+            src = _ranges(starts[pos], lens[pos])
+            dst = _ranges(out_starts[pos], lens[pos])
+            values[torch.from_numpy(dst)] = segs[s].items[spec.name][torch.from_numpy(src)]
         return Ragged(values, lengths)
 
     # ------------------------------------------------------------------------------- writing
@@ -714,17 +715,20 @@ class TeacherOutputStore:
         shard_max_bytes: int = 256 << 20,
         shard_max_rows: int | None = None,
         compression: Literal["zstd", "lz4"] | None = None,
+        batch_bytes: int = 16 << 20,
     ) -> ShardWriter:
         """A writer of this process's own shards (open the store with ``mode="a"``).
 
         A shard is sealed when it reaches ``shard_max_bytes`` or ``shard_max_rows``, on
         :meth:`ShardWriter.seal`, and on close. ``compression`` makes shards smaller but reads
-        then decompress into memory instead of mapping the file (no zero-copy).
+        then decompress into memory instead of mapping the file (no zero-copy). Appended batches
+        are buffered in memory up to ``batch_bytes`` and written as one Arrow record batch: readers
+        index per record batch, so few large ones make random lookups cheaper than many small ones.
         """
         self._check_open()
         if self.mode != "a":
             raise CacheError(f"the store at {self.path} is open for reading; open it with mode='a' to write")
-        return ShardWriter(self, shard_max_bytes, shard_max_rows, compression)
+        return ShardWriter(self, shard_max_bytes, shard_max_rows, compression, batch_bytes)
 
     # ---------------------------------------------------------------------------------- info
 
@@ -837,10 +841,14 @@ class ShardWriter:
         shard_max_bytes: int,
         shard_max_rows: int | None,
         compression: Literal["zstd", "lz4"] | None,
+        batch_bytes: int = 16 << 20,
     ) -> None:
         self.store = store
         self.shard_max_bytes = shard_max_bytes
         self.shard_max_rows = shard_max_rows
+        self.batch_bytes = batch_bytes
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_bytes = 0
         self._options = pa.ipc.IpcWriteOptions(compression=compression)
         self.writer_id = f"{_host()}.{os.getpid()}.{secrets.token_hex(4)}"
         self._seq = 0
@@ -881,9 +889,12 @@ class ShardWriter:
             self._start_shard()
         assert self._schema is not None and self._ipc is not None and self._sink is not None
         batch = pa.RecordBatch.from_arrays([key_arr, *columns], schema=self._schema)
-        self._ipc.write_batch(batch)
+        self._pending.append(batch)
+        self._pending_bytes += batch.nbytes
         self._rows += n
-        if self._sink.tell() >= self.shard_max_bytes or (
+        if self._pending_bytes >= self.batch_bytes:
+            self._flush()
+        if self._sink.tell() + self._pending_bytes >= self.shard_max_bytes or (
             self.shard_max_rows is not None and self._rows >= self.shard_max_rows
         ):
             self.seal()
@@ -906,26 +917,11 @@ class ShardWriter:
                 spec = OutputSpec(name, _dtype_name(t.dtype), tuple(t.shape[1:]))
                 cols.append(pa.FixedSizeListArray.from_arrays(_arrow_values(t), max(spec.item_numel, 1)))
             else:
-                dense = isinstance(value, (torch.Tensor, np.ndarray))
-                items = list(torch.as_tensor(value)) if dense else list(value)
-                if len(items) != n:
-                    raise SchemaMismatchError(f"output {name!r} has {len(items)} samples for {n} keys")
-                ts = [torch.as_tensor(x).detach().cpu() for x in items]
-                if any(t.ndim == 0 for t in ts):
-                    raise SchemaMismatchError(f"variable-length output {name!r} needs samples of shape [T, ...]")
-                trailing = {tuple(t.shape[1:]) for t in ts}
-                dtypes = {t.dtype for t in ts}
-                if len(trailing) != 1 or len(dtypes) != 1:
-                    raise SchemaMismatchError(
-                        f"variable-length output {name!r} mixes shapes {sorted(trailing)} / dtypes {dtypes}: "
-                        "only the first dimension may vary between samples"
-                    )
-                spec = OutputSpec(name, _dtype_name(ts[0].dtype), (-1, *trailing.pop()))
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                counts = np.fromiter((t.numel() for t in ts), dtype=np.int64, count=n)
+                values, lengths = _packed(name, n, value)
+                spec = OutputSpec(name, _dtype_name(values.dtype), (-1, *values.shape[1:]))
                 offsets = np.zeros(n + 1, dtype=np.int64)
-                np.cumsum(counts, out=offsets[1:])
-                cols.append(pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), _arrow_values(flat)))
+                np.cumsum(lengths * spec.item_numel, out=offsets[1:])
+                cols.append(pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), _arrow_values(values)))
             specs[name] = spec
         return cols, specs
 
@@ -944,11 +940,23 @@ class ShardWriter:
         self._ipc = pa.ipc.new_file(self._sink, self._schema, options=self._options)
         self._rows = 0
 
+    def _flush(self) -> None:
+        """Write the buffered batches to the shard file as one record batch."""
+        if not self._pending:
+            return
+        batch = self._pending[0]
+        if len(self._pending) > 1:
+            (batch,) = pa.Table.from_batches(self._pending).combine_chunks().to_batches() or [batch]
+        self._ipc.write_batch(batch)
+        self._pending = []
+        self._pending_bytes = 0
+
     def seal(self) -> Path | None:
         """Finish the current shard and make it visible to readers (atomically); returns its path."""
         if self._ipc is None:
             return None
         assert self._sink is not None and self._tmp is not None
+        self._flush()
         self._ipc.close()
         self._sink.close()
         fd = os.open(self._tmp, os.O_RDONLY)
@@ -968,6 +976,8 @@ class ShardWriter:
         """Drop the current shard unsealed (its rows are lost; readers never saw them)."""
         if self._ipc is not None:
             assert self._sink is not None and self._tmp is not None
+            self._pending = []
+            self._pending_bytes = 0
             with contextlib.suppress(Exception):
                 self._ipc.close()
             self._sink.close()
@@ -986,6 +996,38 @@ class ShardWriter:
     def __exit__(self, *exc: object) -> None:
         # Rows already appended are valid teacher outputs even when the caller failed later: seal them.
         self.close()
+
+
+def _packed(name: str, n: int, value: OutputValue) -> tuple[torch.Tensor, np.ndarray]:
+    """A variable-length output as (values packed along the first dim, per-sample lengths)."""
+    if isinstance(value, Ragged):
+        values = value.values.detach().cpu()
+        lengths = value.lengths.detach().cpu().numpy().astype(np.int64)
+        if len(lengths) != n or int(lengths.sum()) != values.shape[0] or (lengths < 0).any():
+            raise SchemaMismatchError(
+                f"output {name!r}: a Ragged of {len(lengths)} samples with lengths summing to {int(lengths.sum())} "
+                f"and values of shape {tuple(values.shape)} does not fit {n} keys"
+            )
+        return values, lengths
+    if isinstance(value, (torch.Tensor, np.ndarray)):  # [N, T, ...]: every sample has the same T
+        t = torch.as_tensor(value).detach().cpu()
+        if t.ndim < 2 or t.shape[0] != n:
+            raise SchemaMismatchError(f"output {name!r} has shape {tuple(t.shape)}; expected [{n}, T, ...]")
+        return t.reshape(n * t.shape[1], *t.shape[2:]), np.full(n, t.shape[1], dtype=np.int64)
+    ts = [torch.as_tensor(x).detach().cpu() for x in value]
+    if len(ts) != n:
+        raise SchemaMismatchError(f"output {name!r} has {len(ts)} samples for {n} keys")
+    if any(t.ndim == 0 for t in ts):
+        raise SchemaMismatchError(f"variable-length output {name!r} needs samples of shape [T, ...]")
+    trailing = {tuple(t.shape[1:]) for t in ts}
+    dtypes = {t.dtype for t in ts}
+    if len(trailing) != 1 or len(dtypes) != 1:
+        raise SchemaMismatchError(
+            f"variable-length output {name!r} mixes shapes {sorted(trailing)} / dtypes {dtypes}: "
+            "only the first dimension may vary between samples"
+        )
+    lengths = np.fromiter((t.shape[0] for t in ts), dtype=np.int64, count=n)
+    return torch.cat(ts), lengths
 
 
 def _arrow_values(t: torch.Tensor) -> pa.Array:
