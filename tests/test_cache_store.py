@@ -124,7 +124,9 @@ def test_hit_partial_hit_and_miss(tmp_path: Path) -> None:
         miss.tensor("V")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int16, torch.uint16]
+)
 def test_fixed_and_variable_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     n = 12
@@ -133,10 +135,10 @@ def test_fixed_and_variable_round_trip_bit_exact(tmp_path: Path, dtype: torch.dt
         fixed[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, float("-inf")]).to(dtype)
         ragged = [torch.randn(int(t), 8, generator=gen).to(dtype) for t in torch.randint(1, 30, (n,), generator=gen)]
     else:
-        info = torch.iinfo(dtype)
-        fixed = torch.randint(info.min, info.max, (n, 5, 7), generator=gen, dtype=torch.int64).to(dtype)
+        lo, hi = (0, 1 << 16) if dtype == torch.uint16 else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+        fixed = torch.randint(lo, hi, (n, 5, 7), generator=gen, dtype=torch.int64).to(dtype)
         ragged = [
-            torch.randint(info.min, info.max, (int(t), 8), generator=gen, dtype=torch.int64).to(dtype)
+            torch.randint(lo, hi, (int(t), 8), generator=gen, dtype=torch.int64).to(dtype)
             for t in torch.randint(1, 30, (n,), generator=gen)
         ]
     keys = np.arange(100, 100 + n)

@@ -90,7 +90,11 @@ _DTYPES: dict[str, tuple[torch.dtype, pa.DataType]] = {
     "int16": (torch.int16, pa.int16()),
     "int8": (torch.int8, pa.int8()),
     "uint8": (torch.uint8, pa.uint8()),
+    # Token ids of vocabularies up to 65,536 (GPT-2's 50,257 does not fit int16). torch cannot index
+    # uint16 tensors, so gathers run on an int16 view of the same bits.
+    "uint16": (torch.uint16, pa.uint16()),
 }
+_INDEXABLE = {torch.uint16: torch.int16}
 _TORCH_TO_NAME = {td: name for name, (td, _) in _DTYPES.items()}
 
 
@@ -685,10 +689,11 @@ class TeacherOutputStore:
         if not spec.variable:
             if contiguous:
                 return segs[groups[0][0]].fixed[spec.name][int(rows[0]) : int(rows[-1]) + 1]
-            out = torch.empty((n, *spec.shape), dtype=spec.torch_dtype)
+            work = _INDEXABLE.get(spec.torch_dtype, spec.torch_dtype)
+            out = torch.empty((n, *spec.shape), dtype=work)
             for s, pos in groups:
-                out[torch.from_numpy(pos)] = segs[s].fixed[spec.name][torch.from_numpy(rows[pos])]
-            return out
+                out[torch.from_numpy(pos)] = segs[s].fixed[spec.name].view(work)[torch.from_numpy(rows[pos])]
+            return out.view(spec.torch_dtype)
         starts = np.empty(n, dtype=np.int64)
         lens = np.empty(n, dtype=np.int64)
         for s, pos in groups:
@@ -701,12 +706,13 @@ class TeacherOutputStore:
             items = segs[groups[0][0]].items[spec.name]
             return Ragged(items[int(starts[0]) : int(starts[0] + lens.sum())], lengths)
         out_starts = np.cumsum(lens) - lens
-        values = torch.empty((int(lens.sum()), *spec.item_shape), dtype=spec.torch_dtype)
+        work = _INDEXABLE.get(spec.torch_dtype, spec.torch_dtype)
+        values = torch.empty((int(lens.sum()), *spec.item_shape), dtype=work)
         for s, pos in groups:
             src = _ranges(starts[pos], lens[pos])
             dst = _ranges(out_starts[pos], lens[pos])
-            values[torch.from_numpy(dst)] = segs[s].items[spec.name][torch.from_numpy(src)]
-        return Ragged(values, lengths)
+            values[torch.from_numpy(dst)] = segs[s].items[spec.name].view(work)[torch.from_numpy(src)]
+        return Ragged(values.view(spec.torch_dtype), lengths)
 
     # ------------------------------------------------------------------------------- writing
 
