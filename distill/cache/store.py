@@ -707,13 +707,16 @@ class TeacherOutputStore:
             return Ragged(items[int(starts[0]) : int(starts[0] + lens.sum())], lengths)
         out_starts = np.cumsum(lens) - lens
         work = _INDEXABLE.get(spec.torch_dtype, spec.torch_dtype)
-        pieces = []
-        dests = []
-        for s, pos in groups:
-            src = _ranges(starts[pos], lens[pos])
-            pieces.append(segs[s].items[spec.name].view(work).index_select(0, torch.from_numpy(src)))
-            dests.append(_ranges(out_starts[pos], lens[pos]))
-        return Ragged(_in_order(pieces, dests).view(spec.torch_dtype), lengths)
+        # Item ranges of all hits at once (in segment order), then cut per segment.
+        src_all = _ranges(starts[order], lens[order])
+        dst_all = _ranges(out_starts[order], lens[order])
+        per_group = np.add.reduceat(lens[order], np.concatenate(([0], cuts))) if len(order) else lens[:0]
+        bounds = np.cumsum(per_group)[:-1]
+        pieces = [
+            segs[s].items[spec.name].view(work).index_select(0, torch.from_numpy(src))
+            for (s, _), src in zip(groups, np.split(src_all, bounds), strict=True)
+        ]
+        return Ragged(_in_order(pieces, np.split(dst_all, bounds)).view(spec.torch_dtype), lengths)
 
     # ------------------------------------------------------------------------------- writing
 
@@ -813,7 +816,7 @@ def _describe(specs: Mapping[str, OutputSpec]) -> str:
     return "{" + ", ".join(f"{n}: {s.describe()}" for n, s in sorted(specs.items())) + "}"
 
 
-def _in_order(pieces: list[torch.Tensor], dests: list[np.ndarray]) -> torch.Tensor:
+def _in_order(pieces: list[torch.Tensor], dests: Sequence[np.ndarray]) -> torch.Tensor:
     """Rows gathered per segment, put back in asked order: ``out[dests[i][j]] = pieces[i][j]``.
 
     One concatenation and one ``index_select`` by the inverse permutation: torch's ``index_copy_``
