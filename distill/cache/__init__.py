@@ -20,23 +20,62 @@ Shards are Arrow IPC files, memory-mapped on read (see docs/cache.md). ``pyarrow
 
 from __future__ import annotations
 
-from distill.cache.errors import (
-    CacheError,
-    NamespaceMismatchError,
-    SchemaMismatchError,
-    StoreClosedError,
-    StoreNotFoundError,
-)
-from distill.cache.namespace import Namespace
-from distill.cache.store import (
-    Lookup,
-    OutputSpec,
-    Ragged,
-    ShardWriter,
-    StoreInfo,
-    TeacherOutputStore,
-    UnsealedFile,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use, so that `distill cache --help` (and `import distill.cache.cli` from the
+# `distill` command) costs nothing, and a missing pyarrow is reported when the store is used.
+_EXPORTS = {
+    "CacheError": "distill.cache.errors",
+    "NamespaceMismatchError": "distill.cache.errors",
+    "SchemaMismatchError": "distill.cache.errors",
+    "StoreClosedError": "distill.cache.errors",
+    "StoreNotFoundError": "distill.cache.errors",
+    "Namespace": "distill.cache.namespace",
+    "Lookup": "distill.cache.store",
+    "OutputSpec": "distill.cache.store",
+    "Ragged": "distill.cache.store",
+    "ShardWriter": "distill.cache.store",
+    "StoreInfo": "distill.cache.store",
+    "TeacherOutputStore": "distill.cache.store",
+    "UnsealedFile": "distill.cache.store",
+}
+
+if TYPE_CHECKING:
+    from distill.cache.errors import (
+        CacheError,
+        NamespaceMismatchError,
+        SchemaMismatchError,
+        StoreClosedError,
+        StoreNotFoundError,
+    )
+    from distill.cache.namespace import Namespace
+    from distill.cache.store import (
+        Lookup,
+        OutputSpec,
+        Ragged,
+        ShardWriter,
+        StoreInfo,
+        TeacherOutputStore,
+        UnsealedFile,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distill.cache' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name == "pyarrow":
+            raise ModuleNotFoundError(
+                "distill.cache needs pyarrow: pip install 'distill-mesh[cache]'", name="pyarrow"
+            ) from e
+        raise
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CacheError",

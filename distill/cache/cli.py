@@ -48,17 +48,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Run the parsed ``cache`` subcommand; returns the exit status."""
     out = out if out is not None else sys.stdout
-    from distill.cache.errors import CacheError, StoreNotFoundError
-    from distill.cache.store import TeacherOutputStore
+    from distill.cache.errors import CacheError
+
+    try:
+        from distill.cache.store import TeacherOutputStore
+    except ModuleNotFoundError as e:
+        if e.name != "pyarrow":
+            raise
+        print("distill cache: needs pyarrow; install it with: pip install 'distill-mesh[cache]'", file=sys.stderr)
+        return 1
 
     if args.cache_command != "info":  # pragma: no cover - argparse rejects unknown commands
         return 2
     try:
         store = TeacherOutputStore.open(args.path, mode="r")
-    except StoreNotFoundError as e:
-        print(f"distill cache: {e}", file=sys.stderr)
-        return 1
-    except CacheError as e:
+    except CacheError as e:  # StoreNotFoundError among them
         print(f"distill cache: {e}", file=sys.stderr)
         return 1
     with store:
