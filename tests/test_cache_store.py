@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from distill.cache import (
+    CacheError,
     Namespace,
     NamespaceMismatchError,
     Ragged,
     SchemaMismatchError,
+    StoreClosedError,
     StoreNotFoundError,
     TeacherOutputStore,
 )
@@ -177,6 +179,9 @@ def test_variable_outputs_accept_packed_and_same_length_forms(tmp_path: Path) ->
     assert got.lengths.tolist() == [5, 0, 1, 3]
     assert torch.equal(got[0], values[1:6]) and got[1].shape == (0, 2)
     assert torch.equal(got[2], values[:1]) and torch.equal(got[3], torch.ones(3, 2, dtype=torch.int16))
+    assert torch.equal(got[-1], got[3])
+    with pytest.raises(IndexError):
+        got[4]
 
 
 def test_bytes_keys_hashes_and_strings(tmp_path: Path) -> None:
@@ -221,7 +226,7 @@ def test_appends_must_keep_the_stored_schema(tmp_path: Path) -> None:
             w.append(np.arange(10, 12), {"LOGITS": fixed_out(np.arange(10, 12))})
         with pytest.raises(SchemaMismatchError, match="one per key"):
             w.append(np.arange(10, 12), {"LOGITS": fixed_out(np.arange(3)), "V": var_out(np.arange(2))})
-    with pytest.raises(Exception, match="open for reading"):
+    with pytest.raises(CacheError, match="open for reading"):
         TeacherOutputStore.open(tmp_path, NS).writer()
 
 
@@ -255,6 +260,19 @@ def test_refresh_sees_a_shard_sealed_after_open(tmp_path: Path) -> None:
     assert reader.refresh() == 1
     assert reader.lookup([1, 2]).all_hit
     assert reader.refresh() == 0
+
+
+def test_an_aborted_shard_is_never_seen(tmp_path: Path) -> None:
+    store = TeacherOutputStore.open(tmp_path, NS, mode="a")
+    w = store.writer(batch_bytes=1)
+    w.append([1, 2], {"X": torch.tensor([1.0, 2.0])})
+    assert len(store.unsealed()) == 1
+    w.abort()
+    w.close()  # nothing left to seal
+    assert store.refresh() == 0 and not store.unsealed() and not w.sealed
+    assert not store.lookup([1, 2]).hit.any()
+    with pytest.raises(StoreClosedError, match="closed"):
+        w.append([3], {"X": torch.tensor([3.0])})
 
 
 def test_compressed_shards_round_trip(tmp_path: Path) -> None:

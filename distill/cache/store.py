@@ -174,8 +174,12 @@ class Ragged:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        offsets = self.offsets
-        return self.values[int(offsets[i]) : int(offsets[i + 1])]
+        n = len(self.lengths)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        i %= n
+        start = int(self.lengths[:i].sum())
+        return self.values[start : start + int(self.lengths[i])]
 
     def unbind(self) -> list[torch.Tensor]:
         """One view per sample."""
