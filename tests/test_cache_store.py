@@ -30,6 +30,7 @@ from distill.cache import (
     StoreClosedError,
     StoreNotFoundError,
     TeacherOutputStore,
+    id_dtype,
 )
 from distill.cache import cli as cache_cli
 
@@ -184,6 +185,13 @@ def test_variable_outputs_accept_packed_and_same_length_forms(tmp_path: Path) ->
         got[4]
 
 
+def test_id_dtype_is_the_smallest_that_holds_the_vocabulary() -> None:
+    assert id_dtype(32_000) == torch.int16  # Llama 2
+    assert id_dtype(50_257) == torch.uint16  # GPT-2
+    assert id_dtype(1 << 16) == torch.uint16
+    assert id_dtype(128_256) == torch.int32  # Llama 3
+
+
 def test_bytes_keys_hashes_and_strings(tmp_path: Path) -> None:
     store = TeacherOutputStore.open(tmp_path, NS, mode="a", key_type="bytes")
     keys = [b"a", "bc", b"a\x00", bytes(range(32))]  # b"a" and b"a\0" must stay distinct
@@ -330,6 +338,7 @@ def test_contiguous_reads_are_views_of_the_mapped_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_two_writer_processes_then_every_sample_exactly_once(tmp_path: Path) -> None:
     TeacherOutputStore.open(tmp_path, NS, mode="a")  # created once; the children open it
     script = _CHILD_PRELUDE + textwrap.dedent(
@@ -383,6 +392,7 @@ def test_two_writer_processes_then_every_sample_exactly_once(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_writer_sigkilled_mid_shard_leaves_the_store_readable(tmp_path: Path) -> None:
     script = _CHILD_PRELUDE + textwrap.dedent(
         """

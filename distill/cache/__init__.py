@@ -39,6 +39,7 @@ _EXPORTS = {
     "StoreInfo": "distill.cache.store",
     "TeacherOutputStore": "distill.cache.store",
     "UnsealedFile": "distill.cache.store",
+    "id_dtype": "distill.cache.store",
 }
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
         StoreInfo,
         TeacherOutputStore,
         UnsealedFile,
+        id_dtype,
     )
 
 
@@ -91,4 +93,5 @@ __all__ = [
     "StoreNotFoundError",
     "TeacherOutputStore",
     "UnsealedFile",
+    "id_dtype",
 ]
