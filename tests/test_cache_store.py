@@ -232,6 +232,8 @@ def test_appends_must_keep_the_stored_schema(tmp_path: Path) -> None:
             w.append(np.arange(10, 12), {"LOGITS": fixed_out(np.arange(10, 12)).half(), "V": var_out(np.arange(2))})
         with pytest.raises(SchemaMismatchError, match="differ"):
             w.append(np.arange(10, 12), {"LOGITS": fixed_out(np.arange(10, 12))})
+        with pytest.raises(SchemaMismatchError, match="empty per-sample shape"):
+            w.append(np.arange(10, 12), {"LOGITS": torch.zeros(2, 0), "V": var_out(np.arange(2))})
         with pytest.raises(SchemaMismatchError, match="one per key"):
             w.append(np.arange(10, 12), {"LOGITS": fixed_out(np.arange(3)), "V": var_out(np.arange(2))})
     with pytest.raises(CacheError, match="open for reading"):

@@ -602,9 +602,7 @@ class TeacherOutputStore:
         if meta.get(_META_KEY_TYPE, b"").decode() != self.key_type:
             raise CacheError(f"keys are {meta.get(_META_KEY_TYPE, b'?').decode()}, the store's are {self.key_type}")
         specs = {f.name: OutputSpec.from_field(f) for f in schema if f.name != KEY_COLUMN}
-        if self._specs is None:
-            self._specs = specs
-        elif specs != self._specs:
+        if self._specs is not None and specs != self._specs:
             raise CacheError(f"outputs {_describe(specs)} differ from the store's {_describe(self._specs)}")
         shard_index = len(self._shards)
         segments = []
@@ -637,6 +635,8 @@ class TeacherOutputStore:
                     seg.fixed[spec.name] = flat.view(len(rb), *spec.shape)
             segments.append(seg)
             rows += len(rb)
+        if self._specs is None:  # the first readable shard fixes what the store holds
+            self._specs = specs
         self._segments.extend(segments)
         self._shards.append(_Shard(name, size, rows, tokens))
 
@@ -960,13 +960,18 @@ class ShardWriter:
                         f"output {name!r} has shape {tuple(t.shape)}; expected [{n}, ...] (one per key)"
                     )
                 spec = OutputSpec(name, _dtype_name(t.dtype), tuple(t.shape[1:]))
-                cols.append(pa.FixedSizeListArray.from_arrays(_arrow_values(t), max(spec.item_numel, 1)))
+                if spec.item_numel:
+                    cols.append(pa.FixedSizeListArray.from_arrays(_arrow_values(t), spec.item_numel))
             else:
                 values, lengths = _packed(name, n, value)
                 spec = OutputSpec(name, _dtype_name(values.dtype), (-1, *values.shape[1:]))
                 offsets = np.zeros(n + 1, dtype=np.int64)
                 np.cumsum(lengths * spec.item_numel, out=offsets[1:])
                 cols.append(pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), _arrow_values(values)))
+            if spec.item_numel == 0:
+                raise SchemaMismatchError(
+                    f"output {name!r} has an empty per-sample shape {spec.shape}: nothing to store"
+                )
             specs[name] = spec
         return cols, specs
 
