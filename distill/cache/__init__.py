@@ -1,0 +1,97 @@
+"""``distill.cache``: a store of teacher outputs keyed by sample, so a teacher answers each sample once.
+
+A training run (or ``distill record``) writes what the teachers answered, keyed by a field of the
+batch (a dataset index, a content hash); later epochs and later runs read it back instead of
+asking a teacher. The store's namespace names the teacher and every transform of its outputs, so
+outputs of different teachers or settings never mix::
+
+    from distill.cache import Namespace, TeacherOutputStore
+
+    ns = Namespace("llama-teacher", model_version="3", outputs=("VALUES", "IDS"), dtype="bfloat16",
+                   top_k=32, temperature=1.0, values="logprobs")
+    with TeacherOutputStore.open("/data/kd-cache", ns, mode="a") as store, store.writer() as w:
+        w.append(batch["index"], {"VALUES": values_per_sample, "IDS": ids_per_sample})
+    found = TeacherOutputStore.open("/data/kd-cache", ns).lookup(batch["index"])
+    found.hit, found.outputs["VALUES"]      # mask, and the hits' outputs as torch tensors
+
+Shards are Arrow IPC files, memory-mapped on read (see docs/cache.md). ``pyarrow`` comes with the
+``cache`` extra: ``pip install 'distill-mesh[cache]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use, so that `distill cache --help` (and `import distill.cache.cli` from the
+# `distill` command) costs nothing, and a missing pyarrow is reported when the store is used.
+_EXPORTS = {
+    "CacheError": "distill.cache.errors",
+    "NamespaceMismatchError": "distill.cache.errors",
+    "SchemaMismatchError": "distill.cache.errors",
+    "StoreClosedError": "distill.cache.errors",
+    "StoreNotFoundError": "distill.cache.errors",
+    "Namespace": "distill.cache.namespace",
+    "Lookup": "distill.cache.store",
+    "OutputSpec": "distill.cache.store",
+    "Ragged": "distill.cache.store",
+    "ShardWriter": "distill.cache.store",
+    "StoreInfo": "distill.cache.store",
+    "TeacherOutputStore": "distill.cache.store",
+    "UnsealedFile": "distill.cache.store",
+    "id_dtype": "distill.cache.store",
+}
+
+if TYPE_CHECKING:
+    from distill.cache.errors import (
+        CacheError,
+        NamespaceMismatchError,
+        SchemaMismatchError,
+        StoreClosedError,
+        StoreNotFoundError,
+    )
+    from distill.cache.namespace import Namespace
+    from distill.cache.store import (
+        Lookup,
+        OutputSpec,
+        Ragged,
+        ShardWriter,
+        StoreInfo,
+        TeacherOutputStore,
+        UnsealedFile,
+        id_dtype,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distill.cache' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:
+        if e.name == "pyarrow":
+            raise ModuleNotFoundError(
+                "distill.cache needs pyarrow: pip install 'distill-mesh[cache]'", name="pyarrow"
+            ) from e
+        raise
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "CacheError",
+    "Lookup",
+    "Namespace",
+    "NamespaceMismatchError",
+    "OutputSpec",
+    "Ragged",
+    "SchemaMismatchError",
+    "ShardWriter",
+    "StoreClosedError",
+    "StoreInfo",
+    "StoreNotFoundError",
+    "TeacherOutputStore",
+    "UnsealedFile",
+    "id_dtype",
+]
