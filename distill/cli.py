@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from distill import top
+from distill.cache import cli as cache_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(endpoint, device, model, queue, in-flight, samples/s, busy, capacity), the students (samples/s, "
         "stall) and the autoscaler's records. --once prints one snapshot and exits (exit 1: registry unreachable).",
     ))
+    cache_cli.add_parser(sub)
     return parser
 
 
@@ -31,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "top":
         return top.run(args)
+    if args.command == "cache":
+        return cache_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
