@@ -181,6 +181,7 @@ def pytriton_venv(requirements: Sequence[str] = REQUIREMENTS, timeout: float = B
                         raise PyTritonError(f"building the PyTriton venv failed ({' '.join(cmd[:4])}... exited "
                                             f"{e.returncode}); see {log}:\n{_tail(log)}") from None
             # Nothing in bin/ but the interpreter is used, so the scripts' shebangs naming `tmp` do not matter.
+            tmp.chmod(0o755)  # mkdtemp made it private; the final venv is readable like any cache entry
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -218,6 +219,7 @@ class PyTritonServer:
     max_batch_size: int
     restriction: Restriction | None
     log: Path
+    workspace: Path  # PyTriton's model store and sockets; removed when the server stops
 
     @property
     def grpc_url(self) -> str:
@@ -332,7 +334,7 @@ def pytriton_server(
                     model=str(ready["model"]), dim=int(ready["dim"]), classes=int(ready["classes"]),
                     max_batch_size=int(ready["max_batch_size"]),
                     restriction=Restriction(tuple(r["endpoints"]), str(r["header"]), str(r["value"])) if r else None,
-                    log=log,
+                    log=log, workspace=workspace,
                 )
                 return
             finally:

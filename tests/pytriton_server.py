@@ -15,7 +15,8 @@ When the model is ready it prints one JSON line on stdout (where Triton logs too
     {"ready": true, "grpc_port": ..., "http_port": ..., "model": ..., "dim": ..., "classes": ...,
      "max_batch_size": ..., "restriction": null | {"header": ..., "value": ..., "endpoints": [...]}}
 
-and serves until SIGTERM or SIGINT, then stops Triton and exits 0.
+and serves until SIGTERM or SIGINT, or until its parent process is gone, then stops Triton and
+exits 0.
 
 Restriction: PyTriton 0.7.0, unless told otherwise, starts Triton with
 `--grpc-restricted-protocol` and `--http-restricted-api` set to
@@ -88,6 +89,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    parent = os.getppid()
     if args.ready_fd is not None:
         # Keep it out of tritonserver and the backend stubs, so the reader sees EOF when this process dies.
         os.set_inheritable(args.ready_fd, False)
@@ -156,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.ready_fd is not None:
             os.write(args.ready_fd, line.encode())
             os.close(args.ready_fd)
-        # Serve until told to stop, or until Triton dies on its own (then exit non-zero).
+        # Serve until told to stop, until the process that started us is gone (a test run killed
+        # before its teardown must not leave a Triton behind), or until Triton dies (exit non-zero).
         while not stop.wait(1.0):
+            if os.getppid() != parent:
+                logging.getLogger("pytriton_server").warning("parent process gone; stopping")
+                break
             if not server.is_alive():
                 logging.getLogger("pytriton_server").error("Triton exited on its own")
                 return 1

@@ -143,3 +143,14 @@ def test_hardened_triton_restricts_the_repository_api(hardened_triton: PyTritonS
 def test_reader_with_model_trains_against_hardened_triton(hardened_triton: PyTritonServer) -> None:
     """With model= the student needs only metadata, config and inference, which stay open."""
     assert train_through_reader(hardened_triton) == list(range(6))
+
+
+def test_server_stops_cleanly_on_sigterm(pytriton_python: Path, tmp_path: Path) -> None:
+    """The launcher's stop is a SIGTERM the server handles (exit 0, Triton stopped by PyTriton),
+    not the SIGKILL it falls back to; its workspace is removed."""
+    with pytriton_server(model="stopper", dim=DIM, classes=CLASSES, venv=pytriton_python, log_dir=tmp_path) as server:
+        with tg.InferenceServerClient(server.grpc_url) as client:
+            assert client.is_model_ready("stopper", client_timeout=10.0)
+        assert server.workspace.is_dir()
+    assert server.process.returncode == 0, server.log.read_text(errors="replace")[-3000:]
+    assert not server.workspace.exists()
