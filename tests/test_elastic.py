@@ -4,7 +4,7 @@ Two ranks, the last one dies after epoch 0, torchrun restarts the group, which r
 checkpoint: every rank must exit 0 and the job must print the uninterrupted run's accuracy. Then a
 two-rank run is killed and a one-rank run resumes from its checkpoint. The same scenario with more
 repetitions is ``python -m benchmarks.elastic_restart --runs 8`` (its result is in
-examples/elastic/README.md); here it runs twice to keep the suite short.
+examples/elastic/README.md); here it runs once to keep the suite short.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def teacher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
 def test_restarted_group_exits_zero_with_the_uninterrupted_accuracy(
         teacher: tuple[str, dict[str, str]], tmp_path: Path) -> None:
     url, env = teacher
-    results = elastic_restart.scenario(url, tmp_path, runs=2, env=env)
-    assert [r.kind for r in results] == ["uninterrupted", "crash+restart", "crash+restart",
+    results = elastic_restart.scenario(url, tmp_path, runs=1, env=env)
+    assert [r.kind for r in results] == ["uninterrupted", "crash+restart",
                                          "killed (2 ranks)", "resumed (1 rank)"]
     assert elastic_restart.problems(results) == []
     restarted = [r for r in results if r.kind == "crash+restart"]
