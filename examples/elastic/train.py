@@ -63,6 +63,7 @@ def process_group() -> Iterator[tuple[int, int]]:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         yield dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # no rank tears the group down while a peer is still in a collective with it
     finally:
         dist.destroy_process_group()
 
@@ -192,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = _load_checkpoint(args.checkpoint)
         done: list[dict[str, Any]] = list(state["done"]) if state else []
         if state is not None and rank == 0:
-            print(f"resuming from {args.checkpoint}: seed {state['seed']} after epoch {state['epoch']}", flush=True)
+            print(f"resuming from {args.checkpoint}: seed {state['seed']} after epoch {state['epoch']}, "
+                  f"{world} rank(s)", flush=True)
         results = [StudentResult(**r) for r in done]
         cfg = StudentConfig()
         for seed in seeds:
