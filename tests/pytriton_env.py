@@ -66,7 +66,7 @@ class PyTritonError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """Where the project caches things: the same place as the examples (`examples.cv.common.cache_dir`)."""
+    """Where the project caches things: the same place as the examples (`examples.common.cache_dir`)."""
     explicit = os.environ.get("DISTILL_MESH_CACHE")
     if explicit:
         return Path(explicit).expanduser()

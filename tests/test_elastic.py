@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from benchmarks import elastic_restart
+from examples.common import CACHE_ENV
 from examples.cv import data
 from examples.cv import serve as cv_serve
 from examples.cv import train_teacher as cv_teacher
-from examples.cv.common import CACHE_ENV
 from teacher_server import BatchingConfig, ServerConfig
 from tests.servers import ServerThread
 
