@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 import urllib.request
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,6 +36,7 @@ from teacher_server import (
 )
 from teacher_server.cli import build_parser, config_from_args
 from teacher_server.http_codec import decode_infer, http_status
+from tests.certs import make_certs
 from tests.models import Affine, TwoHeads
 from tests.servers import ServerThread
 
@@ -196,6 +199,14 @@ def test_top_k_and_output_dtype_parameters(ref_server: ServerThread, ref_model: 
     assert indices["name"] == "LOGITS_TOPK_INDICES" and indices["datatype"] == "INT64"
     assert np.array_equal(np.asarray(indices["data"]).reshape(3, 4), want.indices.numpy())
     assert np.allclose(np.asarray(values["data"]).reshape(3, 4), want.values.numpy(), atol=1e-2)
+
+    body["outputs"] = [{"name": "LOGITS", "parameters": {"output_dtype": "BF16"}}]
+    status, _, raw = _call("POST", url, json=body)
+    assert status == 200, raw
+    [bf16] = json.loads(raw)["outputs"]
+    assert bf16["datatype"] == "BF16" and bf16["shape"] == [3, 100]
+    full = _expected(ref_model, x)
+    assert np.allclose(np.asarray(bf16["data"]).reshape(3, 100), full, rtol=1e-2, atol=1e-2)
 
     # Both top-k tensors follow the binary choice of the output they come from.
     r = th.InferenceServerClient(_http_url(ref_server))
@@ -376,7 +387,7 @@ def test_drain_answers_503_and_finishes_in_flight() -> None:
                         break
                     await asyncio.sleep(0.1)
                 assert server.in_flight == 1
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(server.begin_drain(), s._loop))
+                await asyncio.to_thread(s.call, server.begin_drain())
                 async with session.get(f"{base}/v2/health/ready") as r:
                     assert r.status == 503
                 async with session.get(f"{base}/v2/health/live") as r:
@@ -501,3 +512,40 @@ def test_loading_server_answers_503_until_ready() -> None:
     finally:
         _LOAD_GATE.set()
         thread.__exit__(None, None, None)
+
+
+def test_compressed_request_bodies(client: th.InferenceServerClient, ref_model: torch.nn.Module) -> None:
+    """tritonclient's request_compression_algorithm: the body arrives gzip or deflate encoded."""
+    x = _images(2, seed=4)
+    for algorithm in ("gzip", "deflate"):
+        r = client.infer("ref_teacher", [_input(x)], request_compression_algorithm=algorithm,
+                         response_compression_algorithm=algorithm)
+        assert np.allclose(r.as_numpy("LOGITS"), _expected(ref_model, x), atol=1e-5), algorithm
+
+
+def test_http_serves_the_same_tls_as_grpc(tmp_path: Path) -> None:
+    """With --tls-cert/--tls-key (and --tls-client-ca) the REST port is HTTPS with the same rules:
+    plaintext and clients without a certificate from the CA are refused."""
+    certs = make_certs(tmp_path / "certs")
+    cfg = ServerConfig(model="tests.models:affine", name="a", device="cpu", http_port=0,
+                       tls_cert=str(certs.server_pem), tls_key=str(certs.server_key),
+                       tls_client_ca=str(certs.ca_pem))
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 8], "data": [1.0] * 8}]}
+
+    def context(cert: Path | None, key: Path | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(certs.ca_pem))
+        if cert is not None and key is not None:
+            ctx.load_cert_chain(str(cert), str(key))
+        return ctx
+
+    with ServerThread(cfg) as s:
+        assert s.server is not None
+        https = f"https://127.0.0.1:{s.server.http_port}/v2/models/a/infer"
+        status, _, raw = _call("POST", https, json=body, ssl=context(certs.client_pem, certs.client_key))
+        assert status == 200, raw
+        assert len(json.loads(raw)["outputs"][0]["data"]) == 4
+        for cert, key in ((None, None), (certs.rogue_pem, certs.rogue_key)):
+            with pytest.raises(aiohttp.ClientError):
+                _call("POST", https, json=body, ssl=context(cert, key))
+        with pytest.raises(aiohttp.ClientError):
+            _call("POST", https.replace("https", "http"), json=body)
