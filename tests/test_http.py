@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import threading
 import time
@@ -38,7 +39,7 @@ from teacher_server.cli import build_parser, config_from_args
 from teacher_server.http_codec import decode_infer, http_status
 from tests.certs import make_certs
 from tests.models import Affine, TwoHeads
-from tests.servers import ServerThread
+from tests.servers import ServerThread, teacher_process
 
 REF = "examples.refteacher:build"
 
@@ -549,3 +550,19 @@ def test_http_serves_the_same_tls_as_grpc(tmp_path: Path) -> None:
                 _call("POST", https, json=body, ssl=context(cert, key))
         with pytest.raises(aiohttp.ClientError):
             _call("POST", https.replace("https", "http"), json=body)
+
+
+def test_teacher_process_serves_http_on_the_flag(tmp_path: Path) -> None:
+    """The real CLI: --http-port 0 binds a free port (logged), beside gRPC, in one process."""
+    args = ["--model", "tests.models:affine", "--name", "a", "--device", "cpu", "--instances", "1",
+            "--http-port", "0"]
+    with teacher_process(args, tmp_path) as (_, info):
+        [log] = tmp_path.glob("teacher-*.log")
+        found = re.search(r"KServe v2 HTTP/REST on 127\.0\.0\.1:(\d+)", log.read_text())
+        assert found, log.read_text()
+        x = np.ones((2, 8), np.float32)
+        with th.InferenceServerClient(f"127.0.0.1:{found.group(1)}") as c:
+            got = c.infer("a", [_input(x, "X")]).as_numpy("Y")
+        with tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as g:
+            assert g.is_model_ready("a")
+    assert np.allclose(got, Affine()(torch.from_numpy(x)).detach().numpy(), atol=1e-6)
