@@ -106,9 +106,10 @@ class ServerConfig:
 class TeacherServer:
     """Serves one model; use `async with TeacherServer(cfg) as srv:` or start()/stop().
 
-    The server owns the process-level pieces (gRPC transport, health, model load, batcher,
-    instances, metrics endpoint) and drives a `RequestLifecycle`, which every front end shares and
-    which owns each request from admission to answer.
+    The server owns the process-level pieces (gRPC transport, the optional KServe v2 HTTP/REST
+    site, health, model load, batcher, instances, metrics endpoint) and drives a
+    `RequestLifecycle`, which every front end shares and which owns each request from admission
+    to answer.
     """
 
     def __init__(self, config: ServerConfig, model: LoadedModel | None = None) -> None:
