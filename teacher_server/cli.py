@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     n.add_argument("--port", type=int, default=8001, help="gRPC port, 0 for a free one (default: %(default)s)")
     n.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)")
+    n.add_argument("--http-port", type=int, default=None,
+                   help="KServe v2 HTTP/REST port beside gRPC, 0 for a free one (default: off)")
     n.add_argument("--max-message-mb", type=int, default=256, help="largest request or response (default: 256)")
     n.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
@@ -116,7 +118,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                 enabled=not args.no_dynamic_batching),
         instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
         top_k=args.top_k,
-        compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, max_message_mb=args.max_message_mb,
+        compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, http_port=args.http_port,
+        max_message_mb=args.max_message_mb,
         drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
     )

@@ -31,6 +31,7 @@ from grpc_health.v1._async import HealthServicer
 from protos import registry_pb2
 from teacher_server.batcher import BatchingConfig, DynamicBatcher
 from teacher_server.grpc_service import InferenceService, add_inference_service
+from teacher_server.http_service import HTTPFrontEnd, server_ssl_context
 from teacher_server.instance import ModelInstance
 from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
@@ -59,6 +60,7 @@ class ServerConfig:
     top_k: int = 0  # default top-k for every output; 0 sends full tensors
     compute_dtype: str = "FP32"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
+    http_port: int | None = None  # KServe v2 HTTP/REST; None: off; 0: a free port
     max_message_mb: int = 256
     drain_grace_s: float = 30.0
     instance_id: str = ""  # registry identity; generated when empty
@@ -78,6 +80,8 @@ class ServerConfig:
             raise SpecError(f"--max-message-mb must be >= 1, got {self.max_message_mb}")
         if not 0 <= self.port < 65536:
             raise SpecError(f"--port must be in 0..65535, got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise SpecError(f"--http-port must be in 0..65535, got {self.http_port}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SpecError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -102,9 +106,10 @@ class ServerConfig:
 class TeacherServer:
     """Serves one model; use `async with TeacherServer(cfg) as srv:` or start()/stop().
 
-    The server owns the process-level pieces (gRPC transport, health, model load, batcher,
-    instances, metrics endpoint) and drives a `RequestLifecycle`, which every front end shares and
-    which owns each request from admission to answer.
+    The server owns the process-level pieces (gRPC transport, the optional KServe v2 HTTP/REST
+    site, health, model load, batcher, instances, metrics endpoint) and drives a
+    `RequestLifecycle`, which every front end shares and which owns each request from admission
+    to answer.
     """
 
     def __init__(self, config: ServerConfig, model: LoadedModel | None = None) -> None:
@@ -125,6 +130,7 @@ class TeacherServer:
         self._batcher: DynamicBatcher | None = None
         self._load = LoadMeter(config.instances)
         self._metrics_http: MetricsHTTPServer | None = None
+        self._http: HTTPFrontEnd | None = None
         self._port = 0
         self.abandoned_batches = 0  # forward passes still running when the server stopped
 
@@ -154,6 +160,11 @@ class TeacherServer:
     @property
     def endpoint(self) -> str:
         return self.config.advertise or f"{self.config.host}:{self._port}"
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound KServe v2 HTTP/REST port; None when --http-port is off."""
+        return self._http.port if self._http else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -202,9 +213,15 @@ class TeacherServer:
             self._grpc = None
             raise OSError(f"cannot bind {cfg.host}:{cfg.port}; is the port in use? (--port 0 picks a free one)")
         await self._grpc.start()
-        if cfg.metrics_port is not None:
-            self._metrics_http = MetricsHTTPServer(self.metrics, cfg.host, cfg.metrics_port)
         try:
+            if cfg.http_port is not None:
+                ssl_context = (None if cfg.tls_cert is None or cfg.tls_key is None
+                               else server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+                http = HTTPFrontEnd(self.requests, max_bytes, ssl_context)
+                await http.start(cfg.host, cfg.http_port)
+                self._http = http
+            if cfg.metrics_port is not None:
+                self._metrics_http = MetricsHTTPServer(self.metrics, cfg.host, cfg.metrics_port)
             if self._model is None:
                 log.info("loading %s on %s", cfg.model, self.device)
                 self._model = await asyncio.to_thread(
@@ -228,6 +245,8 @@ class TeacherServer:
             self.device, cfg.instances, cfg.batching.max_batch_size,
             f", metrics on :{self.metrics_port}" if self._metrics_http else "",
         )
+        if self._http is not None:
+            log.info("KServe v2 HTTP/REST on %s:%d", cfg.host, self._http.port)
 
     def _on_batch(self, samples: int, requests: int, compute_ns: int) -> None:
         self.metrics.record_execution()
@@ -273,6 +292,9 @@ class TeacherServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         if self._metrics_http is not None:
             self._metrics_http.close()
             self._metrics_http = None
