@@ -3,7 +3,7 @@
     admit  ->  validate  ->  batcher queue  ->  model instance  ->  encoded outputs
     (model name/version, serving state)   (in-flight count, metrics and failure reasons throughout)
 
-A front end (gRPC now, KServe v2 over HTTP later) decodes what it received into an
+A front end (gRPC in `grpc_service`, KServe v2 HTTP/REST in `http_service`) decodes what it received into an
 `InferRequest`, awaits `RequestLifecycle.infer`, and turns the `InferResult` or the typed
 `InferError` into its own response and status. The lifecycle never sees a protocol type. The
 server drives it with three calls: `serve()` once the model is loaded, `begin_drain()` and
