@@ -83,13 +83,13 @@ def train_one(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.llm.train_student", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one KD and one no-KD run per seed")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     p.add_argument("--k", type=int, default=16, help="teacher top-k per position (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=0.5, help="hard-label weight in the KD loss (default: %(default)s)")
-    p.add_argument("--eval-sequences", type=int, default=256,
+    p.add_argument("--eval-sequences", type=int, default=128,
                    help="held-out sequences evaluated (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: one per core)")
     p.add_argument("--teacher", type=Path, default=None, help="teacher directory (default: the cache's llm/teacher)")

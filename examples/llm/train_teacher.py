@@ -44,7 +44,7 @@ class TeacherResult:
 
 
 def train_teacher(
-    out: Path, *, steps: int = 150, seq_len: int = 64, batch_size: int = 16, lr: float = 2e-3, seed: int = 0,
+    out: Path, *, steps: int = 450, seq_len: int = 64, batch_size: int = 16, lr: float = 2e-3, seed: int = 0,
     vocab_size: int = DEFAULT_VOCAB, eval_sequences: int = 256, smoke: bool = False, log_every: int = 25,
     threads: int = 0,
 ) -> TeacherResult:
@@ -105,7 +105,7 @@ def train_teacher(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.llm.train_teacher", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=450, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence at most (default: %(default)s)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
