@@ -1,0 +1,1 @@
+"""A causal-LM distillation example on the Python standard library's own source (see README.md)."""

@@ -1,0 +1,157 @@
+"""Train the LLM student with and without KD (same seeds) and compare them on held-out text.
+
+    python -m examples.llm.train_student                       # 3 seeds x (no KD, KD), top-16 logprobs
+    python -m examples.llm.train_student --seeds 0 --steps 100 # one quicker pair
+    python -m examples.llm.train_student --smoke               # seconds, for tests (trains a smoke teacher if needed)
+
+Needs the trained teacher (``python -m examples.llm.train_teacher``). The student is a smaller Llama
+(``examples.llm.models``), trained on the same sequences in the same order for both arms: the
+no-KD arm on next-token cross-entropy, the KD arm on ``TokenKDLoss`` (``alpha`` hard-label weight,
+forward KL on the teacher's top-k log-probabilities with the tail bin). The teacher comes from a
+``TeacherFn`` (``examples.llm.student``): in process today, the mesh's reader later.
+Results (per run and the mean over seeds) are printed and written to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from distill.losses import TokenKDLoss
+from examples.common import cache_dir, seed_everything, write_json
+from examples.llm import models
+from examples.llm.common import Splits, cosine_lr, evaluate, load_splits, quiet, use_all_cores
+from examples.llm.data import Batches, Collator
+from examples.llm.student import InProcessTeacher, TeacherFn, bytes_per_token, kd_loss
+from examples.llm.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One student run: held-out metrics, the training loss at the start and the end, time."""
+
+    seed: int
+    kd: bool
+    perplexity: float
+    accuracy: float
+    first_loss: float
+    last_loss: float
+    steps: int
+    seconds: float
+
+
+def train_one(
+    splits: Splits, pad_id: int, vocab_size: int, teacher: TeacherFn | None, *, seed: int, steps: int,
+    batch_size: int, lr: float, loss_fn: TokenKDLoss, eval_sequences: int, role: str = "student",
+) -> RunResult:
+    """Train one student from the seed's initialisation; ``teacher`` None is the no-KD baseline."""
+    seed_everything(seed)
+    student = models.build(role, vocab_size, max_len=splits.seq_len, pad_token_id=pad_id)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = cosine_lr(opt, steps, warmup=max(1, steps // 20))
+    loader = Batches(splits.train, Collator(pad_id), batch_size=batch_size, seed=seed)
+    losses: list[float] = []
+    started = time.perf_counter()
+    student.train()
+    while len(losses) < steps:
+        for batch in loader:
+            targets = teacher(batch) if teacher is not None else None
+            logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = kd_loss(loss_fn, logits, targets, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if len(losses) >= steps:
+                break
+    seconds = time.perf_counter() - started
+    m = evaluate(student, splits.eval_subset(eval_sequences), pad_id)
+    window = max(1, min(10, len(losses) // 4))
+    return RunResult(seed, teacher is not None, m.perplexity, m.accuracy, sum(losses[:window]) / window,
+                     sum(losses[-window:]) / window, steps, seconds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.llm.train_student", description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one KD and one no-KD run per seed")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--k", type=int, default=16, help="teacher top-k per position (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=0.5, help="hard-label weight in the KD loss (default: %(default)s)")
+    p.add_argument("--eval-sequences", type=int, default=128,
+                   help="held-out sequences evaluated (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: one per core)")
+    p.add_argument("--teacher", type=Path, default=None, help="teacher directory (default: the cache's llm/teacher)")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: <cache>/llm/student_results.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny models, few files, 15 steps, one seed: for tests")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet()
+    # The smoke models are too small to gain from intra-op threads: one, unless asked.
+    threads = use_all_cores(args.threads or (1 if args.smoke else 0))
+    teacher_path = args.teacher or models.teacher_dir(smoke=args.smoke)
+    if args.smoke and not (teacher_path / "config.json").is_file():
+        from examples.llm import train_teacher
+
+        train_teacher.main(["--smoke"])
+    teacher_model = models.load_teacher(teacher_path)
+    tok = load_tokenizer(teacher_path)  # the teacher's own tokenizer, saved beside it
+    seq_len = int(teacher_model.config.max_position_embeddings)
+    splits = load_splits(tok, seq_len, smoke=args.smoke)
+    pad_id = int(tok.pad_token_id)
+    seeds, steps, batch_size = ([args.seeds[0]], 15, 8) if args.smoke else (args.seeds, args.steps, args.batch_size)
+    eval_sequences = 16 if args.smoke else args.eval_sequences
+    role = "student-smoke" if args.smoke else "student"
+    loss_fn = TokenKDLoss(temperature=args.temperature, alpha=args.alpha)
+    teacher = InProcessTeacher(teacher_model, k=args.k, temperature=args.temperature)
+    probe = models.build(role, len(tok), max_len=seq_len)
+    print(f"student: {models.parameter_count(probe):,} parameters (teacher {models.parameter_count(teacher_model):,});"
+          f" {steps} steps x {batch_size} sequences of <= {seq_len} tokens; top-{args.k} logprobs at "
+          f"T={args.temperature}, alpha={args.alpha}; {threads} torch threads", flush=True)
+    del probe
+    runs: list[RunResult] = []
+    for seed in seeds:
+        for fn in (None, teacher):
+            r = train_one(splits, pad_id, len(tok), fn, seed=seed, steps=steps, batch_size=batch_size, lr=args.lr,
+                          loss_fn=loss_fn, eval_sequences=eval_sequences, role=role)
+            runs.append(r)
+            print(f"  seed {seed} {'KD   ' if r.kd else 'no KD'}: held-out perplexity {r.perplexity:.2f}, "
+                  f"next-token accuracy {r.accuracy:.4f}; train loss {r.first_loss:.3f} -> {r.last_loss:.3f}; "
+                  f"{r.seconds:.1f} s", flush=True)
+    summary: dict[str, dict[str, float]] = {}
+    for label, kd in (("no KD", False), ("KD", True)):
+        arm = [r for r in runs if r.kd == kd]
+        summary[label] = {"perplexity": statistics.fmean(r.perplexity for r in arm),
+                          "accuracy": statistics.fmean(r.accuracy for r in arm),
+                          "seconds": statistics.fmean(r.seconds for r in arm)}
+        print(f"{label}: mean held-out perplexity {summary[label]['perplexity']:.2f}, mean next-token accuracy "
+              f"{summary[label]['accuracy']:.4f} over {len(arm)} seed(s)")
+    wire = bytes_per_token(len(tok), args.k)
+    print(f"teacher bytes per token on the wire: full vocabulary fp32 {wire['full_fp32']:,} B, top-{args.k} fp16 + "
+          f"int32 ids (+ fp16 tail) {wire['topk_fp16_int32']:,} B "
+          f"({wire['full_fp32'] / wire['topk_fp16_int32']:.0f}x less)")
+    out = args.out or cache_dir() / "llm" / ("student_results-smoke.json" if args.smoke else "student_results.json")
+    write_json(out, {"runs": [asdict(r) for r in runs], "mean": summary, "bytes_per_token": wire,
+                     "k": args.k, "temperature": args.temperature, "alpha": args.alpha, "steps": steps,
+                     "batch_size": batch_size, "seq_len": seq_len, "eval_sequences": eval_sequences,
+                     "torch_threads": threads, "teacher": str(teacher_path)})
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
