@@ -337,6 +337,7 @@ class Engine:
         teacher than the one that refused it while one is usable. None after no_teacher_timeout; a
         message when no teacher's declared inputs take the batch (the batch's fault, not theirs)."""
         router = svc.router
+        started = time.monotonic()
         while True:
             exclude = set(chunk.tried) if chunk.sends else set()
             if chunk.refusals and any(u.key not in chunk.refusals for u in router.usable()):
@@ -348,6 +349,9 @@ class Engine:
                     return t
                 if router.fits_another(t, chunk.job.signature):
                     router.mark_incompatible(t, reason)  # the odd one out: it serves something else
+                    continue
+                if router.metadata_pending() and time.monotonic() - started < self.opts.no_teacher_timeout:
+                    await router.wait_change(0.05)  # another teacher's metadata may yet take the batch
                     continue
                 return f"teacher {t.endpoint} (model {t.meta.model_name if t.meta else '?'!r}): {reason}"
             waited = router.no_teacher_for()

@@ -177,6 +177,10 @@ class Router:
         t.checked.add(signature)
         return None
 
+    def metadata_pending(self) -> bool:
+        """Whether some member's metadata is still on its way (asked, no answer or error yet)."""
+        return any(t.meta is None and not t.removed and not t.last_error for t in self.teachers.values())
+
     def fits_another(self, t: TeacherState, signature: Signature) -> bool:
         """Whether a teacher other than `t` (with metadata, not incompatible) declares inputs that take
         this signature: then `t` is the odd one out, not the batch."""
