@@ -404,16 +404,22 @@ class Engine:
         task = self._spawn(self._call(svc, chunk, t), "chunk")
         chunk.sends.add(task)
         chunk.tried.add(t.key)
-        calls = self._calls.setdefault(t, set())
-        calls.add(task)
+        self._calls.setdefault(t, set()).add(task)
         task.add_done_callback(chunk.sends.discard)
-        task.add_done_callback(calls.discard)
+        task.add_done_callback(functools.partial(self._call_done, t))
         task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
         loop = asyncio.get_running_loop()
         loop.call_later(self._late_delay(svc), self._late, svc, t, task)
         delay = self._hedge_delay(svc)
         if delay is not None and len(chunk.tried) == 1:
             loop.call_later(delay, self._hedge, svc, chunk)
+
+    def _call_done(self, t: TeacherState, task: asyncio.Task[None]) -> None:
+        calls = self._calls.get(t)
+        if calls is not None:
+            calls.discard(task)
+            if not calls and t.removed:
+                del self._calls[t]
 
     def _late_delay(self, svc: _Service) -> float:
         """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at

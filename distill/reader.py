@@ -80,7 +80,8 @@ class ReaderOptions:
         model: model name on the teachers (default: what each teacher registered / serves).
         timeout: deadline per chunk, seconds; a chunk that misses it goes to another teacher.
         no_teacher_timeout: seconds without any usable teacher before NoTeacherError (or fallback).
-        fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher.
+        fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher, and
+            for a batch the teachers refuse (instead of raising BatchRejectedError for it).
         max_teachers: use at most this many teachers (a stable per-student subset); 0 for all.
         prefetch: batches read ahead of the training loop.
         teacher_batch_size: largest chunk to send (default: each teacher's max_batch_size).
