@@ -5,10 +5,22 @@ router (`distill.router`) chooses among them, the client (`distill.teacher_clien
 The data path, in order:
   loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop)
   read-ahead      a Job per batch, at most `prefetch` not yet consumed
-  dispatcher      one per service: take the oldest chunk, pick a teacher, split the chunk to the
-                  teacher's max batch, hand it to the teacher's client (one ModelInfer, a deadline)
-  on answer       copy the checked outputs into the job's output tensors
+  dispatcher      one per service: take the oldest chunk, pick a teacher whose declared inputs
+                  take the batch (none does: the batch is rejected, the teachers stay), split the
+                  chunk to the teacher's max batch, hand it to the teacher's client (one
+                  ModelInfer, a deadline)
+  on answer       the client checked it against the request and the teacher's metadata (a teacher
+                  that lies is marked incompatible); copy the outputs into the job's tensors
   on failure      put the chunk back at the head of the queue: another teacher takes it
+  on rejection    the teacher refused this input (bad input, a model that raises on it): retry it
+                  once, alone, on another teacher ("suspect" lane: one suspect in flight per
+                  service, so an innocent chunk that shared the poison's batch on the teacher is
+                  never batched with it again); refused twice, the batch fails with the teachers'
+                  messages and only that batch is lost
+  on overload     the teacher cools down briefly with a smaller limit; the chunk goes elsewhere
+  when late       past the hedge delay a chunk is raced on another teacher, and its teacher gets a
+                  readiness probe: no answer means hung, so it is ejected and its chunks re-sent
+                  now rather than at their deadline
   delivery        completed jobs go to the reader's sink in loader order (or as they finish)
 
 Exactly-once towards the training loop: a job is delivered once, when all its chunks have an
@@ -31,17 +43,20 @@ import grpc
 import torch
 
 from discovery import Registry, open_registry
+from distill.errors import BatchRejectedError
 from distill.fields import FieldArray, LoaderThread, extract_inputs
 from distill.pool import Connect, TeacherPool
-from distill.router import TeacherState
+from distill.router import Signature, TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats
 from distill.teacher_client import (
     ChunkRequest,
     InferenceClient,
     MalformedAnswerError,
+    RequestRejectedError,
     TeacherCallError,
     TeacherClient,
     TeacherGoneError,
+    TeacherOverloadedError,
 )
 from protos import registry_pb2
 
@@ -49,8 +64,6 @@ if TYPE_CHECKING:
     from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
-
-Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
 class Sink(Protocol):
@@ -61,6 +74,9 @@ class Sink(Protocol):
     def end(self, epoch: int) -> None: ...
 
     def error(self, epoch: int, error: BaseException) -> None: ...
+
+    def rejected(self, epoch: int, error: BaseException) -> None:
+        """This one batch failed (`BatchRejectedError`) in its place in the order; the epoch goes on."""
 
 
 @dataclass(eq=False)
@@ -87,6 +103,8 @@ class Chunk:
     winner: str = ""
     sends: set[asyncio.Task[None]] = field(default_factory=set)
     tried: set[str] = field(default_factory=set)
+    refusals: dict[str, str] = field(default_factory=dict)  # teacher key -> what it said of this input
+    suspect: bool = False  # refused once: goes through the service's suspect lane
 
     @property
     def size(self) -> int:
@@ -104,17 +122,38 @@ class _Service:
         self.pool = pool
         self.router = pool.router
         self.queue: deque[Chunk] = deque()
+        self.suspects: deque[Chunk] = deque()
+        self.suspect_out: Chunk | None = None  # the one suspect chunk being dispatched or in flight
         self.arrived = asyncio.Event()
 
     def push(self, chunk: Chunk, front: bool = False) -> None:
-        (self.queue.appendleft if front else self.queue.append)(chunk)
+        if chunk.suspect:
+            (self.suspects.appendleft if front else self.suspects.append)(chunk)
+        else:
+            (self.queue.appendleft if front else self.queue.append)(chunk)
         self.arrived.set()
 
     async def pop(self) -> Chunk:
-        while not self.queue:
+        """The next chunk: a waiting suspect when none is out, else the oldest ordinary chunk."""
+        while True:
+            if self.suspects and self.suspect_out is None:
+                self.suspect_out = self.suspects.popleft()
+                return self.suspect_out
+            if self.queue:
+                return self.queue.popleft()
             self.arrived.clear()
             await self.arrived.wait()
-        return self.queue.popleft()
+
+    def release(self, chunk: Chunk) -> None:
+        """`chunk` is no longer out (answered, failed, dropped): the next suspect may go."""
+        if self.suspect_out is chunk:
+            self.suspect_out = None
+            self.arrived.set()
+
+    def clear(self) -> None:
+        self.queue.clear()
+        self.suspects.clear()
+        self.suspect_out = None
 
 
 class Engine:
@@ -144,8 +183,12 @@ class Engine:
         self._next_seq = 0
         self._end_seq: int | None = None
         self.fallback_batches = 0
+        self.rejected_batches = 0
         self.retries = 0
         self.hedges = 0
+        self.hung_ejections = 0
+        self._calls: dict[TeacherState, set[asyncio.Task[None]]] = {}  # in-flight calls per teacher
+        self._abandoned: set[asyncio.Task[None]] = set()  # calls given up on because their teacher hung
         self._closed = False
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -198,7 +241,7 @@ class Engine:
         self._next_seq = 0
         self._end_seq = None
         for svc in self._services.values():
-            svc.queue.clear()
+            svc.clear()
         self._epoch_task = self._spawn(self._read(self.epoch, loader), f"epoch-{self.epoch}")
         return self.epoch
 
@@ -256,40 +299,93 @@ class Engine:
         self._flush()
 
     # ---- dispatch -----------------------------------------------------------------------------
+    def _dropped(self, svc: _Service, chunk: Chunk) -> bool:
+        """Whether nobody needs this chunk any more (answered, an old epoch, its batch settled)."""
+        job = chunk.job
+        return (chunk.done or job.epoch != self.epoch or job.error is not None
+                or job.outputs.get(svc.name, {}) is None)
+
     async def _dispatch(self, svc: _Service) -> None:
         while True:
             chunk = await svc.pop()
-            if chunk.done or chunk.job.epoch != self.epoch or chunk.job.outputs.get(svc.name, {}) is None:
+            if self._dropped(svc, chunk):
+                svc.release(chunk)
                 continue
             teacher = await self._acquire(svc, chunk)
+            if isinstance(teacher, str):  # no teacher declares inputs that take this batch
+                self._reject(svc, chunk, teacher)
+                continue
             if teacher is None:
                 self._no_teacher(svc, chunk)
+                continue
+            if self._dropped(svc, chunk):  # settled while we waited for a teacher
+                svc.release(chunk)
                 continue
             assert teacher.meta is not None
             limit = teacher.meta.max_batch_size
             if self.opts.teacher_batch_size:
                 limit = min(limit, self.opts.teacher_batch_size)
             if chunk.size > limit:
-                rest = Chunk(chunk.job, svc.name, chunk.start + limit, chunk.stop)
+                rest = Chunk(chunk.job, svc.name, chunk.start + limit, chunk.stop, refusals=dict(chunk.refusals),
+                             suspect=chunk.suspect)
                 chunk.stop = chunk.start + limit
                 svc.push(rest, front=True)
             self._send(svc, chunk, teacher)
 
-    async def _acquire(self, svc: _Service, chunk: Chunk) -> TeacherState | None:
-        """A teacher with a free slot that accepts this chunk's inputs; None after no_teacher_timeout."""
+    async def _acquire(self, svc: _Service, chunk: Chunk) -> TeacherState | str | None:
+        """A teacher with a free slot that accepts this chunk's inputs; a refused chunk goes to another
+        teacher than the one that refused it while one is usable. None after no_teacher_timeout; a
+        message when no teacher's declared inputs take the batch (the batch's fault, not theirs)."""
         router = svc.router
+        started = time.monotonic()
         while True:
-            t = router.pick(frozenset(chunk.tried) if chunk.sends else frozenset())
+            exclude = set(chunk.tried) if chunk.sends else set()
+            if chunk.refusals and any(u.key not in chunk.refusals for u in router.usable()):
+                exclude |= set(chunk.refusals)
+            t = router.pick(frozenset(exclude))
             if t is not None:
-                if router.check_signature(t, chunk.job.signature):
+                reason = router.misfit(t, chunk.job.signature)
+                if reason is None:
                     return t
-                continue
+                if router.fits_another(t, chunk.job.signature):
+                    router.mark_incompatible(t, reason)  # the odd one out: it serves something else
+                    continue
+                if router.metadata_pending() and time.monotonic() - started < self.opts.no_teacher_timeout:
+                    await router.wait_change(0.05)  # another teacher's metadata may yet take the batch
+                    continue
+                return f"teacher {t.endpoint} (model {t.meta.model_name if t.meta else '?'!r}): {reason}"
             waited = router.no_teacher_for()
             if waited >= self.opts.no_teacher_timeout:
                 return None
             await router.wait_change(None if waited == 0 else self.opts.no_teacher_timeout - waited + 0.01)
 
+    def _reject(self, svc: _Service, chunk: Chunk, reason: str) -> None:
+        """Fail this chunk's batch alone (the teachers stay): an error in its place in the training
+        loop, or with fallback="hard_labels" the batch without this service's outputs."""
+        svc.release(chunk)
+        job = chunk.job
+        if job.epoch != self.epoch or job.delivered:
+            return
+        what = f"batch {job.seq} of this pass (rows {chunk.start}..{chunk.stop - 1})"
+        if self.opts.fallback == "hard_labels":
+            if job.outputs.get(svc.name, {}) is not None:
+                self.rejected_batches += 1
+                log.warning("service %r refused %s; it goes on with hard labels: %s", svc.name, what, reason)
+            job.outputs[svc.name] = None
+            job.remaining[svc.name] = 0
+        else:
+            if job.error is None:
+                self.rejected_batches += 1
+                log.warning("service %r refused %s: %s", svc.name, what, reason)
+                job.error = BatchRejectedError(
+                    f"service {svc.name!r} refused {what}: {reason}. Only this batch is lost and the teachers "
+                    "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
+                    "such batches, or pass fallback='hard_labels' to train on them with labels alone.")
+            job.remaining = dict.fromkeys(job.remaining, 0)
+        self._maybe_complete(job)
+
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
+        svc.release(chunk)
         if self.opts.fallback != "hard_labels":
             self._fatal(svc.pool.no_teacher_error())
             return
@@ -308,27 +404,81 @@ class Engine:
         task = self._spawn(self._call(svc, chunk, t), "chunk")
         chunk.sends.add(task)
         chunk.tried.add(t.key)
+        self._calls.setdefault(t, set()).add(task)
         task.add_done_callback(chunk.sends.discard)
+        task.add_done_callback(functools.partial(self._call_done, t))
         task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
+        loop = asyncio.get_running_loop()
+        loop.call_later(self._late_delay(svc), self._late, svc, t, task)
         delay = self._hedge_delay(svc)
         if delay is not None and len(chunk.tried) == 1:
-            asyncio.get_running_loop().call_later(delay, self._hedge, svc, chunk)
+            loop.call_later(delay, self._hedge, svc, chunk)
 
-    def _hedge_delay(self, svc: _Service) -> float | None:
+    def _call_done(self, t: TeacherState, task: asyncio.Task[None]) -> None:
+        calls = self._calls.get(t)
+        if calls is not None:
+            calls.discard(task)
+            if not calls and t.removed:
+                del self._calls[t]
+
+    def _late_delay(self, svc: _Service) -> float:
         """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at
-        most half the deadline, so healthy variance never hedges but a hung teacher costs < 1 s."""
-        if self.opts.hedge_s is not None or not self.opts.adaptive_hedge:
-            return self.opts.hedge_s
+        most half the deadline, so healthy variance never counts but a hung teacher costs < 1 s."""
         known = sorted(t.ewma_s for t in svc.router.teachers.values() if t.ewma_s > 0)
         typical = known[len(known) // 2] if known else 0.25
         return min(max(0.25, 4 * typical), self.opts.timeout / 2)
 
+    def _hedge_delay(self, svc: _Service) -> float | None:
+        """When a late chunk is raced on a second teacher: the fixed `hedge_after`, the adaptive late
+        delay, or never."""
+        if self.opts.hedge_s is not None or not self.opts.adaptive_hedge:
+            return self.opts.hedge_s
+        return self._late_delay(svc)
+
+    def _late(self, svc: _Service, t: TeacherState, task: asyncio.Task[None]) -> None:
+        """A call is late: check that its teacher still answers at all (a hung one is ejected and its
+        chunks re-sent at once, not at their deadline). Hedging has its own timer."""
+        if task.done() or self._closed:
+            return
+        if t.needs_probe:  # already found hung (or failing): do not wait for the deadline
+            self._abandon(svc, t)
+        elif not t.checking and not t.removed and t.meta is not None:
+            t.checking = True
+            self._spawn_aux(self._check_alive(svc, t), f"alive-{t.endpoint}")
+
+    async def _check_alive(self, svc: _Service, t: TeacherState) -> None:
+        """A readiness probe of a teacher holding a late chunk: no answer in time means it hung."""
+        assert t.meta is not None
+        try:
+            try:
+                await t.client.ready(t.meta.model_name, timeout=svc.router.config.probe_timeout_s)
+                return  # it answers (ready or not): the chunk is slow, not lost; its deadline stands
+            except TeacherCallError as e:
+                detail = f"the readiness probe failed ({e})"
+            except TeacherGoneError:
+                return
+            if not self._calls.get(t) or t.removed:
+                return  # its calls ended meanwhile: nothing is waiting on it
+            self.hung_ejections += 1
+            svc.router.hung(t, detail)
+            self._abandon(svc, t)
+            svc.pool.probe_if_ejected(t)
+        finally:
+            t.checking = False
+
+    def _abandon(self, svc: _Service, t: TeacherState) -> None:
+        """Give up the calls in flight at a hung teacher: their chunks are re-sent now."""
+        for task in list(self._calls.get(t, ())):
+            if not task.done():
+                self._abandoned.add(task)
+                task.cancel()
+
     def _hedge(self, svc: _Service, chunk: Chunk) -> None:
         """The chunk is late: if another teacher has a free slot, race it there."""
-        if chunk.done or chunk.job.epoch != self.epoch or not chunk.sends:
-            return
+        if chunk.done or chunk.job.epoch != self.epoch or not chunk.sends or chunk.suspect:
+            return  # a suspect (refused once) is never raced: it may make a second teacher raise
         t = svc.router.pick(frozenset(chunk.tried))
-        if t is None or not svc.router.check_signature(t, chunk.job.signature):
+        if t is None or svc.router.misfit(t, chunk.job.signature) is not None:
             return
         assert t.meta is not None
         if chunk.size > t.meta.max_batch_size:
@@ -343,13 +493,20 @@ class Engine:
             model_name=t.meta.model_name, model_version=self.opts.model_version,
             request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
             stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), top_k=self.opts.top_k,
-            output_dtype=self.opts.output_dtype,
+            output_dtype=self.opts.output_dtype, declared=t.meta.outputs,
         )
 
     def _call_cancelled(self, svc: _Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
         """Account a call cancelled before or while it ran: it lost a hedge race, or we gave up on it."""
         if not task.cancelled():
             return
+        if task in self._abandoned:  # its teacher hung: re-send the chunk now
+            self._abandoned.discard(task)
+            svc.router.abandoned(t)
+            if not self._closed:
+                self._retry(svc, chunk)
+            return
+        svc.release(chunk)
         if chunk.done and chunk.winner != t.key:
             svc.router.outpaced(t)
             if not self._closed:
@@ -363,6 +520,15 @@ class Engine:
         started = time.perf_counter()
         try:
             outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
+            self._fits_batch(chunk, outputs)
+        except RequestRejectedError as e:
+            router.rejected(t, str(e))
+            self._refused(svc, chunk, t, str(e))
+            return
+        except TeacherOverloadedError as e:
+            router.overloaded(t, e.code, e.details)
+            self._retry(svc, chunk)
+            return
         except TeacherCallError as e:
             router.failed(t, e.code, e.details)
             svc.pool.probe_if_ejected(t)
@@ -373,11 +539,16 @@ class Engine:
             self._retry(svc, chunk)
             return
         except MalformedAnswerError as e:
-            router.failed(t, grpc.StatusCode.INTERNAL, str(e))
-            router.mark_incompatible(t, f"its answer did not fit the request: {e}")
+            router.lied(t, str(e))
             self._retry(svc, chunk)
             return
         router.succeeded(t, time.perf_counter() - started, chunk.size)
+        for key in chunk.refusals:  # it refused what this teacher accepted
+            refuser = router.teachers.get(key)
+            if refuser is not None and refuser is not t:
+                router.struck(refuser)
+        chunk.refusals.clear()
+        svc.release(chunk)
         if chunk.done:
             return
         chunk.done = True
@@ -388,16 +559,49 @@ class Engine:
         self._fill(chunk, outputs)
 
     def _retry(self, svc: _Service, chunk: Chunk) -> None:
-        others = [s for s in chunk.sends if s is not asyncio.current_task() and not s.done()]
-        if chunk.done or chunk.job.epoch != self.epoch or others:
+        if chunk.done or chunk.job.epoch != self.epoch:
+            svc.release(chunk)
             return
+        if any(s is not asyncio.current_task() and not s.done() for s in chunk.sends):
+            return  # a hedge of it is still out
         self.retries += 1
         chunk.tried.clear()
+        svc.release(chunk)
         svc.push(chunk, front=True)
+
+    def _refused(self, svc: _Service, chunk: Chunk, t: TeacherState, message: str) -> None:
+        """Teacher `t` refused this chunk's input. The first refusal sends it, alone, to one other
+        teacher; a second fails its batch with both teachers' words."""
+        if chunk.done or chunk.job.epoch != self.epoch:
+            svc.release(chunk)
+            return
+        chunk.refusals[t.key] = f"{t.endpoint} said {message}"
+        if any(s is not asyncio.current_task() and not s.done() for s in chunk.sends):
+            return  # a hedge of it is still out: its answer decides
+        if len(chunk.refusals) >= 2 or chunk.suspect:
+            self._reject(svc, chunk, "the teachers refused it: " + "; ".join(chunk.refusals.values()))
+            return
+        log.info("teacher %s refused rows %d..%d of batch %d (%s); trying them once on another teacher",
+                 t.endpoint, chunk.start, chunk.stop - 1, chunk.job.seq, message)
+        self.retries += 1
+        chunk.tried.clear()
+        svc.release(chunk)
+        chunk.suspect = True
+        svc.push(chunk, front=True)
+
+    def _fits_batch(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
+        """An answer must match the answers already in the batch's tensors (outputs whose metadata
+        leaves a dimension open, -1, can still disagree between teachers)."""
+        dest = chunk.job.outputs.get(chunk.service)
+        for name, value in outputs.items():
+            buf = None if dest is None else dest.get(name)
+            if buf is not None and buf.shape[1:] != value.shape[1:]:
+                raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
+                                           f"batch's other chunks have {list(buf.shape[1:])}")
 
     def _fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
         job = chunk.job
-        if job.epoch != self.epoch or job.delivered:
+        if job.epoch != self.epoch or job.delivered or job.error is not None:
             return
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
@@ -429,7 +633,7 @@ class Engine:
             while self._next_seq in self._ready:
                 job = self._ready.pop(self._next_seq)
                 self._next_seq += 1
-                if job.error is not None:
+                if job.error is not None and not isinstance(job.error, BatchRejectedError):
                     self._sink.error(job.epoch, job.error)
                     return
                 self._deliver(job)
@@ -439,6 +643,9 @@ class Engine:
 
     def _deliver(self, job: Job) -> None:
         job.delivered = True
+        if job.error is not None:
+            self._sink.rejected(job.epoch, job.error)
+            return
         if len(self._services) == 1:
             outputs: Any = next(iter(job.outputs.values()))
         else:
@@ -450,7 +657,7 @@ class Engine:
         if self._epoch_task is not None:
             self._epoch_task.cancel()
         for svc in self._services.values():
-            svc.queue.clear()
+            svc.clear()
 
     # ---- stats, demand, close -----------------------------------------------------------------
     def _demand_fn(self, svc: _Service) -> Callable[[], registry_pb2.StudentDemand]:
@@ -474,6 +681,7 @@ class Engine:
             batches=self._meter.batches, samples=self._meter.samples, samples_per_s=rate, wait_fraction=wait,
             in_flight=sum(t.in_flight for t in teachers), teachers_in_use=sum(1 for t in teachers if t.usable(now)),
             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
+            rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
             teachers={s: dict(svc.router.snapshot()) for s, svc in self._services.items()},
         )
 

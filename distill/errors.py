@@ -21,3 +21,20 @@ class TeacherMismatchError(DistillError):
 
 class ReaderClosedError(DistillError):
     """The reader was closed while the training loop still iterated it."""
+
+
+class BatchRejectedError(DistillError):
+    """The teachers refused this one batch: its inputs do not fit what they declared, or their model
+    raised on it. Only that batch is lost: the teachers keep serving, and calling `next()` on the same
+    iterator again goes on with the following batch. With `fallback="hard_labels"` the batch is
+    yielded with `None` outputs instead (counted in `stats().rejected_batches`)."""
+
+
+class ReaderInUseError(DistillError):
+    """Another thread is iterating this reader right now. One reader feeds one training loop: give
+    each thread (or each rank) its own DistillReader."""
+
+
+class StaleIteratorError(DistillError):
+    """This iterator's pass over the loader was replaced by a newer `iter(reader)`; only the newest
+    iterator of a reader yields batches."""

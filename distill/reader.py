@@ -8,6 +8,12 @@ It is a plain iterator: the asyncio engine runs on its own thread (uvloop when a
 ahead up to `prefetch` batches, and has their teacher outputs ready by the time the loop asks.
 Each `iter(reader)` is one pass over `loader` (an epoch). Every batch the loader yields comes out
 exactly once, with its teacher outputs, in loader order unless `ordered=False`.
+
+A batch the teachers refuse (inputs that do not fit their metadata, or a model that raises on it)
+raises `BatchRejectedError` from `next()` in its place; the iterator stays usable and the next
+`next()` yields the following batch. One reader feeds one training loop: a second `iter()` while
+another thread is inside `next()` raises `ReaderInUseError`, and an iterator replaced by a newer
+`iter()` raises `StaleIteratorError` instead of waiting for batches that will never come.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 
 from distill.engine import Engine
-from distill.errors import ReaderClosedError
+from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.fields import normalize_inputs
 from distill.flags import (
     checked,
@@ -74,7 +80,8 @@ class ReaderOptions:
         model: model name on the teachers (default: what each teacher registered / serves).
         timeout: deadline per chunk, seconds; a chunk that misses it goes to another teacher.
         no_teacher_timeout: seconds without any usable teacher before NoTeacherError (or fallback).
-        fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher.
+        fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher, and
+            for a batch the teachers refuse (instead of raising BatchRejectedError for it).
         max_teachers: use at most this many teachers (a stable per-student subset); 0 for all.
         prefetch: batches read ahead of the training loop.
         teacher_batch_size: largest chunk to send (default: each teacher's max_batch_size).
@@ -202,7 +209,8 @@ class ReaderOptions:
 
 
 # The queue between the engine thread and the training loop carries (epoch, kind, payload).
-BATCH, END, ERROR = "batch", "end", "error"
+# ERROR ends the pass; REJECTED is one batch's error, in that batch's place.
+BATCH, END, ERROR, REJECTED = "batch", "end", "error", "rejected"
 
 
 class Outbox:
@@ -220,6 +228,9 @@ class Outbox:
 
     def error(self, epoch: int, error: BaseException) -> None:
         self._queue.put((epoch, ERROR, error))
+
+    def rejected(self, epoch: int, error: BaseException) -> None:
+        self._queue.put((epoch, REJECTED, error))
 
     def items(self, epoch: int, alive: Callable[[], bool], poll_s: float = 0.5) -> Iterator[tuple[str, Any]]:
         """Items of `epoch`; stale epochs are skipped. Raises if the engine died."""
@@ -271,6 +282,8 @@ class DistillReader:
         self._thread: threading.Thread | None = None
         self._engine: Engine | None = None
         self._closed = False
+        self._epoch = 0  # the newest pass; only its iterator yields
+        self._in_next = threading.Lock()  # held while a thread is inside next() or starting a pass
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, loader: Iterable[Any], **kwargs: Any) -> DistillReader:
@@ -346,30 +359,41 @@ class DistillReader:
 
     # ---- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        """A new pass over the loader. Raises ReaderInUseError while another thread is inside next()."""
         self.start()
         assert self._loop is not None and self._engine is not None
         engine, loop = self._engine, self._loop
-        epoch = asyncio.run_coroutine_threadsafe(_call(engine.begin_epoch, self._loader), loop).result(30)
-        return self._iterate(engine, loop, epoch)
+        if not self._in_next.acquire(blocking=False):
+            raise _in_use()
+        try:
+            epoch = asyncio.run_coroutine_threadsafe(_call(engine.begin_epoch, self._loader), loop).result(30)
+            self._epoch = epoch
+        finally:
+            self._in_next.release()
+        return _Pass(self, engine, loop, epoch)
 
-    def _iterate(self, engine: Engine, loop: asyncio.AbstractEventLoop, epoch: int) -> Iterator[tuple[Any, Any]]:
-        thread, device = self._thread, self._options.torch_device
-        items = self._out.items(epoch, lambda: thread is not None and thread.is_alive() and not self._closed)
-        while True:
-            started = time.perf_counter()
-            if self._closed:
-                raise ReaderClosedError("the reader was closed during iteration")
-            kind, payload = next(items)
-            waited = time.perf_counter() - started
-            if kind == END:
-                return
-            if kind == ERROR:
-                raise payload
-            assert kind == BATCH
-            batch, outputs, size = payload
-            loop.call_soon_threadsafe(engine.consumed, epoch)
-            self._meter.record(size, waited)
-            yield batch, as_device(outputs, device)
+    def _next(self, p: _Pass) -> tuple[Any, Any]:
+        """One item of pass `p` (see _Pass); called with `_in_next` held."""
+        if self._closed:
+            raise ReaderClosedError("the reader was closed during iteration")
+        if p.epoch != self._epoch:
+            raise StaleIteratorError(
+                f"this iterator's pass was replaced by a newer iter(reader) (pass {self._epoch}); iterate the "
+                "newest iterator, or give each consumer its own DistillReader")
+        started = time.perf_counter()
+        kind, payload = next(p.items)
+        waited = time.perf_counter() - started
+        if kind == END:
+            raise StopIteration
+        if kind == ERROR:
+            raise payload
+        p.loop.call_soon_threadsafe(p.engine.consumed, p.epoch)
+        if kind == REJECTED:
+            raise payload
+        assert kind == BATCH
+        batch, outputs, size = payload
+        self._meter.record(size, waited)
+        return batch, as_device(outputs, self._options.torch_device)
 
     def stats(self) -> ReaderStats:
         """Throughput, wait fraction, and per-teacher latency/errors (see ReaderStats)."""
@@ -378,6 +402,45 @@ class DistillReader:
             return ReaderStats(self._meter.batches, self._meter.samples, rate, wait, 0, 0, 0, 0, 0)
         stats: ReaderStats = asyncio.run_coroutine_threadsafe(_call(self._engine.stats), self._loop).result(10)
         return stats
+
+
+class _Pass(Iterator[tuple[Any, Any]]):
+    """The iterator of one pass: yields (batch, teacher outputs). After StopIteration or an error that
+    ended the pass it stays exhausted; after a BatchRejectedError it goes on with the next batch."""
+
+    def __init__(self, reader: DistillReader, engine: Engine, loop: asyncio.AbstractEventLoop, epoch: int) -> None:
+        self.reader, self.engine, self.loop, self.epoch = reader, engine, loop, epoch
+        thread = reader._thread
+        self.items = reader._out.items(
+            epoch, lambda: thread is not None and thread.is_alive() and not reader._closed)
+        self._over = False
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> tuple[Any, Any]:
+        if self._over:
+            raise StopIteration
+        lock = self.reader._in_next
+        if not lock.acquire(blocking=False):
+            raise _in_use()
+        try:
+            return self.reader._next(self)
+        except (StopIteration, ReaderInUseError, StaleIteratorError):
+            raise
+        except BatchRejectedError:
+            raise  # one batch lost; the pass goes on
+        except BaseException:
+            self._over = True
+            raise
+        finally:
+            lock.release()
+
+
+def _in_use() -> ReaderInUseError:
+    return ReaderInUseError(
+        "another thread is iterating this DistillReader right now; one reader feeds one training loop: give "
+        "each thread its own reader")
 
 
 async def _call(fn: Any, *args: Any) -> Any:

@@ -14,9 +14,13 @@ latency stays near the best seen (the teacher still has headroom: its batcher ab
 and shrinks when latency climbs (requests only queue there). EDL kept one request in flight per
 teacher; a dynamic-batching teacher needs several to stay busy across network round trips.
 
-Failures eject a teacher with exponential backoff (connection and deadline errors), halve its
-limit (overload), or mark it incompatible (it refused our request as malformed: wrong model,
-dtype, shape), logged once with the reason. An ejected teacher gets real work again only after
+Failures eject a teacher with exponential backoff (connection and deadline errors), or mark it
+incompatible (wrong model, an answer that contradicts its own metadata, or refusing inputs that
+other teachers accept), logged once with the reason. Overload (RESOURCE_EXHAUSTED, or a CANCELLED
+the student did not cause) never ejects: the teacher's limit halves and it takes no new chunk for
+a short, growing cool-down, while it stays usable. A teacher that refuses one request (bad input,
+a model that raises on it) is not judged at all: that is the request's fault until another
+teacher accepts the same input. An ejected teacher gets real work again only after
 a cheap readiness probe answers in time: a hung teacher (stopped process, dead GPU, partition)
 accepts connections but never answers, and without the probe every retry would cost a deadline.
 A teacher that keeps losing hedge races is treated as slow: its limit halves, and after
@@ -41,13 +45,17 @@ log = logging.getLogger(__name__)
 
 _EJECT_CODES = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
 }
 _MISMATCH_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
+_OVERLOAD_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+"""A batch's teacher inputs as (name, datatype, per-sample shape)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,9 @@ class RouterConfig:
     probe_timeout_s: float = 1.0
     outpaced_eject: int = 3
     stale_after_s: float = 1.0
+    overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
+    overload_backoff_max_s: float = 2.0
+    reject_strikes: int = 3  # refusals in a row of inputs other teachers accepted: incompatible
 
 
 @dataclass(eq=False)
@@ -81,6 +92,12 @@ class TeacherState:
     needs_probe: bool = False
     probing: bool = False
     outpaced: int = 0
+    cool_until: float = 0.0  # overloaded: no new chunk before this (still usable)
+    overloads: int = 0  # overload answers in a row
+    strikes: int = 0  # inputs refused in a row that another teacher then accepted
+    checking: bool = False  # a liveness check (a late chunk) is running
+    ejections: int = 0
+    overloaded_count: int = 0
     removed: bool = False
     ok: int = 0
     errors: int = 0
@@ -93,7 +110,7 @@ class TeacherState:
                 and now >= self.ejected_until)
 
     def has_slot(self) -> bool:
-        return self.in_flight < max(1, int(self.limit))
+        return self.in_flight < max(1, int(self.limit)) and time.monotonic() >= self.cool_until
 
     def describe(self) -> str:
         state = (
@@ -131,6 +148,10 @@ class Router:
         return t
 
     def set_metadata(self, t: TeacherState, meta: TeacherMetadata) -> None:
+        if t.meta is not None and t.meta != meta and t.incompatible is not None:
+            log.info("teacher %s of service %r registered new metadata; checking it again", t.endpoint,
+                     self.service)
+            t.incompatible = None
         t.meta = meta
         t.checked.clear()
         self.notify()
@@ -141,28 +162,35 @@ class Router:
         t.incompatible = reason
         self.notify()
 
-    def check_signature(self, t: TeacherState, signature: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bool:
-        """Whether teacher `t` accepts inputs of this (name, datatype, sample shape) signature."""
+    def misfit(self, t: TeacherState, signature: Signature) -> str | None:
+        """Why teacher `t`'s declared inputs do not take a batch of this signature; None if they do."""
         if signature in t.checked:
-            return True
+            return None
         assert t.meta is not None
         for name, dtype, shape in signature:
             want = t.meta.inputs.get(name)
             if want is None:
-                self.mark_incompatible(t, f"it has no input {name!r} (its inputs: {sorted(t.meta.inputs)})")
-                return False
+                return f"it has no input {name!r} (its inputs: {sorted(t.meta.inputs)})"
             if not want.accepts(dtype, shape):
-                self.mark_incompatible(
-                    t, f"input {name!r} is {dtype}{list(shape)} per sample here, the teacher expects "
-                       f"{want.datatype}{list(want.shape)}",
-                )
-                return False
+                return (f"input {name!r} is {dtype}{list(shape)} per sample here, the teacher expects "
+                        f"{want.datatype}{list(want.shape)}")
         t.checked.add(signature)
-        return True
+        return None
+
+    def metadata_pending(self) -> bool:
+        """Whether some member's metadata is still on its way (asked, no answer or error yet)."""
+        return any(t.meta is None and not t.removed and not t.last_error for t in self.teachers.values())
+
+    def fits_another(self, t: TeacherState, signature: Signature) -> bool:
+        """Whether a teacher other than `t` (with metadata, not incompatible) declares inputs that take
+        this signature: then `t` is the odd one out, not the batch."""
+        return any(o is not t and o.meta is not None and o.incompatible is None and not o.removed
+                   and self.misfit(o, signature) is None for o in self.teachers.values())
 
     # ---- choosing ---------------------------------------------------------------------------
     def notify(self) -> None:
         self._changed.set()
+        self.usable()  # the no-teacher clock starts the moment the last usable teacher goes
 
     def usable(self) -> list[TeacherState]:
         now = time.monotonic()
@@ -201,7 +229,13 @@ class Router:
     async def wait_change(self, timeout: float | None) -> None:
         """Until a slot frees, membership changes, or an ejection ends (or `timeout`)."""
         now = time.monotonic()
-        pending = [t.ejected_until - now for t in self.teachers.values() if t.ejected_until > now and not t.removed]
+        cooled = [t for t in self.teachers.values() if 0 < t.cool_until <= now]
+        for t in cooled:  # a cool-down that ended since the caller's pick: pick again now
+            t.cool_until = 0.0
+        if cooled:
+            return
+        pending = [until - now for t in self.teachers.values() if not t.removed
+                   for until in (t.ejected_until, t.cool_until) if until > now]
         if pending:
             timeout = min(pending) if timeout is None else min(timeout, *pending)
         self._changed.clear()
@@ -221,6 +255,8 @@ class Router:
         t.samples += samples
         t.streak = 0
         t.outpaced = 0
+        t.overloads = 0
+        t.strikes = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
         t.last_result = time.monotonic()
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
@@ -234,18 +270,73 @@ class Router:
 
     def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:
         """Account a failed chunk; the caller re-routes it."""
+        if code is not None and code in _OVERLOAD_CODES:
+            self.overloaded(t, code, message)
+            return
         t.in_flight -= 1
         t.errors += 1
         t.last_error = f"{code.name if code else 'ERROR'}: {message}"[:300]
         if code in _MISMATCH_CODES:
             self.mark_incompatible(t, f"it refused the request ({t.last_error})")
-        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            t.limit = max(1.0, t.limit / 2)
         else:
             self._eject(t)
         self.notify()
 
+    def overloaded(self, t: TeacherState, code: grpc.StatusCode, message: str) -> None:
+        """The teacher shed this chunk (RESOURCE_EXHAUSTED, or a CANCELLED the student did not cause):
+        halve its limit and give it a short, growing cool-down; it stays usable, never ejected."""
+        t.in_flight -= 1
+        t.overloads += 1
+        t.overloaded_count += 1
+        t.last_error = f"{code.name}: {message}"[:300]
+        t.limit = max(1.0, t.limit / 2)
+        pause = min(self.config.overload_backoff_max_s,
+                    self.config.overload_backoff_base_s * 2 ** min(t.overloads - 1, 30))
+        t.cool_until = time.monotonic() + pause * random.uniform(0.8, 1.2)
+        if t.overloads == 1:
+            log.info("teacher %s of service %r is overloaded (%s); sending it less", t.endpoint, self.service,
+                     t.last_error)
+        self.notify()
+
+    def rejected(self, t: TeacherState, message: str) -> None:
+        """The teacher refused this request's input: no judgement of the teacher yet (see `struck`)."""
+        t.in_flight -= 1
+        t.errors += 1
+        t.last_error = message[:300]
+        self.notify()
+
+    def struck(self, t: TeacherState) -> None:
+        """Another teacher accepted an input `t` refused: after `reject_strikes` in a row `t` is the
+        odd one out and is marked incompatible."""
+        t.strikes += 1
+        if t.strikes >= self.config.reject_strikes and not t.removed:
+            self.mark_incompatible(t, f"it refused {t.strikes} requests in a row that other teachers accepted "
+                                      f"(last: {t.last_error})")
+
+    def lied(self, t: TeacherState, message: str) -> None:
+        """The teacher's answer contradicts the request or its own metadata: incompatible, named in the
+        log, until it registers new metadata."""
+        t.in_flight -= 1
+        t.errors += 1
+        t.last_error = f"malformed answer: {message}"[:300]
+        self.mark_incompatible(t, f"its answer does not match its metadata: {message}")
+
+    def hung(self, t: TeacherState, detail: str) -> None:
+        """A chunk at `t` is late and `t` does not answer a readiness probe either: eject it now,
+        instead of at the chunk's deadline."""
+        if t.needs_probe or t.removed:
+            return
+        t.last_error = f"hung: a chunk is late and {detail}"[:300]
+        self._eject(t)
+        self.notify()
+
+    def abandoned(self, t: TeacherState) -> None:
+        """A call to a teacher found hung was given up; the teacher is already judged."""
+        t.in_flight -= 1
+        self.notify()
+
     def _eject(self, t: TeacherState) -> None:
+        t.ejections += 1
         t.streak += 1
         t.limit = 1.0
         t.needs_probe = True
@@ -298,7 +389,8 @@ class Router:
             t.endpoint: {
                 "in_flight": t.in_flight, "limit": round(t.limit, 2), "latency_ms": round(t.ewma_s * 1000, 2),
                 "ok": t.ok, "errors": t.errors, "samples": t.samples, "usable": t.usable(now),
-                "last_error": t.last_error, "state": t.describe(),
+                "last_error": t.last_error, "state": t.describe(), "ejections": t.ejections,
+                "overloaded": t.overloaded_count,
             }
             for t in self.teachers.values()
         }

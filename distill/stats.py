@@ -27,6 +27,8 @@ class ReaderStats:
     retries: int
     hedges: int
     teachers: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    rejected_batches: int = 0  # batches the teachers refused (BatchRejectedError, or hard labels)
+    hung_ejections: int = 0  # teachers ejected because a chunk was late and a readiness probe failed
 
 
 class ConsumptionMeter:

@@ -5,16 +5,22 @@ Requests go out as pre-serialized bytes (`protos.kserve.serialize_infer_request`
 the inputs), so the student pays no protobuf arena copies on its hot path. Every call carries a
 deadline. The same client works against our teacher-server and a real Triton.
 
-The engine sees only `ChunkRequest` in, tensors or a typed error out (`TeacherCallError` with the
-gRPC status, `TeacherGoneError`, `MalformedAnswerError`), so it can be driven by any object with
-the same four methods (`InferenceClient`), an in-memory teacher included.
+The engine sees only `ChunkRequest` in, tensors or a typed error out, so it can be driven by any
+object with the same four methods (`InferenceClient`), an in-memory teacher included. The error's
+type is the verdict the engine's retry policy reads:
+  `RequestRejectedError`   the teacher refused this input (INVALID_ARGUMENT, or its model raised on
+                           it): the request's fault until another teacher accepts it
+  `TeacherOverloadedError` RESOURCE_EXHAUSTED, or a CANCELLED the student did not cause: back off
+  `TeacherCallError`       any other status: the teacher (or the way to it) failed
+  `TeacherGoneError`       the channel was closed under the call: the teacher left
+  `MalformedAnswerError`   the answer does not fit the request or the teacher's declared outputs
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,6 +124,35 @@ class TeacherCallError(Exception):
         self.details = details
 
 
+class RequestRejectedError(TeacherCallError):
+    """The teacher refused this request's input (INVALID_ARGUMENT, or a model execution error): the
+    input may be at fault rather than the teacher, so the engine retries it on one other teacher
+    before it fails the batch, and ejects nobody for it."""
+
+
+class TeacherOverloadedError(TeacherCallError):
+    """The teacher is overloaded (RESOURCE_EXHAUSTED, or a CANCELLED the student did not cause, which
+    is how grpc.aio sheds requests over its pending limit): back off, never eject."""
+
+
+# Model execution errors, by the message prefix of teacher-server and of Triton's backends. Other
+# INTERNAL errors are the teacher's own failure.
+_MODEL_ERROR_PREFIXES = ("model execution failed", "Failed to process the request")
+
+
+def call_error(code: grpc.StatusCode, details: str) -> TeacherCallError:
+    """The typed error for a ModelInfer that ended with `code`: rejected, overloaded or failed.
+
+    A CANCELLED status that reaches here was not caused by this student: when the student cancels
+    its own call, the awaiting task gets CancelledError and never sees a status."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT or (
+            code == grpc.StatusCode.INTERNAL and details.startswith(_MODEL_ERROR_PREFIXES)):
+        return RequestRejectedError(code, details)
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+        return TeacherOverloadedError(code, details)
+    return TeacherCallError(code, details)
+
+
 class TeacherGoneError(Exception):
     """The client's channel was closed under a call: the teacher left the pool meanwhile."""
 
@@ -139,6 +174,8 @@ class ChunkRequest:
     outputs: tuple[str, ...]
     top_k: int = 0
     output_dtype: str | None = None
+    # The teacher's declared outputs (its metadata): every answer is checked against them.
+    declared: Mapping[str, TensorMeta] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -189,7 +226,27 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
     missing = [n for n in wanted if n not in out]
     if missing:
         raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(out)})")
+    for name in wanted:
+        want = _declared_shape(req, name)
+        got = tuple(out[name].shape[1:])
+        if want is not None and (len(want) != len(got) or any(w not in (-1, g) for w, g in zip(want, got,
+                                                                                                strict=True))):
+            raise MalformedAnswerError(
+                f"output {name!r} came as {list(got)} per sample; the teacher's metadata declares {list(want)}")
     return {n: out[n] for n in wanted}
+
+
+def _declared_shape(req: ChunkRequest, name: str) -> tuple[int, ...] | None:
+    """The per-sample shape the teacher declared for output `name` (-1: any size); None if unknown.
+    A top-k output keeps the declared shape with its last dimension cut to k."""
+    if not req.top_k:
+        meta = req.declared.get(name)
+        return None if meta is None else meta.shape
+    base = name.rsplit("_TOPK_", 1)[0]
+    meta = req.declared.get(base)
+    if meta is None or not meta.shape:
+        return None
+    return (*meta.shape[:-1], req.top_k)
 
 
 class InferenceClient(Protocol):
@@ -228,7 +285,7 @@ class TeacherClient:
         try:
             response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise TeacherCallError(e.code(), e.details() or "") from None
+            raise call_error(e.code(), e.details() or "") from None
         except grpc.aio.UsageError:
             raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
         except grpc.RpcError as e:

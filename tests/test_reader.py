@@ -18,6 +18,7 @@ import torch
 
 from discovery import subset
 from distill import DistillReader, KDLoss, NoTeacherError, ReaderOptions, TeacherMismatchError, add_distill_args
+from distill.errors import BatchRejectedError
 from distill.router import RouterConfig
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
@@ -509,14 +510,36 @@ def test_max_teachers_uses_only_the_students_rendezvous_subset() -> None:
 
 def test_no_teacher_error_names_every_teacher_and_its_state() -> None:
     dead = "127.0.0.1:1"  # nothing listens: its metadata never comes
-    # Same names as the affine teacher, but it expects X with 4 features, not 8: refused at the first chunk.
-    cfg = ServerConfig(model="tests.models:linear4", name="affine", device="cpu",
-                       io=ModelIO.parse(["X:FP32:4"], ["Y:FP32:3"]))
-    with ServerThread(cfg) as wrong:
-        reader = DistillReader(_batches(2), teachers=f"{dead},{wrong.url}", inputs=["X"], no_teacher_timeout=5.0)
+    # Declares Affine's Y:FP32:4 but answers [N, 2]: ejected at its first answer.
+    cfg = ServerConfig(model="tests.bad_models:wrong_shape", name="affine", device="cpu")
+    with ServerThread(cfg) as liar:
+        reader = DistillReader(_batches(2), teachers=f"{dead},{liar.url}", inputs=["X"], no_teacher_timeout=5.0)
         with reader, pytest.raises(NoTeacherError) as caught:
             list(reader)
     text = str(caught.value)
     assert f"{dead} [waiting for metadata (UNAVAILABLE: " in text, text
-    assert f"{wrong.url} [incompatible: input 'X' is FP32[8] per sample here, the teacher expects FP32[4]]" in text
+    assert (f"{liar.url} [incompatible: its answer does not match its metadata: output 'Y' came as [2] per "
+            "sample; the teacher's metadata declares [4]]") in text, text
     assert "no usable teacher for service 'teachers' for 5 s (from the static teacher list)" in text, text
+
+
+def test_a_teacher_whose_inputs_fit_no_batch_fails_each_batch_at_once() -> None:
+    """The only teacher with metadata expects 4 features and the batches have 8: that is the batches'
+    problem as far as the reader can tell (no teacher takes them), so each fails at once with the
+    shapes named, instead of a NoTeacherError after no_teacher_timeout."""
+    dead = "127.0.0.1:1"
+    cfg = ServerConfig(model="tests.models:linear4", name="affine", device="cpu",
+                       io=ModelIO.parse(["X:FP32:4"], ["Y:FP32:3"]))
+    with ServerThread(cfg) as wrong:
+        reader = DistillReader(_batches(2), teachers=f"{dead},{wrong.url}", inputs=["X"], no_teacher_timeout=30.0)
+        with reader:
+            it = iter(reader)
+            for _ in range(2):
+                with pytest.raises(BatchRejectedError) as caught:
+                    next(it)
+                assert (f"teacher {wrong.url} (model 'affine'): input 'X' is FP32[8] per sample here, the teacher "
+                        "expects FP32[4]") in str(caught.value), str(caught.value)
+            with pytest.raises(StopIteration):
+                next(it)
+            state = reader.stats().teachers["teachers"][wrong.url]
+    assert state["usable"] is True, state

@@ -94,10 +94,19 @@ def test_a_busy_teacher_loses_to_an_idle_one_of_equal_speed() -> None:
 
 def test_overload_halves_the_limit_and_failures_eject_with_backoff() -> None:
     async def main() -> None:
-        router, (a,) = _router(RouterConfig(initial_limit=8.0, backoff_base_s=10.0), 1)
-        router.started(a)
-        router.failed(a, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
-        assert a.limit == 4.0 and router.pick() is a
+        router, (a,) = _router(RouterConfig(initial_limit=8.0, backoff_base_s=10.0, overload_backoff_base_s=0.05), 1)
+        for code, limit in ((grpc.StatusCode.RESOURCE_EXHAUSTED, 4.0), (grpc.StatusCode.CANCELLED, 2.0)):
+            router.started(a)
+            router.failed(a, code, "shed")
+            # Overload is not a failure: never ejected, never a "no teacher" moment, only a short pause.
+            assert a.limit == limit and not a.needs_probe and a.incompatible is None, code
+            assert router.no_teacher_for() == 0.0 and router.pick() is None, "it takes nothing while it cools"
+            for _ in range(50):  # bounded: the cool-down is 0.05 s, then 0.1 s (+-20 %)
+                if router.pick() is a:
+                    break
+                await router.wait_change(1.0)
+            assert router.pick() is a, "after its cool-down the overloaded teacher takes work again"
+        assert a.overloads == 2 and a.errors == 0
         router.started(a)
         router.failed(a, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")
         assert a.limit == 1.0 and a.needs_probe and router.pick() is None
