@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING, Any
 # Imported on first use: `distill-autoscaler` and `distill top` need none of it, and the reader and
 # the losses import torch (seconds of start-up).
 _EXPORTS = {
+    "BatchRejectedError": "distill.errors",
     "DistillError": "distill.errors",
     "NoTeacherError": "distill.errors",
     "ReaderClosedError": "distill.errors",
+    "ReaderInUseError": "distill.errors",
+    "StaleIteratorError": "distill.errors",
     "TeacherMismatchError": "distill.errors",
     "add_distill_args": "distill.flags",
     "distill_options_from_args": "distill.flags",
@@ -34,7 +37,15 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from distill.errors import DistillError, NoTeacherError, ReaderClosedError, TeacherMismatchError
+    from distill.errors import (
+        BatchRejectedError,
+        DistillError,
+        NoTeacherError,
+        ReaderClosedError,
+        ReaderInUseError,
+        StaleIteratorError,
+        TeacherMismatchError,
+    )
     from distill.flags import add_distill_args, distill_options_from_args
     from distill.losses import KDLoss, SparseTargets, TeacherTargets, TokenKDLoss, average_teachers, token_divergence
     from distill.reader import DistillReader, ReaderOptions
@@ -52,15 +63,18 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BatchRejectedError",
     "DistillError",
     "DistillReader",
     "KDLoss",
     "NoTeacherError",
     "ReaderClosedError",
+    "ReaderInUseError",
     "ReaderOptions",
     "ReaderStats",
     "RouterConfig",
     "SparseTargets",
+    "StaleIteratorError",
     "TeacherMismatchError",
     "TeacherTargets",
     "TokenKDLoss",

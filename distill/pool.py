@@ -93,6 +93,7 @@ class TeacherPool:
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):
                 await t.client.close()
+        self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
     # ---- metadata ---------------------------------------------------------------------------
     def _check_model(self, t: TeacherState) -> None:

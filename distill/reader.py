@@ -336,6 +336,9 @@ class DistillReader:
                 asyncio.run_coroutine_threadsafe(self._engine.close(), self._loop).result(30)
             except Exception:
                 log.exception("closing the reader's engine failed")
+        # Drop the engine now: its channels sit in reference cycles (client <- teacher <- router), and
+        # gRPC's poller thread would otherwise live until a garbage collection, perhaps at interpreter exit.
+        self._engine = None
         self._stop_loop()
 
     def _stop_loop(self) -> None:

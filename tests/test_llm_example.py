@@ -137,6 +137,7 @@ def test_student_smoke_kd_and_baseline(smoke_teacher: Path, cache: Path) -> None
 
 def test_hf_trainer_smoke(smoke_teacher: Path, cache: Path) -> None:
     import accelerate  # noqa: F401 - the Trainer needs it; it is in the llm and dev extras
+
     from examples.llm import hf_trainer
 
     out = cache / "hf.json"
