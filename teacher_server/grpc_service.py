@@ -11,6 +11,7 @@ request answers with `error_message` and the stream goes on.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from teacher_server.grpc_codec import build_response, deserialize_infer, error_d
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.spec import ModelIO
+
+log = logging.getLogger(__name__)
 
 # Per stream: requests read and not yet answered on the wire, and bytes of answers computed and
 # not yet taken by the transport. Past either, the stream stops reading requests.
@@ -183,9 +186,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc_status(e), error_details(e))
             raise  # unreachable: abort raises
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[InferRequest], context: Any
-    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[InferRequest], context: Any) -> None:
         """Bidirectional stream: requests run concurrently, answers go out as they complete.
 
         Backpressure: a request holds one of the stream's `STREAM_MAX_IN_FLIGHT` slots from the
@@ -242,7 +243,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (item := await out.get()) is not None:
                 answer, held = item
-                yield answer  # returns once the transport took the message
+                if not await _write(context, answer):  # returns once the transport took it
+                    return
                 mine.release(held)
                 shared.release(held)
                 held = 0
@@ -259,6 +261,22 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if rest is not None:
                     unsent += rest[1]
             shared.release(unsent)
+
+
+async def _write(context: Any, message: Any) -> bool:
+    """Send one stream answer; False when the client is gone (cancelled, deadline, reset).
+
+    Written here rather than yielded from a generator: a yielded answer that meets a cancelled call
+    fails inside grpc, which logs an ERROR with a traceback for what is a routine client cancel.
+    """
+    if context.cancelled() or context.done():
+        return False
+    try:
+        await context.write(message)
+    except Exception as e:  # grpc raises its internal ExecuteBatchError / UsageError here
+        log.debug("stream answer not sent, the client went away: %s", e)
+        return False
+    return True
 
 
 async def _room(*budgets: ByteBudget) -> None:

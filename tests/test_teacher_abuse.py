@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,9 +60,28 @@ def _rss_mb(pid: int) -> float:
 @pytest.fixture
 def wide_server() -> Iterator[TeacherProcess]:
     args = ["--model", "tests.test_teacher_abuse:wide", "--name", "wide", "--device", "cpu", "--instances", "1",
-            "--max-batch-size", "8", "--max-queue-delay-us", "0"]
+            "--max-batch-size", "8", "--max-queue-delay-us", "0", "--metrics-port", "0"]
     with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, ready_timeout=90, stop_grace=10) as t:
         yield t
+
+
+def _metric(server: TeacherProcess, family: str) -> float:
+    """One unlabelled-by-reason family's value from the server's /metrics (sum over its series)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ready['metrics_port']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(family + "{") or line.startswith(family + " "))
+
+
+def _wait_metric(server: TeacherProcess, family: str, at_least: float, timeout: float = 60.0) -> float:
+    """Poll /metrics (bounded) until `family` reaches `at_least`."""
+    deadline = time.monotonic() + timeout
+    value = _metric(server, family)
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = _metric(server, family)
+    assert value >= at_least, f"{family} = {value} after {timeout} s, waited for {at_least}"
+    return value
 
 
 def _unary(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
@@ -112,3 +132,37 @@ def test_stream_that_never_reads_is_bounded_and_others_are_served(wide_server: T
     print(f"never-reading stream: {count} requests sent by the client, RSS {base:.0f} -> {peak:.0f} MB "
           f"(+{growth:.0f} MB; {NEVER_READ_REQUESTS} answers are {NEVER_READ_REQUESTS / 4:.0f} MiB)")
     assert growth < 64, f"RSS grew by {growth:.0f} MB for a stream that never reads"
+
+
+def test_client_cancelling_streams_logs_no_error(wide_server: TeacherProcess) -> None:
+    """Clients that cancel a stream mid-flight (answers running, unsent, unread) are routine: the
+    server logs no ERROR and no traceback, and serves on."""
+    with grpc.insecure_channel(wide_server.endpoint) as ch:
+        call = ch.stream_stream(STREAM, request_serializer=None,
+                                response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        answered = _metric(wide_server, "nv_inference_request_success")
+        for round_ in range(9):
+            stop = threading.Event()
+
+            def requests(r: int = round_, stop: threading.Event = stop) -> Iterator[bytes]:
+                for i in range(20):
+                    yield _request(f"c{r}-{i}", n=1 + r % 4)
+                stop.wait(30)
+
+            if round_ % 3 == 2:  # the client half-closes, then cancels while answers are being sent
+                responses = call(iter([_request(f"h{round_}-{i}", n=4) for i in range(8)]), timeout=60)
+            else:
+                responses = call(requests(), timeout=60)
+            if round_ % 3 == 1:  # after the first answer; else at once, while the answers are computed
+                first = next(responses)
+                assert not first.error_message, first.error_message
+            elif round_ % 3 == 0:  # once every answer is computed and the server is blocked sending them
+                _wait_metric(wide_server, "nv_inference_request_success", answered + 20)
+            answered = _metric(wide_server, "nv_inference_request_success")
+            responses.cancel()
+            stop.set()
+        resp = _unary(ch)(_request("after"), timeout=10)
+        assert len(resp.raw_output_contents[0]) == WIDE * 4
+    assert wide_server.stop() == 0
+    log = wide_server.log_path.read_text()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
