@@ -40,6 +40,9 @@ from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+# Calls gRPC may hold before the handler takes them (its default soft limit of 1,000 cancels the
+# excess). Each costs its request bytes; the lifecycle refuses beyond the batcher's queue at once.
+MAX_PENDING_CALLS = 100_000
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,12 @@ class TeacherServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 1000),
                 ("grpc.http2.max_ping_strikes", 0),
+                # gRPC's own pending-call limits would answer a burst CANCELLED before our handler
+                # sees it, uncounted; let every call reach the lifecycle, whose bounded queue
+                # refuses overload with RESOURCE_EXHAUSTED and counts it (REJECTED).
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                ("grpc.server_max_unrequested_time_in_server", 3600),
             ]
         )
         add_inference_service(InferenceService(self.requests), self._grpc)

@@ -6,6 +6,7 @@ MB, error codes and their sizes, what the log says; each one fails on the code b
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import urllib.request
@@ -69,6 +70,8 @@ def _metric(server: TeacherProcess, family: str) -> float:
     """One unlabelled-by-reason family's value from the server's /metrics (sum over its series)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ready['metrics_port']}/metrics", timeout=10) as r:
         text = r.read().decode()
+    if family.endswith("}"):  # one series, labels and all
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(family + " "))
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(family + "{") or line.startswith(family + " "))
 
@@ -166,3 +169,40 @@ def test_client_cancelling_streams_logs_no_error(wide_server: TeacherProcess) ->
     assert wide_server.stop() == 0
     log = wide_server.log_path.read_text()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+BURST = 2500  # concurrent unary calls; gRPC's default pending-call limit cancelled ~25% of 3,000
+
+
+def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
+    """A burst of 2,500 concurrent calls at a slow teacher with a 64-request queue: every call is
+    answered OK or RESOURCE_EXHAUSTED (retry elsewhere), none CANCELLED, and each refusal is counted
+    in nv_inference_request_failure{reason="REJECTED"}."""
+    args = ["--model", "tests.models:sleepy_20", "--name", "affine", "--device", "cpu", "--instances", "1",
+            "--max-batch-size", "8", "--max-queue-size", "64", "--metrics-port", "0"]
+    with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, ready_timeout=90, stop_grace=10) as t:
+
+        async def burst() -> dict[str, int]:
+            codes: dict[str, int] = {}
+            async with grpc.aio.insecure_channel(t.endpoint) as ch:
+                call = ch.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+                data = _request(model="affine", n=1)
+
+                async def one() -> None:
+                    try:
+                        await call(data, timeout=120)
+                        code = "OK"
+                    except grpc.aio.AioRpcError as e:
+                        code = e.code().name
+                    codes[code] = codes.get(code, 0) + 1
+
+                await asyncio.gather(*[one() for _ in range(BURST)])
+            return codes
+
+        codes = asyncio.run(burst())
+        rejected = _metric(t, 'nv_inference_request_failure{model="affine",version="1",reason="REJECTED"}')
+        failures = _metric(t, "nv_inference_request_failure")
+    print(f"burst of {BURST}: {codes}; REJECTED counted {rejected:.0f}, all failures {failures:.0f}")
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert codes.get("OK", 0) > 0
+    assert rejected == failures == codes.get("RESOURCE_EXHAUSTED", 0), (codes, rejected, failures)
