@@ -206,3 +206,71 @@ def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert codes.get("OK", 0) > 0
     assert rejected == failures == codes.get("RESOURCE_EXHAUSTED", 0), (codes, rejected, failures)
+
+
+@pytest.fixture(scope="module")
+def affine_server() -> Iterator[TeacherProcess]:
+    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1",
+            "--log-level", "DEBUG"]
+    with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, ready_timeout=90, stop_grace=10) as t:
+        yield t
+
+
+def _param(**kind: object) -> service_pb2.InferParameter:
+    p = service_pb2.InferParameter()
+    for field, value in kind.items():
+        setattr(p, field, value)
+    return p
+
+
+def test_oversized_parameter_value_is_invalid_argument_with_a_short_message(affine_server: TeacherProcess) -> None:
+    """A 10 KB output_dtype is refused INVALID_ARGUMENT (not RESOURCE_EXHAUSTED from an echo past
+    gRPC's 8 KB metadata limit); the message quotes at most 64 characters of it."""
+    bad = _request(model="affine", output_dtype=_param(string_param="F" * 10_000))
+    with grpc.insecure_channel(affine_server.endpoint) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _unary(ch)(bad, timeout=10)
+        out = ch.unary_unary(INFER, request_serializer=None, response_deserializer=None)
+        name_bomb = service_pb2.ModelInferRequest(model_name="m" * 20_000)
+        with pytest.raises(grpc.RpcError) as e2:
+            out(serialize_infer_request(name_bomb, []), timeout=10)
+    details = e.value.details() or ""
+    print(f"10 KB output_dtype: {e.value.code().name}, {len(details)}-character message")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), details[:200])
+    assert "output_dtype must be one of" in details and len(details) < 300, details
+    assert e2.value.code() == grpc.StatusCode.NOT_FOUND and len(e2.value.details() or "") < 300
+
+
+@pytest.mark.parametrize(("name", "value", "hint"), [
+    ("priority", _param(string_param="high"), "priority must be a non-negative integer"),
+    ("priority", _param(int64_param=-1), "priority must be a non-negative integer"),
+    ("timeout", _param(int64_param=-5), "timeout must be a non-negative integer of microseconds"),
+    ("timeout", _param(double_param=1.5), "timeout must be a non-negative integer of microseconds"),
+])
+def test_bad_priority_and_timeout_are_refused(affine_server: TeacherProcess, name: str,
+                                              value: service_pb2.InferParameter, hint: str) -> None:
+    with grpc.insecure_channel(affine_server.endpoint) as ch, pytest.raises(grpc.RpcError) as e:
+        _unary(ch)(_request(model="affine", **{name: value}), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and hint in (e.value.details() or ""), e.value
+
+
+def test_unknown_parameters_are_accepted_and_ignored(affine_server: TeacherProcess) -> None:
+    """What Triton's clients send (sequence_id, binary_data_output, perf_analyzer's
+    triton_enable_empty_final_response) is served as Triton does, not refused; valid priority and
+    timeout are accepted; each ignored name is logged once at DEBUG."""
+    params = {"sequence_id": _param(int64_param=7), "binary_data_output": _param(bool_param=True),
+              "triton_enable_empty_final_response": _param(bool_param=True),
+              "priority": _param(uint64_param=2), "timeout": _param(int64_param=1_000_000)}
+    req = service_pb2.ModelInferRequest(model_name="affine", id="u")
+    req.inputs.add(name="X", datatype="FP32", shape=[1, 8])
+    for k, v in params.items():
+        req.parameters[k].CopyFrom(v)
+    req.outputs.add(name="Y").parameters["binary_data"].bool_param = True
+    data = serialize_infer_request(req, [torch.zeros(8).numpy().tobytes()])
+    with grpc.insecure_channel(affine_server.endpoint) as ch:
+        for _ in range(3):
+            resp = _unary(ch)(data, timeout=10)
+            assert resp.outputs[0].name == "Y" and len(resp.raw_output_contents[0]) == 16
+    log = affine_server.log_path.read_text()
+    for name in ("sequence_id", "binary_data_output", "triton_enable_empty_final_response", "binary_data"):
+        assert log.count(f"parameter '{name}'") == 1, (name, log[-2000:])
