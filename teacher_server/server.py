@@ -131,6 +131,7 @@ class TeacherServer:
         self._metrics_http: MetricsHTTPServer | None = None
         self._port = 0
         self.abandoned_batches = 0  # forward passes still running when the server stopped
+        self.grpc_service: InferenceService | None = None  # the gRPC front end, once started
 
     # ---- properties students and the registry read -----------------------------------------
     @property
@@ -197,7 +198,8 @@ class TeacherServer:
                 ("grpc.server_max_unrequested_time_in_server", 3600),
             ]
         )
-        add_inference_service(InferenceService(self.requests), self._grpc)
+        self.grpc_service = InferenceService(self.requests)
+        add_inference_service(self.grpc_service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         credentials = cfg.server_credentials()
