@@ -105,12 +105,8 @@ def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad flag values before anything loads: SpecError naming the flag, the value and the
     fix (a model can take minutes to load; a typo should cost none of them)."""
     check_device(args.device)
-    for flag, value, low in (("--threads", args.threads, 0), ("--max-queue-delay-us", args.max_queue_delay_us, 0),
-                             ("--max-queue-size", args.max_queue_size, 1)):
-        if value < low:
-            raise SpecError(f"{flag} must be >= {low}, got {value}")
-    if args.max_batch_size is not None and args.max_batch_size < 1:
-        raise SpecError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.threads < 0:
+        raise SpecError(f"--threads must be >= 0 (0: cores / instances), got {args.threads}")
     if not args.drain_grace >= 0:
         raise SpecError(f"--drain-grace must be >= 0 seconds, got {args.drain_grace}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
@@ -196,7 +192,7 @@ class RegistryAccessError(Exception):
 # What etcd says when it refuses the user, the password or the permissions.
 _AUTH_REFUSALS = ("authentication failed", "invalid user id or password", "user name is empty",
                   "permission denied", "unauthenticated")
-_REGISTRY_CHECK_S = 5.0
+_REGISTRY_CHECK_S = 3.0
 
 
 async def check_registry_access(args: argparse.Namespace) -> None:
