@@ -233,7 +233,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                 await asyncio.gather(*list(tasks), return_exceptions=True)
-            except (asyncio.CancelledError, grpc.RpcError, grpc.aio.AioRpcError):
+            except grpc.RpcError:
                 pass  # the client went away; the handler's finally cleans up
             finally:
                 out.put_nowait(None)
