@@ -124,16 +124,21 @@ def test_stream_that_never_reads_is_bounded_and_others_are_served(wide_server: T
                 still = still + 1 if rss <= peak + 1 else 0
                 peak = max(peak, rss)
             # A normal client is served while the bad stream is stalled.
+            slowest = 0.0
             for i in range(5):
+                t0 = time.monotonic()
                 resp = _unary(good)(_request(f"good{i}"), timeout=10)
-                assert len(resp.raw_output_contents[0]) == WIDE * 4
+                slowest = max(slowest, time.monotonic() - t0)
+                y = torch.frombuffer(bytearray(resp.raw_output_contents[0]), dtype=torch.float32)
+                assert torch.equal(y, torch.arange(8, dtype=torch.float32).repeat(WIDE // 8))
             peak = max(peak, _rss_mb(pid))
         finally:
             done.set()
             responses.cancel()
     growth = peak - base
     print(f"never-reading stream: {count} requests sent by the client, RSS {base:.0f} -> {peak:.0f} MB "
-          f"(+{growth:.0f} MB; {NEVER_READ_REQUESTS} answers are {NEVER_READ_REQUESTS / 4:.0f} MiB)")
+          f"(+{growth:.0f} MB; {NEVER_READ_REQUESTS} answers are {NEVER_READ_REQUESTS / 4:.0f} MiB); "
+          f"a normal client meanwhile: slowest of 5 calls {slowest * 1000:.0f} ms")
     assert growth < 64, f"RSS grew by {growth:.0f} MB for a stream that never reads"
 
 
@@ -182,6 +187,8 @@ def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
             "--max-batch-size", "8", "--max-queue-size", "64", "--metrics-port", "0"]
     with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, ready_timeout=90, stop_grace=10) as t:
 
+        answers: set[bytes] = set()
+
         async def burst() -> dict[str, int]:
             codes: dict[str, int] = {}
             async with grpc.aio.insecure_channel(t.endpoint) as ch:
@@ -190,7 +197,8 @@ def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
 
                 async def one() -> None:
                     try:
-                        await call(data, timeout=120)
+                        answers.add(service_pb2.ModelInferResponse.FromString(
+                            await call(data, timeout=120)).raw_output_contents[0])
                         code = "OK"
                     except grpc.aio.AioRpcError as e:
                         code = e.code().name
@@ -200,12 +208,15 @@ def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
             return codes
 
         codes = asyncio.run(burst())
+        with grpc.insecure_channel(t.endpoint) as ch:
+            reference = _unary(ch)(_request(model="affine", n=1), timeout=30).raw_output_contents[0]
         rejected = _metric(t, 'nv_inference_request_failure{model="affine",version="1",reason="REJECTED"}')
         failures = _metric(t, "nv_inference_request_failure")
     print(f"burst of {BURST}: {codes}; REJECTED counted {rejected:.0f}, all failures {failures:.0f}")
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert codes.get("OK", 0) > 0
     assert rejected == failures == codes.get("RESOURCE_EXHAUSTED", 0), (codes, rejected, failures)
+    assert answers == {reference}, "an answered call carried the wrong outputs"
 
 
 @pytest.fixture(scope="module")
