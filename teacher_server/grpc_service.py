@@ -5,7 +5,9 @@ maps typed refusals to gRPC codes; it holds no request state of its own. Metadat
 answers mirror what Triton reports for a PyTorch model with dynamic batching, so `tritonclient`,
 `perf_analyzer` and our student treat this server and a real Triton the same way. Streaming
 requests run concurrently and answer in completion order, matched by `id`; a failed stream
-request answers with `error_message` and the stream goes on.
+request answers with `error_message` and the stream goes on. A stream that does not read its
+answers stops being read itself (bounded answers in flight and unsent bytes, per stream and in
+all), and a client that cancels ends its stream quietly.
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ class RequestLifecycle:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is in flight; False if `timeout_s` ran out first."""
+        if self._idle.is_set():  # a zero grace with nothing in flight has not run out
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True

@@ -180,6 +180,7 @@ class TeacherServer:
     async def start(self) -> None:
         cfg = self.config
         check_tls_files(cfg)
+        _check_port_free("--port", cfg.host, cfg.port)
         max_bytes = cfg.max_message_mb * MiB
         self._grpc = grpc.aio.server(
             options=[
@@ -204,7 +205,6 @@ class TeacherServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         credentials = cfg.server_credentials()
         address = f"{cfg.host}:{cfg.port}"
-        _check_port_free("--port", cfg.host, cfg.port)
         try:
             if credentials is None:
                 self._port = self._grpc.add_insecure_port(address)

@@ -44,12 +44,14 @@ def _refused(args: list[str], env: dict[str, str] | None = None) -> tuple[int, s
 
 
 def _check_refusal(args: list[str], *words: str, env: dict[str, str] | None = None) -> str:
+    """Run ARGS, check it is refused as the module says, with `words` in the error line; that line."""
     code, out, seconds = _refused(args, env)
     lines = [line for line in out.splitlines() if line.strip()]
     print(f"{' '.join(args[-4:])}: exit {code} after {seconds:.1f} s: {lines[-1] if lines else ''}")
     assert code != 0, out
     assert "Traceback" not in out, out
     assert "loading" not in out and "serving" not in out, f"refused only after loading the model:\n{out}"
+    assert "draining" not in out and "WARNING" not in out, f"a refusal with warnings beside it:\n{out}"
     errors = [line for line in lines if "error" in line.lower()]
     assert len(errors) == 1, f"want one error line:\n{out}"
     for w in words:
@@ -87,9 +89,7 @@ def busy_port() -> Iterator[int]:
 
 
 def test_metrics_port_in_use_names_the_port(busy_port: int) -> None:
-    line = _check_refusal([*MODEL, "--metrics-port", str(busy_port)], f"--metrics-port {busy_port}",
-                          "--metrics-port 0")
-    assert "drain" not in line
+    _check_refusal([*MODEL, "--metrics-port", str(busy_port)], f"--metrics-port {busy_port}", "--metrics-port 0")
 
 
 def test_grpc_port_in_use_names_the_port(busy_port: int) -> None:
