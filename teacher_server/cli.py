@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -21,7 +23,9 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from discovery.options import add_registry_security_args, registry_security_options
+import torch
+
+from discovery.options import PASSWORD_ENV, add_registry_security_args, registry_security_options
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
 from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads, default_instances
@@ -99,7 +103,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse bad flag values before anything loads: SpecError naming the flag, the value and the
+    fix (a model can take minutes to load; a typo should cost none of them)."""
+    check_device(args.device)
+    if args.threads < 0:
+        raise SpecError(f"--threads must be >= 0 (0: cores / instances), got {args.threads}")
+    if not args.drain_grace >= 0:
+        raise SpecError(f"--drain-grace must be >= 0 seconds, got {args.drain_grace}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise SpecError(f"--metrics-port must be in 0..65535 (0: a free port), got {args.metrics_port}")
+    if not (args.ttl > 0 and math.isfinite(args.ttl)):
+        raise SpecError(f"--ttl must be a positive number of seconds (the registration lease; default 10), "
+                        f"got {args.ttl}")
+    if args.model_config and not Path(args.model_config).is_file():
+        raise SpecError(f"--model-config {args.model_config} does not exist")
+
+
+def check_device(device: str | None) -> None:
+    """SpecError unless `device` names a device this machine has (None/'auto': chosen later)."""
+    if device in (None, "", "auto"):
+        return
+    assert device is not None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpecError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise SpecError(f"--device {device}: teacher-server serves on cpu or cuda:N")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    check_flags(args)
     if args.instances < 0:
         raise SpecError(f"--instances must be >= 0 (0: one per core on CPU, 1 on GPU), got {args.instances}")
     file_cfg = ModelFileConfig.load(args.model_config) if args.model_config else None
@@ -144,6 +185,50 @@ def registration_from_args(args: argparse.Namespace) -> RegistrationHook | None:
             yield reg
 
     return register
+
+
+class RegistryAccessError(Exception):
+    """etcd refused our credentials: registering would be retried forever while the teacher
+    serves unregistered, so the teacher refuses to start instead."""
+
+
+# What etcd says when it refuses the user, the password or the permissions.
+_AUTH_REFUSALS = ("authentication failed", "invalid user id or password", "user name is empty",
+                  "permission denied", "unauthenticated")
+_REGISTRY_CHECK_S = 3.0
+
+
+async def check_registry_access(args: argparse.Namespace) -> None:
+    """One read of the registry before the model loads: an authentication refusal is fatal
+    (RegistryAccessError); an etcd that is down is not (registration retries in the background,
+    as ever), it only earns a warning."""
+    if not args.registry:
+        return
+    from discovery import RegistryError, open_registry
+
+    registry = open_registry(args.registry, connect_timeout=_REGISTRY_CHECK_S, **registry_security_options(args))
+    try:
+        async with registry:
+            await asyncio.wait_for(registry.teachers(args.service), 2 * _REGISTRY_CHECK_S)
+    except (RegistryError, OSError, TimeoutError) as e:
+        text = str(e) or type(e).__name__
+        if any(marker in text.lower() for marker in _AUTH_REFUSALS):
+            found = re.search(r"etcdserver: [^);]*", text)
+            said = found.group(0) if found else _first_line(text)
+            if args.registry_user:
+                raise RegistryAccessError(
+                    f"--registry {args.registry}: etcd refused user {args.registry_user} ({said}); check "
+                    f"--registry-user and the password in ${PASSWORD_ENV}") from None
+            raise RegistryAccessError(
+                f"--registry {args.registry}: etcd requires authentication ({said}); pass --registry-user "
+                f"and export its password in ${PASSWORD_ENV}") from None
+        log.warning("registry %s not reachable yet (%s); serving, registration retries in the background",
+                    args.registry, _first_line(text))
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 async def serve(config: ServerConfig, registration: RegistrationHook | None = None,
@@ -194,6 +279,12 @@ def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
         return uvloop.run(coro)
 
 
+def _refuse(parser: argparse.ArgumentParser, message: str) -> int:
+    """A refused flag or file: one line on stderr, exit status 2 (argparse's own, for usage errors)."""
+    print(f"{parser.prog}: error: {_first_line(message, 2000)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -202,8 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         registration = registration_from_args(args)
-    except (SpecError, ValueError) as e:
-        parser.error(str(e))
+        run_async(check_registry_access(args))
+    except (SpecError, ValueError, RegistryAccessError) as e:
+        return _refuse(parser, str(e))
     configure_torch_threads(args.threads or None, config.instances)
     try:
         abandoned = run_async(serve(config, registration, args.ready_file))

@@ -36,3 +36,23 @@ class OverloadedError(InferError):
 
 class ModelExecutionError(InferError):
     """The model raised while running the batch that held this request. gRPC: INTERNAL."""
+
+
+# A refusal quotes what the caller sent so they can find it; a value of 10 KB quoted whole would
+# push the status message past gRPC's 8 KB metadata limit and turn the refusal into another error.
+MAX_ECHO_CHARS = 64
+MAX_MESSAGE_CHARS = 1024
+
+
+def echo(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`repr(value)`, cut to `limit` characters with the full length noted, for error messages."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str | bytes) else f"{len(text)} characters shown"
+    return f"{text[:limit]}... ({size})"
+
+
+def capped(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A message cut to `limit` characters: what every front end sends as a refusal's text."""
+    return message if len(message) <= limit else f"{message[:limit]}... (message cut at {limit} characters)"

@@ -22,6 +22,7 @@ from teacher_server.errors import (
     ModelNotFoundError,
     OverloadedError,
     UnavailableError,
+    capped,
 )
 from teacher_server.infer_request import InferRequest, InputTensor, Parameters, RequestedOutput
 from teacher_server.outputs import EncodedOutput
@@ -41,6 +42,12 @@ def grpc_status(error: InferError) -> grpc.StatusCode:
         if isinstance(error, cls):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def error_details(error: InferError) -> str:
+    """A refusal's message as gRPC status details: bounded, so it always fits the 8 KB metadata
+    limit and the caller sees the refusal's own code."""
+    return capped(error.message)
 
 
 # Parameters read per input or output: a map inside one field is not bounded by the field count

@@ -5,12 +5,15 @@ maps typed refusals to gRPC codes; it holds no request state of its own. Metadat
 answers mirror what Triton reports for a PyTorch model with dynamic batching, so `tritonclient`,
 `perf_analyzer` and our student treat this server and a real Triton the same way. Streaming
 requests run concurrently and answer in completion order, matched by `id`; a failed stream
-request answers with `error_message` and the stream goes on.
+request answers with `error_message` and the stream goes on. A stream that does not read its
+answers stops being read itself (bounded answers in flight and unsent bytes, per stream and in
+all), and a client that cancels ends its stream quietly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,19 +21,63 @@ import grpc
 
 from protos.kserve import DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
 from teacher_server.errors import InferError
-from teacher_server.grpc_codec import build_response, deserialize_infer, grpc_status
+from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, grpc_status
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.spec import ModelIO
 
-_STREAM_MAX_IN_FLIGHT = 1024
+log = logging.getLogger(__name__)
+
+# Per stream: requests read and not yet answered on the wire, and bytes of answers computed and
+# not yet taken by the transport. Past either, the stream stops reading requests.
+STREAM_MAX_IN_FLIGHT = 128
+STREAM_MAX_UNSENT_BYTES = 16 << 20
+# All streams together: bytes of computed answers the transport has not taken yet.
+MAX_UNSENT_BYTES = 128 << 20
+
+
+class ByteBudget:
+    """Bytes held for answers not yet sent, against a limit; `has_room` while under it.
+
+    Charging never blocks (the answer already exists); a reader waits for room before taking the
+    next request, so the overshoot is bounded by what is already running.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    @property
+    def has_room(self) -> bool:
+        return self.held < self.limit
+
+    def charge(self, n: int) -> None:
+        self.held += n
+        if self.held >= self.limit:
+            self._room.clear()
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        if self.held < self.limit:
+            self._room.set()
+
+    async def wait_room(self) -> None:
+        await self._room.wait()
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Answers the inference protocol for the one model a RequestLifecycle serves."""
 
-    def __init__(self, lifecycle: RequestLifecycle) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, max_unsent_bytes: int = MAX_UNSENT_BYTES) -> None:
         self._lifecycle = lifecycle
+        self._unsent = ByteBudget(max_unsent_bytes)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of stream answers computed and not yet taken by the transport, all streams."""
+        return self._unsent.held
 
     # ---- health and metadata -------------------------------------------------------------
     async def ServerLive(self, request: Any, context: Any) -> service_pb2.ServerLiveResponse:
@@ -117,70 +164,130 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self._lifecycle.check_model(name, version)
         except InferError as e:
-            await context.abort(grpc_status(e), e.message)
+            await context.abort(grpc_status(e), error_details(e))
 
     async def _io(self, context: Any) -> ModelIO:
         try:
             return self._lifecycle.io
         except InferError as e:  # UnavailableError while the model loads
-            await context.abort(grpc_status(e), e.message)
+            await context.abort(grpc_status(e), error_details(e))
             raise  # unreachable: abort raises
 
     # ---- inference -----------------------------------------------------------------------
-    async def _infer(self, request: InferRequest) -> service_pb2.ModelInferResponse:
+    async def _infer(self, request: InferRequest) -> tuple[service_pb2.ModelInferResponse, int]:
+        """The response to one request and the bytes of output it carries."""
         result = await self._lifecycle.infer(request)
         model = self._lifecycle.model
-        return build_response(request, model.name, model.version, result.outputs)
+        size = sum(len(raw) for *_, raw in result.outputs)
+        return build_response(request, model.name, model.version, result.outputs), size
 
     async def ModelInfer(self, request: InferRequest, context: Any) -> service_pb2.ModelInferResponse:
         try:
-            return await self._infer(request)
+            return (await self._infer(request))[0]
         except InferError as e:
-            await context.abort(grpc_status(e), e.message)
+            await context.abort(grpc_status(e), error_details(e))
             raise  # unreachable: abort raises
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[InferRequest], context: Any
-    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        """Bidirectional stream: requests run concurrently, answers go out as they complete."""
-        out: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(_STREAM_MAX_IN_FLIGHT)
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[InferRequest], context: Any) -> None:
+        """Bidirectional stream: requests run concurrently, answers go out as they complete.
+
+        Backpressure: a request holds one of the stream's `STREAM_MAX_IN_FLIGHT` slots from the
+        moment it is read until its answer has been handed to the transport, not merely queued,
+        and the stream stops reading while its unsent answers hold `STREAM_MAX_UNSENT_BYTES` or
+        all streams together hold the service's `max_unsent_bytes`. A client that sends and never
+        reads therefore stalls its own stream (HTTP/2 flow control then stops its sender) instead
+        of growing the server.
+        """
+        out: asyncio.Queue[tuple[service_pb2.ModelStreamInferResponse, int] | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
+        mine = ByteBudget(STREAM_MAX_UNSENT_BYTES)
+        shared = self._unsent
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(req: InferRequest) -> None:
             try:
-                resp = await self._infer(req)
-                await out.put(service_pb2.ModelStreamInferResponse(infer_response=resp))
+                resp, size = await self._infer(req)
+                mine.charge(size)
+                shared.charge(size)
+                out.put_nowait((service_pb2.ModelStreamInferResponse(infer_response=resp), size))
             except InferError as e:
-                await out.put(service_pb2.ModelStreamInferResponse(
-                    error_message=f"{grpc_status(e).name}: {e.message}",
+                out.put_nowait((service_pb2.ModelStreamInferResponse(
+                    error_message=f"{grpc_status(e).name}: {error_details(e)}",
                     infer_response=service_pb2.ModelInferResponse(
                         id=req.id, model_name=req.model_name, model_version=req.model_version
                     ),
-                ))
-            finally:
-                slots.release()
+                ), 0))
+            except BaseException:
+                slots.release()  # no answer will be sent for this request
+                raise
 
         async def read_requests() -> None:
             try:
-                async for req in request_iterator:
+                it = aiter(request_iterator)
+                while True:
                     await slots.acquire()
+                    await _room(mine, shared)
+                    try:
+                        req = await anext(it)
+                    except StopAsyncIteration:
+                        break
                     t = asyncio.create_task(one(req))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                 await asyncio.gather(*list(tasks), return_exceptions=True)
+            except grpc.RpcError:
+                pass  # the client went away; the handler's finally cleans up
             finally:
-                await out.put(None)
+                out.put_nowait(None)
 
         reader = asyncio.create_task(read_requests())
+        held = 0
         try:
             while (item := await out.get()) is not None:
-                yield item
+                answer, held = item
+                if not await _write(context, answer):  # returns once the transport took it
+                    return
+                mine.release(held)
+                shared.release(held)
+                held = 0
+                slots.release()
         finally:
             reader.cancel()
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
+            # Answers computed and never sent: give their bytes back to the shared budget.
+            unsent = held
+            while not out.empty():
+                rest = out.get_nowait()
+                if rest is not None:
+                    unsent += rest[1]
+            shared.release(unsent)
+
+
+async def _write(context: Any, message: Any) -> bool:
+    """Send one stream answer; False when the client is gone (cancelled, deadline, reset).
+
+    Written here rather than yielded from a generator: a yielded answer that meets a cancelled call
+    fails inside grpc, which logs an ERROR with a traceback for what is a routine client cancel.
+    """
+    if context.cancelled() or context.done():
+        return False
+    try:
+        await context.write(message)
+    except Exception as e:  # grpc raises its internal ExecuteBatchError / UsageError here
+        log.debug("stream answer not sent, the client went away: %s", e)
+        return False
+    return True
+
+
+async def _room(*budgets: ByteBudget) -> None:
+    """Wait until every budget has room (each wait is woken by a release)."""
+    while True:
+        full = next((b for b in budgets if not b.has_room), None)
+        if full is None:
+            return
+        await full.wait_room()
 
 
 def _unimplemented(name: str) -> Any:

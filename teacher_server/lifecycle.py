@@ -27,6 +27,7 @@ from teacher_server.errors import (
     ModelNotFoundError,
     OverloadedError,
     UnavailableError,
+    echo,
 )
 from teacher_server.infer_request import InferRequest
 from teacher_server.metrics import ServerMetrics
@@ -95,6 +96,8 @@ class RequestLifecycle:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is in flight; False if `timeout_s` ran out first."""
+        if self._idle.is_set():  # a zero grace with nothing in flight has not run out
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             return True
@@ -126,10 +129,10 @@ class RequestLifecycle:
         """ModelNotFoundError unless `name` (and `version`, when given) is the served model."""
         m = self.model
         if name != m.name:
-            raise ModelNotFoundError(f"model {name!r} is not served here; this server serves {m.name!r}")
+            raise ModelNotFoundError(f"model {echo(name)} is not served here; this server serves {m.name!r}")
         if version not in ("", m.version):
             raise ModelNotFoundError(
-                f"model {name!r} has no version {version!r}; served version is {m.version!r}")
+                f"model {echo(name)} has no version {echo(version)}; served version is {m.version!r}")
 
     def _unavailable(self) -> UnavailableError:
         if self._state is ServingState.DRAINING:

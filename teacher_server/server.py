@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+# Calls gRPC may hold before the handler takes them (its default soft limit of 1,000 cancels the
+# excess). Each costs its request bytes; the lifecycle refuses beyond the batcher's queue at once.
+MAX_PENDING_CALLS = 100_000
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class TeacherServer:
         self._http: HTTPFrontEnd | None = None
         self._port = 0
         self.abandoned_batches = 0  # forward passes still running when the server stopped
+        self.grpc_service: InferenceService | None = None  # the gRPC front end, once started
 
     # ---- properties students and the registry read -----------------------------------------
     @property
@@ -185,6 +190,8 @@ class TeacherServer:
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        check_tls_files(cfg)
+        _check_port_free("--port", cfg.host, cfg.port)
         max_bytes = cfg.max_message_mb * MiB
         self._grpc = grpc.aio.server(
             options=[
@@ -195,9 +202,16 @@ class TeacherServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 1000),
                 ("grpc.http2.max_ping_strikes", 0),
+                # gRPC's own pending-call limits would answer a burst CANCELLED before our handler
+                # sees it, uncounted; let every call reach the lifecycle, whose bounded queue
+                # refuses overload with RESOURCE_EXHAUSTED and counts it (REJECTED).
+                ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                ("grpc.server_max_unrequested_time_in_server", 3600),
             ]
         )
-        add_inference_service(InferenceService(self.requests), self._grpc)
+        self.grpc_service = InferenceService(self.requests)
+        add_inference_service(self.grpc_service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         credentials = cfg.server_credentials()
@@ -211,7 +225,8 @@ class TeacherServer:
             self._port = 0
         if self._port == 0:
             self._grpc = None
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}; is the port in use? (--port 0 picks a free one)")
+            raise OSError(f"--port {cfg.port}: cannot bind {cfg.host}:{cfg.port}; is another process using it? "
+                          "(--port 0 picks a free one)")
         await self._grpc.start()
         try:
             if cfg.http_port is not None:
@@ -221,7 +236,7 @@ class TeacherServer:
                 await http.start(cfg.host, cfg.http_port)
                 self._http = http
             if cfg.metrics_port is not None:
-                self._metrics_http = MetricsHTTPServer(self.metrics, cfg.host, cfg.metrics_port)
+                self._metrics_http = _metrics_endpoint(self.metrics, cfg.host, cfg.metrics_port)
             if self._model is None:
                 log.info("loading %s on %s", cfg.model, self.device)
                 self._model = await asyncio.to_thread(
@@ -329,6 +344,59 @@ class TeacherServer:
             in_flight=self.requests.in_flight, samples_per_s=f.samples_per_s, busy_fraction=f.busy_fraction,
             capacity_samples_per_s=f.capacity_samples_per_s, updated_at=time.time(), draining=self.draining,
         )
+
+
+def _check_port_free(flag: str, host: str, port: int) -> None:
+    """OSError naming the flag when `host:port` is taken. gRPC would only log its own line and
+    return no port; a probe bind (with SO_REUSEADDR, as gRPC binds) says which flag to change."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # gRPC reports what it makes of the address
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as e:
+                raise OSError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror or e}); is another process "
+                              f"using it? ({flag} 0 picks a free one)") from None
+
+
+def _metrics_endpoint(metrics: ServerMetrics, host: str, port: int) -> MetricsHTTPServer:
+    try:
+        return MetricsHTTPServer(metrics, host, port)
+    except OSError as e:
+        raise OSError(f"--metrics-port {port}: cannot bind {host}:{port} ({e.strerror or e}); "
+                      "is another process using it? (--metrics-port 0 picks a free one)") from None
+
+
+def check_tls_files(cfg: ServerConfig) -> None:
+    """SpecError unless --tls-cert, --tls-key (and --tls-client-ca) are PEM files that belong
+    together; gRPC itself only reports a failed bind, which reads like a port in use."""
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e).upper().replace(" ", "_"):
+            raise SpecError(f"--tls-key {cfg.tls_key} does not match --tls-cert {cfg.tls_cert}; "
+                            "pass the private key of that certificate") from None
+        raise SpecError(f"--tls-cert {cfg.tls_cert} / --tls-key {cfg.tls_key}: not a PEM certificate chain and "
+                        f"its private key ({e.reason or e}); pass PEM files") from None
+    except OSError as e:
+        raise SpecError(f"--tls-cert {cfg.tls_cert} / --tls-key {cfg.tls_key}: cannot read ({e})") from None
+    if cfg.tls_client_ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=cfg.tls_client_ca)
+        except (ssl.SSLError, OSError) as e:
+            raise SpecError(f"--tls-client-ca {cfg.tls_client_ca}: not a PEM CA bundle ({e}); pass PEM "
+                            "certificates") from None
 
 
 def default_instances(device: str | None) -> int:

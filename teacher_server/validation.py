@@ -7,12 +7,13 @@ wrapped, not copied.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from protos.kserve import DATATYPES, decode_tensor, decode_values, shape_numel
-from teacher_server.errors import InvalidRequestError
+from teacher_server.errors import InvalidRequestError, echo
 from teacher_server.infer_request import InferRequest, Parameters
 from teacher_server.outputs import OutputDefaults, OutputTransform
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO
@@ -20,6 +21,26 @@ from teacher_server.work import Work
 
 REQUEST_PARAMETERS = ("output_dtype", "top_k", "priority", "timeout")
 OUTPUT_PARAMETERS = ("output_dtype", "top_k")
+
+log = logging.getLogger(__name__)
+
+# Names of ignored parameters already logged; bounded, since clients choose the names.
+_IGNORED_LOGGED: set[str] = set()
+_MAX_IGNORED_LOGGED = 1024
+
+
+def _ignore(key: str, where: str) -> None:
+    """A parameter this server does not use (Triton clients send several, e.g. sequence_id,
+    binary_data_output, triton_enable_empty_final_response): accepted and ignored, as Triton does;
+    logged once per name at DEBUG."""
+    if key in _IGNORED_LOGGED or len(_IGNORED_LOGGED) >= _MAX_IGNORED_LOGGED:
+        return
+    _IGNORED_LOGGED.add(key)
+    log.debug("ignoring %s parameter %s (not used by teacher-server)", where, echo(key))
+
+
+def _non_negative_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _output_options(params: Parameters, where: str, base: OutputTransform,
@@ -29,17 +50,28 @@ def _output_options(params: Parameters, where: str, base: OutputTransform,
         if key == "output_dtype":
             if not isinstance(value, str) or value.upper() not in FLOAT_OUTPUT_DTYPES:
                 raise InvalidRequestError(
-                    f"{where}: output_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {value!r}")
+                    f"{where}: output_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {echo(value)}")
             dtype = value.upper()
         elif key == "top_k":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not _non_negative_int(value):
                 raise InvalidRequestError(
-                    f"{where}: top_k must be a non-negative integer (int64_param), got {value!r}")
+                    f"{where}: top_k must be a non-negative integer (int64_param), got {echo(value)}")
+            assert isinstance(value, int)
             top_k = value
+        elif key == "priority" and key in allowed:
+            if not _non_negative_int(value):
+                raise InvalidRequestError(
+                    f"{where}: priority must be a non-negative integer (uint64_param or int64_param; "
+                    f"0 is the default priority), got {echo(value)}")
+        elif key == "timeout" and key in allowed:
+            if not _non_negative_int(value):
+                raise InvalidRequestError(
+                    f"{where}: timeout must be a non-negative integer of microseconds (int64_param; "
+                    f"0 means none), got {echo(value)}")
         elif key == "classification":
             raise InvalidRequestError(f"{where}: 'classification' outputs are not served; ask for top_k instead")
-        elif key not in allowed:
-            raise InvalidRequestError(f"{where}: unknown parameter {key!r}; accepted: {', '.join(allowed)}")
+        else:
+            _ignore(key, where.split(" ", 1)[0])
     return OutputTransform(base.name, dtype, top_k)
 
 
@@ -66,12 +98,12 @@ def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: Outp
         spec = io.input(t.name)
         if spec is None:
             raise InvalidRequestError(
-                f"unknown input {t.name!r}; the model's inputs are {[s.name for s in io.inputs]}")
+                f"unknown input {echo(t.name)}; the model's inputs are {[s.name for s in io.inputs]}")
         if t.name in seen:
             raise InvalidRequestError(f"input {t.name!r} appears twice")
         if t.datatype != spec.datatype:
             raise InvalidRequestError(
-                f"input {t.name!r}: datatype {t.datatype!r} received, the model expects {spec.datatype!r}")
+                f"input {t.name!r}: datatype {echo(t.datatype)} received, the model expects {spec.datatype!r}")
         expected = [-1, *spec.shape]
         if len(t.shape) != len(expected):  # before list(): a shape may arrive with millions of dims
             raise InvalidRequestError(
@@ -125,7 +157,7 @@ def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) ->
             spec = io.output(o.name)
             if spec is None:
                 raise InvalidRequestError(
-                    f"unknown output {o.name!r}; the model's outputs are {[s.name for s in io.outputs]}")
+                    f"unknown output {echo(o.name)}; the model's outputs are {[s.name for s in io.outputs]}")
             if o.name in names:
                 raise InvalidRequestError(f"output {o.name!r} requested twice")
             names.add(o.name)

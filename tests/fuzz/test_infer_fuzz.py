@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -170,4 +171,40 @@ def test_oversized_stream_message_is_resource_exhausted_and_server_serves_on(cha
     with pytest.raises(grpc.RpcError) as e:
         _stream(channel, [b"\x00" * (MAX_MESSAGE + 10)])
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    _probe(channel)
+
+
+NEVER_READ = settings(FUZZ, max_examples=max(5, EXAMPLES // 20))
+
+
+@NEVER_READ
+@given(cases=st.lists(infer_cases() | garbage_bytes | field_bombs(), min_size=1, max_size=30),
+       streams=st.integers(1, 3))
+def test_streams_that_never_read(server: ServerThread, channel: grpc.Channel, cases: list[Case], streams: int) -> None:
+    """Streams that send fuzzed requests (and valid ones) and never read an answer: other clients
+    are served meanwhile, and once the streams are cancelled the server holds nothing for them (no
+    request in flight, no unsent answer bytes)."""
+    valid, _ = valid_request(8, rid="never-read")
+    messages = [c.data for c in cases] + [valid] * 8
+    stop = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        yield from messages
+        stop.wait(30)
+
+    call = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=None)
+    calls = [call(requests(), timeout=30) for _ in range(streams)]
+    try:
+        _probe(channel)
+    finally:
+        stop.set()
+        for c in calls:
+            c.cancel()
+    srv = server.server
+    assert srv is not None and srv.grpc_service is not None
+    deadline = time.monotonic() + 20
+    while (srv.in_flight or srv.grpc_service.unsent_bytes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.in_flight == 0, f"{srv.in_flight} requests still in flight after the streams were cancelled"
+    assert srv.grpc_service.unsent_bytes == 0, f"{srv.grpc_service.unsent_bytes} unsent bytes still held"
     _probe(channel)

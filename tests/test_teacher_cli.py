@@ -1,0 +1,135 @@
+"""`teacher-server` refuses bad flags and files before the model loads (issue #13, CLI).
+
+Each case runs the real command and checks: a non-zero exit within the run's time limit (a
+server that starts serving instead would hit it), one error line naming the flag, the value and
+the fix, no traceback, and that no model was loaded (no "loading" line).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd.rpc as etcd_rpc
+import grpc
+import pytest
+import torch
+
+from discovery.local_etcd import LocalEtcd
+from discovery.options import PASSWORD_ENV
+from teacher_server.launch import TeacherProcess
+from tests.certs import make_certs
+from tests.etcd_fixtures import arun
+from tests.servers import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1"]
+RUN_LIMIT_S = 60.0  # a refusal takes about a second (imports); serving would run into this
+
+
+def _refused(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """Run teacher-server ARGS to its exit; (exit code, its output, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "teacher_server", *args], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=RUN_LIMIT_S,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    seconds = time.monotonic() - start
+    return proc.returncode, proc.stdout + proc.stderr, seconds
+
+
+def _check_refusal(args: list[str], *words: str, env: dict[str, str] | None = None) -> str:
+    """Run ARGS, check it is refused as the module says, with `words` in the error line; that line."""
+    code, out, seconds = _refused(args, env)
+    lines = [line for line in out.splitlines() if line.strip()]
+    print(f"{' '.join(args[-4:])}: exit {code} after {seconds:.1f} s: {lines[-1] if lines else ''}")
+    assert code != 0, out
+    assert "Traceback" not in out, out
+    assert "loading" not in out and "serving" not in out, f"refused only after loading the model:\n{out}"
+    assert "draining" not in out and "WARNING" not in out, f"a refusal with warnings beside it:\n{out}"
+    errors = [line for line in lines if "error" in line.lower()]
+    assert len(errors) == 1, f"want one error line:\n{out}"
+    for w in words:
+        assert w in errors[0], f"{w!r} missing from {errors[0]!r}"
+    return errors[0]
+
+
+def test_unknown_device_is_refused() -> None:
+    _check_refusal([*MODEL, "--device", "banana"], "--device", "banana", "use cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_device_without_cuda_is_refused() -> None:
+    _check_refusal([*MODEL, "--device", "cuda:0"], "--device cuda:0", "CUDA is not available", "--device cpu")
+
+
+@pytest.mark.parametrize("ttl", ["-1", "0", "nan"])
+def test_bad_ttl_is_refused_before_loading(ttl: str) -> None:
+    _check_refusal([*MODEL, "--registry", "etcd://127.0.0.1:1", "--service", "s", "--ttl", ttl],
+                   "--ttl", ttl, "positive number of seconds")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--threads", "-2"), ("--drain-grace", "-1"),
+                                             ("--metrics-port", "70000"), ("--model-config", "/nonexistent.json")])
+def test_other_bad_values_are_refused(flag: str, value: str) -> None:
+    _check_refusal([*MODEL, flag, value], flag, value)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_metrics_port_in_use_names_the_port(busy_port: int) -> None:
+    _check_refusal([*MODEL, "--metrics-port", str(busy_port)], f"--metrics-port {busy_port}", "--metrics-port 0")
+
+
+def test_grpc_port_in_use_names_the_port(busy_port: int) -> None:
+    _check_refusal([*MODEL, "--port", str(busy_port)], f"--port {busy_port}", "--port 0")
+
+
+def test_tls_key_of_another_certificate_is_refused(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path).dir
+    cert, key = str(certs / "server.pem"), str(certs / "client.key")
+    line = _check_refusal([*MODEL, "--tls-cert", cert, "--tls-key", key], "--tls-key", key, "does not match",
+                          cert)
+    assert "port" not in line
+
+
+@pytest.fixture(scope="module")
+def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
+    with LocalEtcd(tmp_path_factory.mktemp("auth-etcd")) as server:
+
+        async def enable_auth() -> None:
+            async with grpc.aio.insecure_channel(server.endpoint) as channel:
+                auth = etcd_rpc.AuthStub(channel)
+                await auth.UserAdd(etcd_rpc.AuthUserAddRequest(name="root", password="rootpw"), timeout=5)
+                await auth.RoleAdd(etcd_rpc.AuthRoleAddRequest(name="root"), timeout=5)
+                await auth.UserGrantRole(etcd_rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+                await auth.AuthEnable(etcd_rpc.AuthEnableRequest(), timeout=5)
+
+        arun(enable_auth())
+        yield server
+
+
+def test_wrong_etcd_password_is_fatal(auth_etcd: LocalEtcd) -> None:
+    registry = [*MODEL, "--registry", auth_etcd.address, "--service", "auth-svc", "--registry-user", "root"]
+    _check_refusal(registry, "--registry", "root", "authentication failed", PASSWORD_ENV,
+                   env={PASSWORD_ENV: "wrong"})
+    _check_refusal(registry[:-2], "--registry", "--registry-user")  # auth enabled, no user given
+
+
+def test_right_etcd_password_serves(auth_etcd: LocalEtcd) -> None:
+    args = [*MODEL, "--registry", auth_etcd.address, "--service", "auth-svc", "--registry-user", "root"]
+    with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO), PASSWORD_ENV: "rootpw"},
+                        ready_timeout=60, stop_grace=10) as t:
+        assert t.ready["endpoint"]
+    assert t.exit_code == 0
