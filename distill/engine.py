@@ -185,7 +185,7 @@ class Engine:
         credentials = self._tls if self._tls is not None else (grpc.ssl_channel_credentials() if registered_tls
                                                                else None)
         tls = self.opts.client_tls
-        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None)
+        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None, self.opts.headers)
 
     # ---- epochs -----------------------------------------------------------------------------
     def begin_epoch(self, loader: Any) -> int:

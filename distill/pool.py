@@ -13,14 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from discovery import TeacherSet, subset
-from distill.errors import NoTeacherError, TeacherMismatchError
+from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.router import Router, TeacherState
-from distill.teacher_client import InferenceClient, TeacherCallError, TeacherGoneError, TeacherMetadata
+from distill.teacher_client import (
+    InferenceClient,
+    TeacherCallError,
+    TeacherGoneError,
+    TeacherMetadata,
+    TeacherRefusedError,
+    access_refused,
+)
 
 if TYPE_CHECKING:
     from distill.reader import ReaderOptions
@@ -43,6 +51,8 @@ class TeacherPool:
         self.router = Router(service, options.router)
         self._connect = connect
         self._spawn = spawn
+        # Teachers that refused this student access: key -> "RPC answered CODE: server's message".
+        self._refused: dict[str, str] = {}
 
     # ---- membership -------------------------------------------------------------------------
     async def follow(self, watch: Any) -> None:
@@ -64,6 +74,7 @@ class TeacherPool:
             entry = wanted.get(key)
             if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
                 router.remove(key)
+                self._refused.pop(key, None)
                 self._spawn(self._close_when_idle(t), f"close-{t.endpoint}")
                 log.info("teacher %s left service %r", t.endpoint, self.service)
             else:
@@ -114,6 +125,9 @@ class TeacherPool:
             try:
                 meta = await t.client.fetch_metadata(self.opts.model, self.opts.model_version,
                                                      timeout=min(self.opts.timeout, 10.0))
+            except TeacherRefusedError as e:
+                self._refuse(t, e.rpc, str(e))
+                return
             except TeacherCallError as e:
                 t.last_error = str(e)
             except TeacherGoneError:
@@ -135,6 +149,12 @@ class TeacherPool:
             metas = [t for t in self.router.teachers.values() if t.meta is not None]
             if metas:
                 break
+            # A server's access rules do not change by waiting: when every teacher is out and one of
+            # them refused this student, say so now (whatever the fallback: it is a setup error).
+            live = list(self.router.teachers.values())
+            if (live and all(t.incompatible is not None for t in live)
+                    and any(t.key in self._refused for t in live)):
+                raise self.no_teacher_error()
             if time.monotonic() >= deadline:
                 if self.opts.fallback == "hard_labels":
                     log.warning("no teacher for service %r yet; training on hard labels until one appears",
@@ -160,6 +180,8 @@ class TeacherPool:
 
     def no_teacher_error(self) -> NoTeacherError:
         """The error naming every teacher of the pool and its state, and what to do."""
+        if any(key in self._refused for key in self.router.teachers):
+            return self._access_error()
         tried = ", ".join(t.describe() for t in self.router.teachers.values()) or "none found"
         where = f"registry {self.opts.registry}" if self.opts.registry else "the static teacher list"
         return NoTeacherError(
@@ -168,9 +190,50 @@ class TeacherPool:
             "or pass fallback='hard_labels' to train on labels alone meanwhile."
         )
 
+    # ---- access refusals ---------------------------------------------------------------------
+    def _refuse(self, t: TeacherState, rpc: str, error: str) -> None:
+        """`t` refused this student `rpc` (`error` is "CODE: the server's message"): it stays out,
+        since retrying with the same headers cannot succeed; `no_teacher_error` explains it."""
+        message = error[:300]
+        self._refused[t.key] = f"{rpc} answered {message}"
+        self.router.mark_incompatible(t, f"it refused {rpc} to this student ({message})")
+
+    def _access_error(self) -> TeacherAccessError:
+        """Which teachers refused what, in the servers' own words, and how to get in."""
+        refused = [(t, self._refused[t.key]) for t in self.router.teachers.values() if t.key in self._refused]
+        others = [t.describe() for t in self.router.teachers.values() if t.key not in self._refused]
+        shown = "; ".join(f"{t.endpoint}: {what}" for t, what in refused[:3])
+        if len(refused) > 3:
+            shown += f"; and {len(refused) - 3} more"
+        wanted = sorted({m.group(1) for _, what in refused
+                         for m in [re.search(r"expecting header '([^']{1,200})'", what)] if m})
+        header = wanted[0] if wanted else "HEADER"
+        fixes = []
+        if any(what.startswith("RepositoryIndex ") for _, what in refused):
+            fixes.append("pass model='NAME' (--distill_model NAME), so the reader need not list the server's "
+                         "models through its model-repository API (it then calls only metadata, config, "
+                         "readiness and inference)")
+        if self.opts.headers:
+            fixes.append(f"check the headers this reader sends ({', '.join(sorted(self.opts.headers))}): the "
+                         f"server did not accept them; it expects {header!r} with its access token")
+        else:
+            fixes.append(f"where the server restricts those calls too, pass headers={{{header!r}: TOKEN}} "
+                         f"(--distill_header {header}=TOKEN) with the access token it was started with")
+        return TeacherAccessError(
+            f"service {self.service!r}: {len(refused)} teacher(s) refused this student: {shown}. The server "
+            "restricts part of its API to clients that send an access header (a hardened Triton; PyTriton "
+            f"restricts its model-repository API by default). To fix: {'; '.join(fixes)}."
+            + (f" Other teachers: {', '.join(others[:5])}." if others else "")
+        )
+
     # ---- readmission --------------------------------------------------------------------------
     def probe_if_ejected(self, t: TeacherState) -> None:
-        """Start the readiness probe of an ejected teacher, once."""
+        """Start the readiness probe of an ejected teacher, once; a teacher whose last failure was a
+        refusal of access (the router's `last_error` is "CODE: message") stays out instead."""
+        code, _, details = t.last_error.partition(": ")
+        if t.needs_probe and not t.removed and t.incompatible is None and access_refused(code, details):
+            self._refuse(t, "ModelInfer", t.last_error)
+            return
         if t.needs_probe and not t.probing and not t.removed:
             t.probing = True
             self._spawn(self._probe(t), f"probe-{t.endpoint}")
@@ -187,6 +250,9 @@ class TeacherPool:
                 try:
                     ok = await t.client.ready(t.meta.model_name, timeout=self.router.config.probe_timeout_s)
                     detail = "" if ok else "ModelReady answered not ready"
+                except TeacherRefusedError as e:
+                    self._refuse(t, e.rpc, str(e))
+                    return
                 except TeacherCallError as e:
                     ok, detail = False, f"probe: {e}"
                 except TeacherGoneError:
