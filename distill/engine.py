@@ -285,12 +285,12 @@ class Engine:
                     return t
                 continue
             waited = router.no_teacher_for()
-            if waited >= self.opts.no_teacher_timeout:
+            if waited >= self.opts.no_teacher_timeout or svc.pool.refused_all():
                 return None
             await router.wait_change(None if waited == 0 else self.opts.no_teacher_timeout - waited + 0.01)
 
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
-        if self.opts.fallback != "hard_labels":
+        if self.opts.fallback != "hard_labels" or svc.pool.refused_all():
             self._fatal(svc.pool.no_teacher_error())
             return
         job = chunk.job

@@ -149,11 +149,7 @@ class TeacherPool:
             metas = [t for t in self.router.teachers.values() if t.meta is not None]
             if metas:
                 break
-            # A server's access rules do not change by waiting: when every teacher is out and one of
-            # them refused this student, say so now (whatever the fallback: it is a setup error).
-            live = list(self.router.teachers.values())
-            if (live and all(t.incompatible is not None for t in live)
-                    and any(t.key in self._refused for t in live)):
+            if self.refused_all():  # whatever the fallback: it is a setup error
                 raise self.no_teacher_error()
             if time.monotonic() >= deadline:
                 if self.opts.fallback == "hard_labels":
@@ -191,6 +187,14 @@ class TeacherPool:
         )
 
     # ---- access refusals ---------------------------------------------------------------------
+    def refused_all(self) -> bool:
+        """Every teacher is out for good and at least one refused this student access. A server's
+        access rules do not change by waiting, so the reader says so now rather than after
+        `no_teacher_timeout`."""
+        live = list(self.router.teachers.values())
+        return (bool(live) and all(t.incompatible is not None for t in live)
+                and any(t.key in self._refused for t in live))
+
     def _refuse(self, t: TeacherState, rpc: str, error: str) -> None:
         """`t` refused this student `rpc` (`error` is "CODE: the server's message"): it stays out,
         since retrying with the same headers cannot succeed; `no_teacher_error` explains it."""
@@ -209,7 +213,8 @@ class TeacherPool:
                          for m in [re.search(r"expecting header '([^']{1,200})'", what)] if m})
         header = wanted[0] if wanted else "HEADER"
         fixes = []
-        if any(what.startswith("RepositoryIndex ") for _, what in refused):
+        index = any(what.startswith("RepositoryIndex ") for _, what in refused)
+        if index:
             fixes.append("pass model='NAME' (--distill_model NAME), so the reader need not list the server's "
                          "models through its model-repository API (it then calls only metadata, config, "
                          "readiness and inference)")
@@ -217,8 +222,9 @@ class TeacherPool:
             fixes.append(f"check the headers this reader sends ({', '.join(sorted(self.opts.headers))}): the "
                          f"server did not accept them; it expects {header!r} with its access token")
         else:
-            fixes.append(f"where the server restricts those calls too, pass headers={{{header!r}: TOKEN}} "
-                         f"(--distill_header {header}=TOKEN) with the access token it was started with")
+            fixes.append(f"{'if the server restricts those calls too, ' if index else ''}pass "
+                         f"headers={{{header!r}: TOKEN}} (--distill_header {header}=TOKEN) with the access "
+                         "token the server was started with")
         return TeacherAccessError(
             f"service {self.service!r}: {len(refused)} teacher(s) refused this student: {shown}. The server "
             "restricts part of its API to clients that send an access header (a hardened Triton; PyTriton "
