@@ -53,6 +53,8 @@ class TeacherPool:
         self._spawn = spawn
         # Teachers that refused this student access: key -> "RPC answered CODE: server's message".
         self._refused: dict[str, str] = {}
+        # Teachers whose model the reader cannot pick (none or several served, no model= given).
+        self._unnamed: set[str] = set()
 
     # ---- membership -------------------------------------------------------------------------
     async def follow(self, watch: Any) -> None:
@@ -75,6 +77,7 @@ class TeacherPool:
             if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
                 router.remove(key)
                 self._refused.pop(key, None)
+                self._unnamed.discard(key)
                 self._spawn(self._close_when_idle(t), f"close-{t.endpoint}")
                 log.info("teacher %s left service %r", t.endpoint, self.service)
             else:
@@ -129,10 +132,14 @@ class TeacherPool:
                 self._refuse(t, e.rpc, str(e))
                 return
             except TeacherCallError as e:
+                if str(e) != t.last_error:  # the cause reaches the log once, not every retry
+                    log.info("teacher %s of service %r: metadata not fetched yet (%s); retrying",
+                             t.endpoint, self.service, e)
                 t.last_error = str(e)
             except TeacherGoneError:
                 return
             except ValueError as e:
+                self._unnamed.add(t.key)
                 self.router.mark_incompatible(t, str(e))
                 return
             else:
@@ -151,6 +158,12 @@ class TeacherPool:
                 break
             if self.refused_all():  # whatever the fallback: it is a setup error
                 raise self.no_teacher_error()
+            live = list(self.router.teachers.values())
+            if live and all(t.incompatible is not None for t in live) and any(t.key in self._unnamed for t in live):
+                raise TeacherMismatchError(
+                    f"service {self.service!r}: no teacher can be used: "
+                    f"{'; '.join(t.describe() for t in live[:5])}. Pass model='NAME' (--distill_model NAME)."
+                )
             if time.monotonic() >= deadline:
                 if self.opts.fallback == "hard_labels":
                     log.warning("no teacher for service %r yet; training on hard labels until one appears",

@@ -272,7 +272,8 @@ class TeacherClient:
 
     async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given.
-        ValueError when the teacher serves several models and none was named."""
+        ValueError when the teacher serves several models (or none) and none was named;
+        TeacherRefusedError when the teacher refuses one of these calls to this client."""
         try:
             return await self._fetch_metadata(model, version, timeout)
         except grpc.aio.AioRpcError as e:
@@ -288,7 +289,7 @@ class TeacherClient:
             if len(names) != 1:
                 raise ValueError(
                     f"teacher {self.endpoint} serves {names or 'no ready model'}; pass model=NAME to the reader "
-                    "to say which one to use"
+                    "(--distill_model NAME) to say which one to use"
                 )
             model = names[0]
         meta = await self._unary(_METADATA, service_pb2.ModelMetadataRequest(name=model, version=version),

@@ -206,6 +206,12 @@ def test_hardened_triton_without_model_fails_at_once_naming_the_fix(hardened_tri
         assert "model='NAME' (--distill_model NAME)" in message
         assert f"headers={{{r.grpc_header!r}: TOKEN}} (--distill_header {r.grpc_header}=TOKEN)" in message
         assert "Start teacher-server processes" not in message
+    # With the header the index answers, but PyTriton's lists no model (it loads them through the
+    # load API): the reader cannot pick one and says at once to name it.
+    error = first_error(hardened_triton, no_teacher_timeout=NEVER_S, headers=r.grpc_metadata())
+    assert isinstance(error, distill.TeacherMismatchError), repr(error)
+    assert "serves no ready model" in str(error) and "model='NAME' (--distill_model NAME)" in str(error)
+    assert r.value not in str(error)
 
 
 def test_locked_triton_with_model_and_headers_trains(locked_triton: PyTritonServer) -> None:
