@@ -35,6 +35,7 @@ their own numpy, without PyTriton.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -57,11 +58,14 @@ def weights(dim: int, classes: int) -> np.ndarray:
     return (((i * 7 + j * 3 + (i * j) % 5) % 17) - 8).astype(np.float32)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports, all held open together so the kernel cannot hand one out twice.
+    Triton binds them a moment later; the launcher retries the rare start that loses one meanwhile."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -115,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         endpoints = [e.strip() for e in args.restrict.split(",") if e.strip()]
         security = TritonSecurityConfig(access_token=args.access_token, restricted_endpoints=endpoints)
 
-    grpc_port = args.grpc_port or _free_port()
-    http_port = args.http_port or _free_port()
+    free = _free_ports(2)
+    grpc_port = args.grpc_port or free[0]
+    http_port = args.http_port or free[1]
     config = TritonConfig(
         grpc_address="127.0.0.1", grpc_port=grpc_port, http_address="127.0.0.1", http_port=http_port,
         allow_metrics=False, log_verbose=args.log_verbose, exit_on_error=True,
