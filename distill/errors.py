@@ -15,14 +15,6 @@ class NoTeacherError(DistillError):
     """
 
 
-class TeacherMismatchError(DistillError):
-    """The teachers do not serve what the reader was asked to send or fetch (names, dtypes, shapes)."""
-
-
-class ReaderClosedError(DistillError):
-    """The reader was closed while the training loop still iterated it."""
-
-
 class TeacherAccessError(NoTeacherError):
     """The teachers refused this student access: a server that restricts part of its API (a hardened
     Triton; PyTriton restricts its model-repository API by default) or wants credentials.
@@ -32,3 +24,12 @@ class TeacherAccessError(NoTeacherError):
     fix: `model=` (`--distill_model`) so the reader need not list the server's models, and
     `headers=` (`--distill_header KEY=VALUE`) with the header the server expects.
     """
+
+
+class TeacherMismatchError(DistillError):
+    """The teachers do not serve what the reader was asked to send or fetch (names, dtypes, shapes)."""
+
+
+class ReaderClosedError(DistillError):
+    """The reader was closed while the training loop still iterated it."""
+

@@ -118,6 +118,14 @@ class TeacherCallError(Exception):
         self.details = details
 
 
+class TeacherGoneError(Exception):
+    """The client's channel was closed under a call: the teacher left the pool meanwhile."""
+
+
+class MalformedAnswerError(ValueError):
+    """The teacher answered, but not what was asked (missing outputs, wrong shapes or sizes)."""
+
+
 class TeacherRefusedError(TeacherCallError):
     """The teacher refused this student access to `rpc` (see `access_refused`); retrying with the same
     request and headers cannot succeed."""
@@ -136,14 +144,6 @@ def access_refused(code: grpc.StatusCode | str, details: str) -> bool:
     if name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return True
     return name == "UNAVAILABLE" and "restricted" in details.lower()
-
-
-class TeacherGoneError(Exception):
-    """The client's channel was closed under a call: the teacher left the pool meanwhile."""
-
-
-class MalformedAnswerError(ValueError):
-    """The teacher answered, but not what was asked (missing outputs, wrong shapes or sizes)."""
 
 
 @dataclass(frozen=True)
