@@ -32,4 +32,3 @@ class TeacherMismatchError(DistillError):
 
 class ReaderClosedError(DistillError):
     """The reader was closed while the training loop still iterated it."""
-
