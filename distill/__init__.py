@@ -21,6 +21,7 @@ _EXPORTS = {
     "ReaderClosedError": "distill.errors",
     "ReaderInUseError": "distill.errors",
     "StaleIteratorError": "distill.errors",
+    "TeacherAccessError": "distill.errors",
     "TeacherMismatchError": "distill.errors",
     "add_distill_args": "distill.flags",
     "distill_options_from_args": "distill.flags",
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
         ReaderClosedError,
         ReaderInUseError,
         StaleIteratorError,
+        TeacherAccessError,
         TeacherMismatchError,
     )
     from distill.flags import add_distill_args, distill_options_from_args
@@ -75,6 +77,7 @@ __all__ = [
     "RouterConfig",
     "SparseTargets",
     "StaleIteratorError",
+    "TeacherAccessError",
     "TeacherMismatchError",
     "TeacherTargets",
     "TokenKDLoss",

@@ -228,7 +228,7 @@ class Engine:
         credentials = self._tls if self._tls is not None else (grpc.ssl_channel_credentials() if registered_tls
                                                                else None)
         tls = self.opts.client_tls
-        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None)
+        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None, self.opts.headers)
 
     # ---- epochs -----------------------------------------------------------------------------
     def begin_epoch(self, loader: Any) -> int:
@@ -355,7 +355,7 @@ class Engine:
                     continue
                 return f"teacher {t.endpoint} (model {t.meta.model_name if t.meta else '?'!r}): {reason}"
             waited = router.no_teacher_for()
-            if waited >= self.opts.no_teacher_timeout:
+            if waited >= self.opts.no_teacher_timeout or svc.pool.refused_all():
                 return None
             await router.wait_change(None if waited == 0 else self.opts.no_teacher_timeout - waited + 0.01)
 
@@ -386,7 +386,7 @@ class Engine:
 
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
         svc.release(chunk)
-        if self.opts.fallback != "hard_labels":
+        if self.opts.fallback != "hard_labels" or svc.pool.refused_all():
             self._fatal(svc.pool.no_teacher_error())
             return
         job = chunk.job

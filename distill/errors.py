@@ -15,6 +15,17 @@ class NoTeacherError(DistillError):
     """
 
 
+class TeacherAccessError(NoTeacherError):
+    """The teachers refused this student access: a server that restricts part of its API (a hardened
+    Triton; PyTriton restricts its model-repository API by default) or wants credentials.
+
+    Raised at once, not after `no_teacher_timeout`: waiting does not change a server's access rules.
+    The message names each refusing teacher, the call it refused and the server's own words, and the
+    fix: `model=` (`--distill_model`) so the reader need not list the server's models, and
+    `headers=` (`--distill_header KEY=VALUE`) with the header the server expects.
+    """
+
+
 class TeacherMismatchError(DistillError):
     """The teachers do not serve what the reader was asked to send or fetch (names, dtypes, shapes)."""
 

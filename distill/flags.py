@@ -10,7 +10,11 @@ per-flag checks run again there, so a hand-built ``argparse.Namespace`` gets the
 Flag names use underscores (``--distill_teachers``) to match the call form the users' scripts
 already have; the reader's keyword names are the flag names without the ``distill_`` prefix,
 except ``--distill_hedge_ms`` which becomes ``hedge_after`` in seconds ("auto" when not given, None
-when 0: off).
+when 0: off), and ``--distill_header`` (repeatable) which becomes the ``headers`` mapping.
+
+Header values are access tokens: they are never put in a message or a repr. ``--distill_header
+KEY`` without ``=VALUE`` takes the value from ``$DISTILL_HEADER_<KEY>`` (upper case, other
+characters as ``_``), which keeps the token off the command line, where ``ps`` and job logs show it.
 
 The value checkers here (``positive_float``, ``non_negative_int``, ``fallback_choice``, ...) are the
 only definition of each rule: ``distill.reader.ReaderOptions`` validates its fields with them too.
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from discovery.address import parse_address, parse_endpoints
@@ -29,12 +36,18 @@ from discovery.options import etcd_options
 
 __all__ = [
     "FALLBACKS",
+    "OUTPUT_DTYPES",
+    "HeaderArg",
     "add_distill_args",
     "checked",
     "distill_options_from_args",
     "fallback_choice",
+    "header_env_var",
+    "headers_map",
+    "model_name",
     "non_negative_float",
     "non_negative_int",
+    "output_dtype_choice",
     "positive_float",
     "positive_int",
 ]
@@ -42,6 +55,9 @@ __all__ = [
 FALLBACKS: tuple[str, ...] = ("error", "hard_labels")
 """What the reader does after ``no_teacher_timeout`` seconds without any teacher: raise, or yield
 batches with ``None`` teacher outputs (train on hard labels, see ``KDLoss``)."""
+
+OUTPUT_DTYPES: tuple[str, ...] = ("FP32", "FP16", "BF16")
+"""The float types a reader may ask teachers to send their outputs in (FP16 / BF16 halve the bytes)."""
 
 _TEACHERS_FORM = "HOST:PORT[,HOST:PORT...] (e.g. 10.0.0.7:9898,10.0.0.8:9898)"
 _REGISTRY_FORM = "etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://10.0.0.5:2379)"
@@ -152,6 +168,109 @@ def fallback_choice(text: str) -> str:
     return text
 
 
+def output_dtype_choice(text: str) -> str:
+    """One of OUTPUT_DTYPES, in any case; returned upper case."""
+    if not isinstance(text, str) or text.upper() not in OUTPUT_DTYPES:
+        raise ValueError(f"must be one of {', '.join(OUTPUT_DTYPES)}, got {text!r}")
+    return text.upper()
+
+
+def model_name(text: str) -> str:
+    """A model name as the teachers serve it (Triton's names are free-form): non-empty, printable."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"must be a model name, got {text!r}")
+    if text != text.strip() or not text.isprintable():
+        raise ValueError(f"{text!r} has surrounding spaces or control characters")
+    return text
+
+
+# gRPC metadata keys: lower-case letters, digits, '-', '_' and '.'; "grpc-" is gRPC's own, "-bin"
+# marks binary values, and these are HTTP/2 headers gRPC sets itself.
+_HEADER_KEY = re.compile(r"[0-9a-z_.-]+")
+_RESERVED_HEADERS = frozenset({"content-type", "te", "host", "user-agent", "authority"})
+
+
+def _header_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"a header name must be a non-empty string, got {key!r}")
+    lower = key.lower()
+    if not _HEADER_KEY.fullmatch(lower):
+        raise ValueError(f"header name {key!r} is not a valid gRPC metadata key: use letters, digits, '-', '_' "
+                         "and '.' only")
+    if lower.startswith("grpc-") or lower in _RESERVED_HEADERS:
+        raise ValueError(f"header name {key!r} is reserved: gRPC sets it itself")
+    if lower.endswith("-bin"):
+        raise ValueError(f"header name {key!r} ends with '-bin', which gRPC keeps for binary values; "
+                         "only text headers are supported")
+    return lower
+
+
+def _header_value(key: str, value: object) -> str:
+    # The value is a credential: no message may show it.
+    if not isinstance(value, str):
+        raise ValueError(f"header {key!r}: the value must be a string, got a {type(value).__name__}")
+    if not value:
+        raise ValueError(f"header {key!r}: the value is empty")
+    if not all(" " <= c <= "~" for c in value):
+        raise ValueError(f"header {key!r}: the value must be printable ASCII (not shown here: it may be a token)")
+    return value
+
+
+def headers_map(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """gRPC call metadata to send on every call to every teacher: names lower-cased (gRPC requires
+    it), names and values checked; the messages name the header, never its value."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise ValueError(f"expected a mapping {{name: value}}, got a {type(headers).__name__}")
+    out: dict[str, str] = {}
+    for key, value in headers.items():
+        name = _header_key(key)
+        if name in out:
+            raise ValueError(f"header {name!r} is given twice (names are case-insensitive)")
+        out[name] = _header_value(name, value)
+    return out
+
+
+def header_env_var(key: str) -> str:
+    """Where ``--distill_header KEY`` (no value) takes the value from: ``DISTILL_HEADER_<KEY>``."""
+    return "DISTILL_HEADER_" + re.sub(r"[^0-9A-Z]", "_", key.upper())
+
+
+@dataclass(frozen=True)
+class HeaderArg:
+    """One parsed ``--distill_header``: the name, and the value, or None to read it from the
+    environment (`header_env_var`) when the options are built. Its repr hides the value, so a
+    script that prints its parsed arguments does not print the token."""
+
+    key: str
+    value: str | None
+
+    def __repr__(self) -> str:
+        shown = f"<from ${header_env_var(self.key)}>" if self.value is None else "<hidden>"
+        return f"HeaderArg({self.key!r}, {shown})"
+
+    @classmethod
+    def parse(cls, text: str) -> HeaderArg:
+        """``KEY=VALUE``, or ``KEY`` alone for a value from the environment."""
+        key, sep, value = text.partition("=")
+        name = _header_key(key.strip())
+        if not sep:
+            return cls(name, None)
+        return cls(name, _header_value(name, value))
+
+    def resolve(self) -> tuple[str, str]:
+        """(name, value), the value read from the environment if the flag did not give it."""
+        if self.value is not None:
+            return self.key, self.value
+        env = header_env_var(self.key)
+        value = os.environ.get(env)
+        if value is None:
+            raise ValueError(f"--distill_header {self.key} takes its value from ${env}, which is not set; "
+                             f"set it, or pass --distill_header {self.key}=VALUE")
+        return self.key, _header_value(self.key, value)
+
+
 def _argtype(check: Callable[[Any], _T], name: str) -> Callable[[str], _T]:
     """Wrap a checker as an argparse ``type``: argparse shows ArgumentTypeError messages verbatim."""
 
@@ -253,6 +372,40 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "reply, and take whichever answers first; 0 = off (default: adaptive, 4x the teachers' "
         "median latency and at least 250 ms)",
     )
+    g.add_argument(
+        "--distill_model",
+        type=_argtype(model_name, "model"),
+        default=None,
+        metavar="NAME",
+        help="the model to use on the teachers (default: what each teacher registered, else the one "
+        "model its repository lists); needed with a Triton that restricts its model-repository API",
+    )
+    g.add_argument(
+        "--distill_top_k",
+        type=_argtype(non_negative_int, "count"),
+        default=0,
+        metavar="K",
+        help="fetch each output's top K values and indices instead of the full tensor (OUT_TOPK_VALUES, "
+        "OUT_TOPK_INDICES; the teachers must support it); 0 = full outputs (default: %(default)s)",
+    )
+    g.add_argument(
+        "--distill_output_dtype",
+        type=_argtype(output_dtype_choice, "dtype"),
+        default=None,
+        metavar="{FP32,FP16,BF16}",
+        help="ask the teachers for outputs in this float type; FP16 and BF16 halve the bytes on the wire "
+        "(default: the model's own)",
+    )
+    g.add_argument(
+        "--distill_header",
+        type=_argtype(HeaderArg.parse, "header"),
+        action="append",
+        default=None,
+        metavar="KEY[=VALUE]",
+        help="send this gRPC header on every call to every teacher (repeatable), e.g. the access token of a "
+        "Triton that restricts its API: triton-grpc-protocol-<key>=<token>. Without =VALUE the value comes "
+        "from $DISTILL_HEADER_<KEY> (upper case, other characters as _), which keeps it off the command line",
+    )
     g.add_argument("--distill_tls_ca", metavar="FILE", help="CA certificate that signed the teachers' TLS certificates")
     g.add_argument("--distill_tls_cert", metavar="FILE", help="this student's certificate (teachers with mutual TLS)")
     g.add_argument("--distill_tls_key", metavar="FILE", help="the key of --distill_tls_cert")
@@ -285,10 +438,12 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``DistillReader`` from flags added by ``add_distill_args``.
 
     Returns a dict with keys ``teachers`` (``"host:port,host:port"`` or None), ``registry``
-    (``"etcd://..."`` or None), ``service``, ``timeout``, ``fallback``, ``no_teacher_timeout``,
-    ``max_teachers``, ``prefetch``, ``teacher_batch_size`` (0 = the teacher's max) and
-    ``hedge_after`` (seconds; "auto" when the flag is absent; None when it is 0: off). Raises
-    ``ValueError`` naming the flag to pass or fix.
+    (``"etcd://..."`` or None), ``service``, ``model`` (None: what each teacher serves), ``timeout``,
+    ``fallback``, ``no_teacher_timeout``, ``max_teachers``, ``prefetch``, ``teacher_batch_size``
+    (0 = the teacher's max), ``hedge_after`` (seconds; "auto" when the flag is absent; None when it
+    is 0: off), ``top_k``, ``output_dtype``, ``headers`` ({name: value}, values from the environment
+    where the flag gave none), the TLS files and ``registry_options``. Raises ``ValueError`` naming
+    the flag to pass or fix.
     """
     teachers = _get(args, "distill_teachers")
     registry = _get(args, "distill_registry")
@@ -330,10 +485,22 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "note that the hedge flag is in milliseconds"
         )
 
+    # Read with defaults: a namespace built by hand for an older flag set still works.
+    model = getattr(args, "distill_model", None)
+    output_dtype = getattr(args, "distill_output_dtype", None)
+    headers: dict[str, str] = {}
+    for arg in getattr(args, "distill_header", None) or ():
+        header = arg if isinstance(arg, HeaderArg) else checked(HeaderArg.parse, "--distill_header", arg)
+        name, value = header.resolve()
+        if name in headers:
+            raise ValueError(f"--distill_header {name} is given twice (names are case-insensitive)")
+        headers[name] = value
+
     return {
         "teachers": teachers,
         "registry": registry,
         "service": service,
+        "model": None if model is None else checked(model_name, "--distill_model", model),
         "timeout": timeout,
         "fallback": checked(fallback_choice, "--distill_fallback", _get(args, "distill_fallback")),
         "no_teacher_timeout": checked(
@@ -347,6 +514,10 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             non_negative_int, "--distill_teacher_batch_size", _get(args, "distill_teacher_batch_size")
         ),
         "hedge_after": hedge_after,
+        "top_k": checked(non_negative_int, "--distill_top_k", getattr(args, "distill_top_k", 0)),
+        "output_dtype": None if output_dtype is None else checked(output_dtype_choice, "--distill_output_dtype",
+                                                                  output_dtype),
+        "headers": headers,
         "tls_ca": getattr(args, "distill_tls_ca", None),
         "tls_cert": getattr(args, "distill_tls_cert", None),
         "tls_key": getattr(args, "distill_tls_key", None),

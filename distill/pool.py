@@ -13,14 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from discovery import TeacherSet, subset
-from distill.errors import NoTeacherError, TeacherMismatchError
+from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.router import Router, TeacherState
-from distill.teacher_client import InferenceClient, TeacherCallError, TeacherGoneError, TeacherMetadata
+from distill.teacher_client import (
+    InferenceClient,
+    TeacherCallError,
+    TeacherGoneError,
+    TeacherMetadata,
+    TeacherRefusedError,
+    access_refused,
+)
 
 if TYPE_CHECKING:
     from distill.reader import ReaderOptions
@@ -43,6 +51,10 @@ class TeacherPool:
         self.router = Router(service, options.router)
         self._connect = connect
         self._spawn = spawn
+        # Teachers that refused this student access: key -> "RPC answered CODE: server's message".
+        self._refused: dict[str, str] = {}
+        # Teachers whose model the reader cannot pick (none or several served, no model= given).
+        self._unnamed: set[str] = set()
 
     # ---- membership -------------------------------------------------------------------------
     async def follow(self, watch: Any) -> None:
@@ -64,6 +76,8 @@ class TeacherPool:
             entry = wanted.get(key)
             if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
                 router.remove(key)
+                self._refused.pop(key, None)
+                self._unnamed.discard(key)
                 self._spawn(self._close_when_idle(t), f"close-{t.endpoint}")
                 log.info("teacher %s left service %r", t.endpoint, self.service)
             else:
@@ -115,11 +129,18 @@ class TeacherPool:
             try:
                 meta = await t.client.fetch_metadata(self.opts.model, self.opts.model_version,
                                                      timeout=min(self.opts.timeout, 10.0))
+            except TeacherRefusedError as e:
+                self._refuse(t, e.rpc, str(e))
+                return
             except TeacherCallError as e:
+                if str(e) != t.last_error:  # the cause reaches the log once, not every retry
+                    log.info("teacher %s of service %r: metadata not fetched yet (%s); retrying",
+                             t.endpoint, self.service, e)
                 t.last_error = str(e)
             except TeacherGoneError:
                 return
             except ValueError as e:
+                self._unnamed.add(t.key)
                 self.router.mark_incompatible(t, str(e))
                 return
             else:
@@ -136,6 +157,14 @@ class TeacherPool:
             metas = [t for t in self.router.teachers.values() if t.meta is not None]
             if metas:
                 break
+            if self.refused_all():  # whatever the fallback: it is a setup error
+                raise self.no_teacher_error()
+            live = list(self.router.teachers.values())
+            if live and all(t.incompatible is not None for t in live) and any(t.key in self._unnamed for t in live):
+                raise TeacherMismatchError(
+                    f"service {self.service!r}: no teacher can be used: "
+                    f"{'; '.join(t.describe() for t in live[:5])}. Pass model='NAME' (--distill_model NAME)."
+                )
             if time.monotonic() >= deadline:
                 if self.opts.fallback == "hard_labels":
                     log.warning("no teacher for service %r yet; training on hard labels until one appears",
@@ -161,6 +190,8 @@ class TeacherPool:
 
     def no_teacher_error(self) -> NoTeacherError:
         """The error naming every teacher of the pool and its state, and what to do."""
+        if any(key in self._refused for key in self.router.teachers):
+            return self._access_error()
         tried = ", ".join(t.describe() for t in self.router.teachers.values()) or "none found"
         where = f"registry {self.opts.registry}" if self.opts.registry else "the static teacher list"
         return NoTeacherError(
@@ -169,9 +200,60 @@ class TeacherPool:
             "or pass fallback='hard_labels' to train on labels alone meanwhile."
         )
 
+    # ---- access refusals ---------------------------------------------------------------------
+    def refused_all(self) -> bool:
+        """Every teacher is out for good and at least one refused this student access. A server's
+        access rules do not change by waiting, so the reader says so now rather than after
+        `no_teacher_timeout`."""
+        live = list(self.router.teachers.values())
+        return (bool(live) and all(t.incompatible is not None for t in live)
+                and any(t.key in self._refused for t in live))
+
+    def _refuse(self, t: TeacherState, rpc: str, error: str) -> None:
+        """`t` refused this student `rpc` (`error` is "CODE: the server's message"): it stays out,
+        since retrying with the same headers cannot succeed; `no_teacher_error` explains it."""
+        message = error[:300]
+        self._refused[t.key] = f"{rpc} answered {message}"
+        self.router.mark_incompatible(t, f"it refused {rpc} to this student ({message})")
+
+    def _access_error(self) -> TeacherAccessError:
+        """Which teachers refused what, in the servers' own words, and how to get in."""
+        refused = [(t, self._refused[t.key]) for t in self.router.teachers.values() if t.key in self._refused]
+        others = [t.describe() for t in self.router.teachers.values() if t.key not in self._refused]
+        shown = "; ".join(f"{t.endpoint}: {what}" for t, what in refused[:3])
+        if len(refused) > 3:
+            shown += f"; and {len(refused) - 3} more"
+        wanted = sorted({m.group(1) for _, what in refused
+                         for m in [re.search(r"expecting header '([^']{1,200})'", what)] if m})
+        header = wanted[0] if wanted else "HEADER"
+        fixes = []
+        index = any(what.startswith("RepositoryIndex ") for _, what in refused)
+        if index:
+            fixes.append("pass model='NAME' (--distill_model NAME), so the reader need not list the server's "
+                         "models through its model-repository API (it then calls only metadata, config, "
+                         "readiness and inference)")
+        if self.opts.headers:
+            fixes.append(f"check the headers this reader sends ({', '.join(sorted(self.opts.headers))}): the "
+                         f"server did not accept them; it expects {header!r} with its access token")
+        else:
+            fixes.append(f"{'if the server restricts those calls too, ' if index else ''}pass "
+                         f"headers={{{header!r}: TOKEN}} (--distill_header {header}=TOKEN) with the access "
+                         "token the server was started with")
+        return TeacherAccessError(
+            f"service {self.service!r}: {len(refused)} teacher(s) refused this student: {shown}. The server "
+            "restricts part of its API to clients that send an access header (a hardened Triton; PyTriton "
+            f"restricts its model-repository API by default). To fix: {'; '.join(fixes)}."
+            + (f" Other teachers: {', '.join(others[:5])}." if others else "")
+        )
+
     # ---- readmission --------------------------------------------------------------------------
     def probe_if_ejected(self, t: TeacherState) -> None:
-        """Start the readiness probe of an ejected teacher, once."""
+        """Start the readiness probe of an ejected teacher, once; a teacher whose last failure was a
+        refusal of access (the router's `last_error` is "CODE: message") stays out instead."""
+        code, _, details = t.last_error.partition(": ")
+        if t.needs_probe and not t.removed and t.incompatible is None and access_refused(code, details):
+            self._refuse(t, "ModelInfer", t.last_error)
+            return
         if t.needs_probe and not t.probing and not t.removed:
             t.probing = True
             self._spawn(self._probe(t), f"probe-{t.endpoint}")
@@ -188,6 +270,9 @@ class TeacherPool:
                 try:
                     ok = await t.client.ready(t.meta.model_name, timeout=self.router.config.probe_timeout_s)
                     detail = "" if ok else "ModelReady answered not ready"
+                except TeacherRefusedError as e:
+                    self._refuse(t, e.rpc, str(e))
+                    return
                 except TeacherCallError as e:
                     ok, detail = False, f"probe: {e}"
                 except TeacherGoneError:

@@ -36,9 +36,11 @@ from distill.engine import Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.fields import normalize_inputs
 from distill.flags import (
+    OUTPUT_DTYPES,
     checked,
     distill_options_from_args,
     fallback_choice,
+    headers_map,
     non_negative_int,
     positive_float,
     positive_int,
@@ -49,7 +51,7 @@ from distill.teacher_client import ClientTLS
 
 log = logging.getLogger("distill.reader")
 
-_FLOAT_DTYPES = ("FP32", "FP16", "BF16")
+_FLOAT_DTYPES = OUTPUT_DTYPES
 
 
 def default_student_id() -> str:
@@ -77,7 +79,8 @@ class ReaderOptions:
         registry: "etcd://host:2379[,host:2379]" to find teachers under `service` as they come and go.
         service: the service name(s) in the registry; several give a mixture of teachers, and the
             outputs come per service: {service: {name: tensor}}.
-        model: model name on the teachers (default: what each teacher registered / serves).
+        model: model name on the teachers (default: what each teacher registered / serves). Needed
+            with a Triton that restricts its model-repository API (PyTriton does by default).
         timeout: deadline per chunk, seconds; a chunk that misses it goes to another teacher.
         no_teacher_timeout: seconds without any usable teacher before NoTeacherError (or fallback).
         fallback: "error" (default) or "hard_labels": yield None outputs while there is no teacher, and
@@ -98,6 +101,9 @@ class ReaderOptions:
         tls_server_name: the name to verify in the teachers' certificates, when it differs from the
             endpoint's host.
         router: the router's tuning (limits, backoff, probe deadline).
+        headers: gRPC headers sent on every call to every teacher, e.g. the access token of a Triton
+            that restricts its API: {"triton-grpc-protocol-<key>": token}. Names are lower-cased;
+            values are never logged or shown in the options' repr.
     """
 
     inputs: Any  # an InputSpec (distill.fields); a {teacher input: batch field} dict after validation
@@ -125,6 +131,7 @@ class ReaderOptions:
     tls_key: str | None = None
     tls_server_name: str | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # values are credentials
     # Derived in __post_init__:
     services: tuple[str, ...] = field(init=False)
     static: Mapping[str, str] | None = field(init=False)  # service -> "host:port,..." for fixed lists
@@ -177,6 +184,7 @@ class ReaderOptions:
             "student_id": self.student_id or default_student_id(),
             "registry_options": dict(self.registry_options or {}),
             "router": self.router or RouterConfig(),
+            "headers": checked(headers_map, "headers", self.headers),
             "services": services, "static": static, "client_tls": tls,
         }
         for name, value in normalised.items():

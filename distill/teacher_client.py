@@ -161,6 +161,26 @@ class MalformedAnswerError(ValueError):
     """The teacher answered, but not what was asked (missing outputs, wrong shapes or sizes)."""
 
 
+class TeacherRefusedError(TeacherCallError):
+    """The teacher refused this student access to `rpc` (see `access_refused`); retrying with the same
+    request and headers cannot succeed."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, rpc: str) -> None:
+        super().__init__(code, details)
+        self.rpc = rpc
+
+
+def access_refused(code: grpc.StatusCode | str, details: str) -> bool:
+    """Whether a call's status says the server refuses this client, rather than being down or busy:
+    UNAUTHENTICATED, PERMISSION_DENIED, or Triton's restricted protocols, which answer UNAVAILABLE
+    "This protocol is restricted, expecting header '...'". `code` may be the status's name, as in
+    `str(TeacherCallError)` and the router's `last_error` ("CODE: details")."""
+    name = code if isinstance(code, str) else code.name
+    if name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return True
+    return name == "UNAVAILABLE" and "restricted" in details.lower()
+
+
 @dataclass(frozen=True)
 class ChunkRequest:
     """Rows [start, stop) of one batch's inputs for one teacher, and which outputs to fetch."""
@@ -268,8 +288,11 @@ class TeacherClient:
     `TeacherCallError` / `TeacherGoneError` rather than gRPC's own exceptions."""
 
     def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None = None,
-                 server_name: str | None = None) -> None:
+                 server_name: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         self.endpoint = endpoint
+        # Sent as call metadata on every call (access tokens: never logged). Keys must already be
+        # valid lower-case gRPC metadata keys (`ReaderOptions` checks them).
+        self._metadata: tuple[tuple[str, str], ...] | None = tuple(headers.items()) if headers else None
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         else:
@@ -283,7 +306,8 @@ class TeacherClient:
         """One ModelInfer of a chunk, pre-serialized, with a deadline; the checked outputs."""
         wire = encode_request(request)
         try:
-            response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout)
+            response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout,
+                                                                          metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise call_error(e.code(), e.details() or "") from None
         except grpc.aio.UsageError:
@@ -295,10 +319,8 @@ class TeacherClient:
     async def ready(self, model: str, timeout: float) -> bool:
         """ModelReady: the cheap probe that tells a hung teacher from one that answers again."""
         try:
-            response = await self._channel.unary_unary(
-                _READY, request_serializer=service_pb2.ModelReadyRequest.SerializeToString,
-                response_deserializer=service_pb2.ModelReadyResponse.FromString,
-            )(service_pb2.ModelReadyRequest(name=model), timeout=timeout)
+            response = await self._unary(_READY, service_pb2.ModelReadyRequest(name=model),
+                                         service_pb2.ModelReadyResponse, timeout)
         except grpc.aio.AioRpcError as e:
             raise TeacherCallError(e.code(), e.details() or "") from None
         except grpc.aio.UsageError:
@@ -307,7 +329,8 @@ class TeacherClient:
 
     async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given.
-        ValueError when the teacher serves several models and none was named."""
+        ValueError when the teacher serves several models (or none) and none was named;
+        TeacherRefusedError when the teacher refuses one of these calls to this client."""
         try:
             return await self._fetch_metadata(model, version, timeout)
         except grpc.aio.AioRpcError as e:
@@ -317,25 +340,19 @@ class TeacherClient:
 
     async def _fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         if not model:
-            index = await self._channel.unary_unary(
-                _INDEX, request_serializer=service_pb2.RepositoryIndexRequest.SerializeToString,
-                response_deserializer=service_pb2.RepositoryIndexResponse.FromString,
-            )(service_pb2.RepositoryIndexRequest(ready=True), timeout=timeout)
+            index = await self._unary(_INDEX, service_pb2.RepositoryIndexRequest(ready=True),
+                                      service_pb2.RepositoryIndexResponse, timeout)
             names = sorted({m.name for m in index.models if m.state in ("", "READY")})
             if len(names) != 1:
                 raise ValueError(
                     f"teacher {self.endpoint} serves {names or 'no ready model'}; pass model=NAME to the reader "
-                    "to say which one to use"
+                    "(--distill_model NAME) to say which one to use"
                 )
             model = names[0]
-        meta = await self._channel.unary_unary(
-            _METADATA, request_serializer=service_pb2.ModelMetadataRequest.SerializeToString,
-            response_deserializer=service_pb2.ModelMetadataResponse.FromString,
-        )(service_pb2.ModelMetadataRequest(name=model, version=version), timeout=timeout)
-        config = await self._channel.unary_unary(
-            _CONFIG, request_serializer=service_pb2.ModelConfigRequest.SerializeToString,
-            response_deserializer=service_pb2.ModelConfigResponse.FromString,
-        )(service_pb2.ModelConfigRequest(name=model, version=version), timeout=timeout)
+        meta = await self._unary(_METADATA, service_pb2.ModelMetadataRequest(name=model, version=version),
+                                 service_pb2.ModelMetadataResponse, timeout)
+        config = await self._unary(_CONFIG, service_pb2.ModelConfigRequest(name=model, version=version),
+                                   service_pb2.ModelConfigResponse, timeout)
         max_batch = config.config.max_batch_size
 
         def tensors(ts: Any) -> dict[str, TensorMeta]:
@@ -345,6 +362,20 @@ class TeacherClient:
 
         return TeacherMetadata(meta.name, version or (meta.versions[-1] if meta.versions else ""),
                                max_batch, tensors(meta.inputs), tensors(meta.outputs))
+
+    async def _unary(self, method: str, request: Any, response_type: Any, timeout: float) -> Any:
+        """One control-plane call with this client's headers and a deadline; a refusal of access
+        comes out as `TeacherRefusedError` naming the call, other failures as gRPC's own errors."""
+        try:
+            return await self._channel.unary_unary(
+                method, request_serializer=type(request).SerializeToString,
+                response_deserializer=response_type.FromString,
+            )(request, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details() or ""
+            if access_refused(code, details):
+                raise TeacherRefusedError(code, details, method.rsplit("/", 1)[-1]) from None
+            raise
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

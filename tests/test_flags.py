@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from distill import add_distill_args, distill_options_from_args
+from distill import ReaderOptions, add_distill_args, distill_options_from_args
+from distill.flags import HeaderArg, header_env_var, headers_map
 
 KEYS = {
     "teachers",
     "registry",
     "service",
+    "model",
+    "top_k",
+    "output_dtype",
+    "headers",
     "timeout",
     "fallback",
     "no_teacher_timeout",
@@ -48,6 +54,7 @@ def test_static_teachers_with_defaults() -> None:
         "teachers": "127.0.0.1:9898,127.0.0.1:9899",
         "registry": None,
         "service": None,
+        "model": None,
         "timeout": 10.0,
         "fallback": "error",
         "no_teacher_timeout": 60.0,
@@ -55,6 +62,9 @@ def test_static_teachers_with_defaults() -> None:
         "prefetch": 4,
         "teacher_batch_size": 0,
         "hedge_after": "auto",
+        "top_k": 0,
+        "output_dtype": None,
+        "headers": {},
         "tls_ca": None,
         "tls_cert": None,
         "tls_key": None,
@@ -74,6 +84,10 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_prefetch", "8",
             "--distill_teacher_batch_size", "128",
             "--distill_hedge_ms", "250",
+            "--distill_model", "resnet50_trt",
+            "--distill_top_k", "20",
+            "--distill_output_dtype", "bf16",
+            "--distill_header", "Triton-GRPC-Protocol-Triton-Access-Token=s3cret-token",
         ]
     )  # fmt: skip
     assert set(opts) == KEYS
@@ -87,6 +101,10 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["prefetch"] == 8
     assert opts["teacher_batch_size"] == 128
     assert opts["hedge_after"] == pytest.approx(0.25)
+    assert opts["model"] == "resnet50_trt"
+    assert opts["top_k"] == 20
+    assert opts["output_dtype"] == "BF16"
+    assert opts["headers"] == {"triton-grpc-protocol-triton-access-token": "s3cret-token"}  # name lower-cased
 
 
 def test_addresses_are_normalised() -> None:
@@ -114,6 +132,10 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_prefetch",
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
+        "--distill_model",
+        "--distill_top_k",
+        "--distill_output_dtype",
+        "--distill_header",
         "--distill_tls_ca",
         "--distill_tls_cert",
         "--distill_tls_key",
@@ -262,8 +284,98 @@ def test_bad_service(value: str, message: str, capsys: pytest.CaptureFixture[str
         ("--distill_hedge_ms", "-5", "must be >= 0"),
         ("--distill_hedge_ms", "inf", "finite"),
         ("--distill_fallback", "retry", "invalid choice"),
+        ("--distill_top_k", "-1", "must be an integer >= 0"),
+        ("--distill_top_k", "many", "expected an integer"),
+        ("--distill_output_dtype", "FP8", "must be one of FP32, FP16, BF16"),
+        ("--distill_model", "", "must be a model name"),
+        ("--distill_model", " m", "surrounding spaces"),
     ],
 )
 def test_bad_numbers_and_choices(flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error([f"{flag}={value}"], capsys)
     assert flag in err and message in err
+
+
+# ---------------------------------------------------------------- model, top-k, dtype, headers
+
+
+def test_new_options_reach_the_reader_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTILL_HEADER_X_TEAM_TOKEN", "from-the-env")
+    args = parse(["--distill_teachers", "a:1", "--distill_model", "linear", "--distill_top_k", "4",
+                  "--distill_output_dtype", "fp16", "--distill_header", "x-api-key=k1",
+                  "--distill_header", "X-Team.Token"])
+    opts = ReaderOptions.from_args(args, inputs=["INPUT"])
+    assert opts.model == "linear"
+    assert opts.top_k == 4
+    assert opts.output_dtype == "FP16"
+    assert dict(opts.headers) == {"x-api-key": "k1", "x-team.token": "from-the-env"}
+    # Tokens stay out of what scripts print: the parsed flags and the options.
+    for shown in (repr(args), str(args), repr(opts)):
+        assert "k1" not in shown and "from-the-env" not in shown
+    assert "HeaderArg('x-api-key', <hidden>)" in repr(args)
+    assert "<from $DISTILL_HEADER_X_TEAM_TOKEN>" in repr(args)
+
+
+def test_header_from_an_unset_environment_variable() -> None:
+    assert header_env_var("triton-grpc-protocol-triton-access-token") == \
+        "DISTILL_HEADER_TRITON_GRPC_PROTOCOL_TRITON_ACCESS_TOKEN"
+    args = parse(["--distill_teachers", "a:1", "--distill_header", "x-never-set-in-tests"])
+    with pytest.raises(ValueError, match=r"\$DISTILL_HEADER_X_NEVER_SET_IN_TESTS, which is not set"):
+        distill_options_from_args(args)
+
+
+def test_header_given_twice_rejected() -> None:
+    with pytest.raises(ValueError, match="--distill_header x-key is given twice"):
+        options(["--distill_teachers", "a:1", "--distill_header", "x-key=1", "--distill_header", "X-Key=2"])
+
+
+def test_hand_built_namespace_headers_and_defaults() -> None:
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_header = ["X-Key=v"]  # strings, as a script may set them
+    assert distill_options_from_args(args)["headers"] == {"x-key": "v"}
+    args.distill_header = ["bad key=v"]
+    with pytest.raises(ValueError, match="--distill_header: header name 'bad key' is not a valid"):
+        distill_options_from_args(args)
+    # A namespace from an older flag set, without the newer flags, gets their defaults.
+    older = argparse.Namespace(**{k: v for k, v in vars(parse(["--distill_teachers", "a:1"])).items()
+                                  if k not in ("distill_model", "distill_top_k", "distill_output_dtype",
+                                               "distill_header")})
+    opts = distill_options_from_args(older)
+    assert (opts["model"], opts["top_k"], opts["output_dtype"], opts["headers"]) == (None, 0, None, {})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("grpc-timeout=1", "is reserved"),
+        ("content-type=x", "is reserved"),
+        ("x-token-bin=abc", "'-bin'"),
+        ("bad key=tok3n", "not a valid gRPC metadata key"),
+        ("=tok3n", "non-empty string"),
+        ("x-key=", "the value is empty"),
+        ("x-key=tok3n\u00e9", "printable ASCII"),
+        ("x-key=tok3n\nX", "printable ASCII"),
+    ],
+)
+def test_bad_headers(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["--distill_header", value], capsys)
+    assert "--distill_header" in err and message in err
+    assert "tok3n" not in err.replace("bad key", "")  # the value is never shown
+
+
+def test_reader_options_check_and_lower_case_headers() -> None:
+    opts = ReaderOptions(inputs=["X"], teachers="a:1", headers={"Authorization": "Bearer abc"})
+    assert dict(opts.headers) == {"authorization": "Bearer abc"}
+    assert "abc" not in repr(opts)
+    assert ReaderOptions(inputs=["X"], teachers="a:1").headers == {}
+    with pytest.raises(ValueError, match="headers: header name 'x y' is not a valid gRPC metadata key"):
+        ReaderOptions(inputs=["X"], teachers="a:1", headers={"x y": "v"})
+    with pytest.raises(ValueError, match="headers: header 'a' is given twice"):
+        ReaderOptions(inputs=["X"], teachers="a:1", headers={"a": "1", "A": "2"})
+    with pytest.raises(ValueError, match="headers: header 'k': the value must be a string, got a bytes"):
+        ReaderOptions(inputs=["X"], teachers="a:1", headers={"k": b"v"})
+    pairs: Any = [("k", "v")]
+    with pytest.raises(ValueError, match="headers: expected a mapping"):
+        ReaderOptions(inputs=["X"], teachers="a:1", headers=pairs)
+    assert headers_map(None) == {}
+    assert repr(HeaderArg.parse("K=v")) == "HeaderArg('k', <hidden>)"

@@ -8,8 +8,13 @@ exact in FP32 and outputs are compared bit for bit with numpy's `x @ W`.
 
 from __future__ import annotations
 
+import argparse
+import logging
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +23,7 @@ import tritonclient.grpc as tg
 from tritonclient.utils import InferenceServerException
 
 import distill
+from distill.errors import TeacherAccessError
 from tests.pytriton_env import PyTritonServer, PyTritonUnavailable, check_platform, pytriton_server, pytriton_venv
 from tests.pytriton_server import weights
 
@@ -25,6 +31,11 @@ from tests.pytriton_server import weights
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 DIM, CLASSES, MAX_BATCH = 16, 10, 64
+# Every endpoint group Triton can restrict but health (PyTriton's own start-up check calls it without
+# the header): metadata, config and inference answer only with the access header.
+LOCKED_ENDPOINTS = "metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
+# Far longer than any test may run: an error that comes at all came from the refusal, not the timeout.
+NEVER_S = 3600.0
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +60,14 @@ def hardened_triton(pytriton_python: Path, tmp_path_factory: pytest.TempPathFact
     """A Triton with PyTriton's default restriction: model-repository, statistics, ... need a header."""
     with pytriton_server(model="linear", dim=DIM, classes=CLASSES, max_batch_size=MAX_BATCH, restrict="default",
                          venv=pytriton_python, log_dir=tmp_path_factory.mktemp("pytriton-hardened")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def locked_triton(pytriton_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PyTritonServer]:
+    """A Triton that restricts metadata, config and inference too, to callers with the header."""
+    with pytriton_server(model="linear", dim=DIM, classes=CLASSES, max_batch_size=MAX_BATCH, restrict=LOCKED_ENDPOINTS,
+                         venv=pytriton_python, log_dir=tmp_path_factory.mktemp("pytriton-locked")) as server:
         yield server
 
 
@@ -85,9 +104,9 @@ def test_tritonclient_gets_exactly_x_at_w(open_triton: PyTritonServer) -> None:
             infer(client, open_triton.model, integer_inputs(MAX_BATCH + 1, 99))
 
 
-def train_through_reader(server: PyTritonServer) -> list[int]:
-    """A few KD steps through DistillReader(model=...); checks every teacher output against x @ W and
-    returns the batch ids in the order the reader delivered them."""
+def train_through_reader(server: PyTritonServer, **reader_options: Any) -> list[int]:
+    """A few KD steps through DistillReader(model=..., **reader_options); checks every teacher output
+    against x @ W and returns the batch ids in the order the reader delivered them."""
     w = torch.from_numpy(weights(DIM, CLASSES))
     # Sizes around and over the teacher's max_batch_size: the reader splits the 150-row batch.
     sizes = (5, 32, MAX_BATCH, 150, 1, 17)
@@ -102,7 +121,7 @@ def train_through_reader(server: PyTritonServer) -> list[int]:
     kd = distill.KDLoss(temperature=4.0, alpha=0.5)
     seen: list[int] = []
     with distill.DistillReader(loader, teachers=server.grpc_url, model=server.model, inputs=["INPUT"],
-                               outputs=["LOGITS"], timeout=30.0, no_teacher_timeout=60.0) as reader:
+                               outputs=["LOGITS"], timeout=30.0, no_teacher_timeout=60.0, **reader_options) as reader:
         for batch, teacher in reader:
             assert len(seen) < len(sizes), "the reader delivered more batches than the loader has"
             logits = teacher["LOGITS"]
@@ -143,6 +162,113 @@ def test_hardened_triton_restricts_the_repository_api(hardened_triton: PyTritonS
 def test_reader_with_model_trains_against_hardened_triton(hardened_triton: PyTritonServer) -> None:
     """With model= the student needs only metadata, config and inference, which stay open."""
     assert train_through_reader(hardened_triton) == list(range(6))
+
+
+def first_error(server: PyTritonServer, within_s: float = 120.0, **reader_options: Any) -> BaseException:
+    """What a reader for `server` raises when started and iterated once. The reader runs on a daemon
+    thread and is waited for at most `within_s`, so a reader that hangs fails the test without
+    holding up the session."""
+    loader = [{"INPUT": torch.from_numpy(integer_inputs(4, 1))}]
+    outcome: queue.Queue[BaseException | None] = queue.Queue()
+
+    def run() -> None:
+        try:
+            with distill.DistillReader(loader, teachers=server.grpc_url, inputs=["INPUT"], outputs=["LOGITS"],
+                                       timeout=10.0, **reader_options) as reader:
+                for _ in reader:
+                    pass
+        except BaseException as e:  # handed to the test thread
+            outcome.put(e)
+        else:
+            outcome.put(None)
+
+    threading.Thread(target=run, name="reader-under-test", daemon=True).start()
+    try:
+        error = outcome.get(timeout=within_s)
+    except queue.Empty:
+        pytest.fail(f"the reader neither failed nor finished within {within_s:g} s")
+    assert error is not None, "the reader trained although the server should have refused it"
+    return error
+
+
+def test_hardened_triton_without_model_fails_at_once_naming_the_fix(hardened_triton: PyTritonServer) -> None:
+    """Issue #12: RepositoryIndex refused. The reader raises at once (not after no_teacher_timeout,
+    whatever the fallback), quoting the server and naming model= / --distill_model and the header."""
+    r = hardened_triton.restriction
+    assert r is not None
+    for fallback in ("error", "hard_labels"):
+        error = first_error(hardened_triton, no_teacher_timeout=NEVER_S, fallback=fallback)
+        assert isinstance(error, TeacherAccessError) and isinstance(error, distill.NoTeacherError), repr(error)
+        message = str(error)
+        assert hardened_triton.grpc_url in message
+        assert "RepositoryIndex answered UNAVAILABLE: This protocol is restricted" in message
+        assert r.grpc_header in message
+        assert "model='NAME' (--distill_model NAME)" in message
+        assert f"headers={{{r.grpc_header!r}: TOKEN}} (--distill_header {r.grpc_header}=TOKEN)" in message
+        assert "Start teacher-server processes" not in message
+    # With the header the index answers, but PyTriton's lists no model (it loads them through the
+    # load API): the reader cannot pick one and says at once to name it.
+    error = first_error(hardened_triton, no_teacher_timeout=NEVER_S, headers=r.grpc_metadata())
+    assert isinstance(error, distill.TeacherMismatchError), repr(error)
+    assert "serves no ready model" in str(error) and "model='NAME' (--distill_model NAME)" in str(error)
+    assert r.value not in str(error)
+
+
+def test_locked_triton_with_model_and_headers_trains(locked_triton: PyTritonServer) -> None:
+    """Metadata, config, readiness and inference all restricted: with model= and the header, the
+    reader trains and gets x @ W exactly."""
+    r = locked_triton.restriction
+    assert r is not None and "inference" in r.endpoints and "metadata" in r.endpoints
+    assert train_through_reader(locked_triton, headers=r.grpc_metadata()) == list(range(6))
+    # The same from the flags, header names in any case.
+    parser = distill.add_distill_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--distill_teachers", locked_triton.grpc_url, "--distill_model", locked_triton.model,
+                              "--distill_header", f"{r.grpc_header.upper()}={r.value}"])
+    x = integer_inputs(9, 5)
+    with distill.DistillReader.from_args(args, [{"INPUT": torch.from_numpy(x)}], inputs=["INPUT"]) as reader:
+        outputs = [teacher["LOGITS"] for _, teacher in reader]
+    assert len(outputs) == 1
+    torch.testing.assert_close(outputs[0], torch.from_numpy(x @ weights(DIM, CLASSES)), rtol=0, atol=0)
+
+
+def test_locked_triton_without_the_header_fails_at_once(locked_triton: PyTritonServer,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """model= given but no header (or a wrong one): ModelMetadata is refused; the error says which
+    header to send, and neither it nor any log line shows a token this reader sent."""
+    r = locked_triton.restriction
+    assert r is not None
+    error = first_error(locked_triton, model=locked_triton.model, no_teacher_timeout=NEVER_S)
+    assert isinstance(error, TeacherAccessError), repr(error)
+    message = str(error)
+    assert "ModelMetadata answered UNAVAILABLE: This protocol is restricted" in message
+    assert f"pass headers={{{r.grpc_header!r}: TOKEN}} (--distill_header {r.grpc_header}=TOKEN)" in message
+    assert "--distill_model" not in message  # the model was named: that is not the problem here
+
+    wrong = "not-the-token-" + r.value[:6]
+    with caplog.at_level(logging.DEBUG):
+        error = first_error(locked_triton, model=locked_triton.model, no_teacher_timeout=NEVER_S,
+                            headers={r.grpc_header: wrong})
+    assert isinstance(error, TeacherAccessError), repr(error)
+    message = str(error)
+    assert f"check the headers this reader sends ({r.grpc_header})" in message
+    assert wrong not in message and r.value not in message
+    assert "This protocol is restricted" in caplog.text  # the server's words reach the log
+    assert wrong not in caplog.text
+
+
+def test_triton_refusing_inference_fails_at_once(pytriton_python: Path, tmp_path: Path) -> None:
+    """Only inference restricted: the reader starts (metadata is open), its first chunk is refused,
+    and the epoch ends at once with the refusal, not after no_teacher_timeout, whatever the fallback."""
+    with pytriton_server(model="linear", dim=DIM, classes=CLASSES, restrict="inference", venv=pytriton_python,
+                         log_dir=tmp_path) as server:
+        r = server.restriction
+        assert r is not None and r.endpoints == ("inference",)
+        for fallback in ("error", "hard_labels"):
+            error = first_error(server, model=server.model, no_teacher_timeout=NEVER_S, fallback=fallback)
+            assert isinstance(error, TeacherAccessError), repr(error)
+            message = str(error)
+            assert f"{server.grpc_url}: ModelInfer answered UNAVAILABLE: This protocol is restricted" in message
+            assert f"pass headers={{{r.grpc_header!r}: TOKEN}}" in message
 
 
 def test_server_stops_cleanly_on_sigterm(pytriton_python: Path, tmp_path: Path) -> None:
