@@ -1,5 +1,5 @@
 """The reader's engine: an asyncio program on a background thread. Orchestration only: epochs,
-dispatch (with hedging and retry) and delivery; the pool (`distill.pool`) keeps the teachers, the
+dispatch (with hedging and retry); the batches and their delivery are `distill.batches`; the pool (`distill.pool`) keeps the teachers, the
 router (`distill.router`) chooses among them, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
@@ -36,17 +36,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-import torch
 
 from discovery import Registry, open_registry
+from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
 from distill.errors import BatchRejectedError
-from distill.fields import FieldArray, LoaderThread, extract_inputs
 from distill.pool import Connect, TeacherPool
-from distill.router import Signature, TeacherState
+from distill.router import TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats
 from distill.teacher_client import (
     ChunkRequest,
@@ -64,54 +62,6 @@ if TYPE_CHECKING:
     from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
-
-
-class Sink(Protocol):
-    """Where finished work goes: the reader's queue to the training loop (`distill.reader`)."""
-
-    def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None: ...
-
-    def end(self, epoch: int) -> None: ...
-
-    def error(self, epoch: int, error: BaseException) -> None: ...
-
-    def rejected(self, epoch: int, error: BaseException) -> None:
-        """This one batch failed (`BatchRejectedError`) in its place in the order; the epoch goes on."""
-
-
-@dataclass(eq=False)
-class Job:
-    epoch: int
-    seq: int
-    batch: Any = None
-    size: int = 0
-    fields: dict[str, FieldArray] = field(default_factory=dict)
-    signature: Signature = ()
-    remaining: dict[str, int] = field(default_factory=dict)
-    outputs: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
-    error: BaseException | None = None
-    delivered: bool = False
-
-
-@dataclass(eq=False)
-class Chunk:
-    job: Job
-    service: str
-    start: int
-    stop: int
-    done: bool = False
-    winner: str = ""
-    sends: set[asyncio.Task[None]] = field(default_factory=set)
-    tried: set[str] = field(default_factory=set)
-    refusals: dict[str, str] = field(default_factory=dict)  # teacher key -> what it said of this input
-    suspect: bool = False  # refused once: goes through the service's suspect lane
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-
-_END_OF_LOADER = object()
 
 
 class _Service:
@@ -166,7 +116,8 @@ class Engine:
     def __init__(self, options: ReaderOptions, sink: Sink, meter: ConsumptionMeter,
                  connect: Connect | None = None) -> None:
         self.opts = options
-        self._sink = sink
+        self._delivery = Delivery(sink, ordered=options.ordered, multi_service=len(options.services) > 1,
+                                  pin_memory=options.pin_memory)
         self._meter = meter
         self._tls = options.client_tls.credentials() if options.client_tls is not None else None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -179,9 +130,6 @@ class Engine:
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(options.prefetch)
-        self._ready: dict[int, Job] = {}
-        self._next_seq = 0
-        self._end_seq: int | None = None
         self.fallback_batches = 0
         self.rejected_batches = 0
         self.retries = 0
@@ -237,9 +185,7 @@ class Engine:
             self._epoch_task.cancel()
         self.epoch += 1
         self._slots = asyncio.Semaphore(self.opts.prefetch)
-        self._ready = {}
-        self._next_seq = 0
-        self._end_seq = None
+        self._delivery.reset(self.epoch)
         for svc in self._services.values():
             svc.clear()
         self._epoch_task = self._spawn(self._read(self.epoch, loader), f"epoch-{self.epoch}")
@@ -263,7 +209,7 @@ class Engine:
             try:
                 batch = next(iterator)
             except StopIteration:
-                return _END_OF_LOADER
+                return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
             return batch, size, fields
 
@@ -279,9 +225,8 @@ class Engine:
                 return
             if epoch != self.epoch:
                 return
-            if item is _END_OF_LOADER:
-                self._end_seq = seq
-                self._flush()
+            if item is END_OF_LOADER:
+                self._delivery.end_at(seq)
                 return
             batch, size, fields = cast(tuple[Any, int, dict[str, FieldArray]], item)
             job = Job(epoch, seq, batch, size, fields,
@@ -292,11 +237,7 @@ class Engine:
                 svc.push(Chunk(job, svc.name, 0, size))
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
-        if epoch != self.epoch:
-            return
-        self._ready[seq] = Job(epoch, seq, error=error)
-        self._end_seq = seq + 1
-        self._flush()
+        self._delivery.fail_at(epoch, seq, error)
 
     # ---- dispatch -----------------------------------------------------------------------------
     def _dropped(self, svc: _Service, chunk: Chunk) -> bool:
@@ -382,7 +323,7 @@ class Engine:
                     "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
                     "such batches, or pass fallback='hard_labels' to train on them with labels alone.")
             job.remaining = dict.fromkeys(job.remaining, 0)
-        self._maybe_complete(job)
+        self._delivery.maybe_complete(job)
 
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
         svc.release(chunk)
@@ -395,7 +336,7 @@ class Engine:
             log.warning("no teacher for service %r: batch %d goes on with hard labels", svc.name, job.seq)
         job.outputs[svc.name] = None
         job.remaining[svc.name] = 0
-        self._maybe_complete(job)
+        self._delivery.maybe_complete(job)
 
     def _send(self, svc: _Service, chunk: Chunk, t: TeacherState) -> None:
         # Counted now, not when the call task first runs: the dispatcher hands out every queued chunk
@@ -520,7 +461,7 @@ class Engine:
         started = time.perf_counter()
         try:
             outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
-            self._fits_batch(chunk, outputs)
+            self._delivery.check_fits(chunk, outputs)
         except RequestRejectedError as e:
             router.rejected(t, str(e))
             self._refused(svc, chunk, t, str(e))
@@ -556,7 +497,7 @@ class Engine:
         for other in list(chunk.sends):
             if other is not asyncio.current_task():
                 other.cancel()
-        self._fill(chunk, outputs)
+        self._delivery.fill(chunk, outputs)
 
     def _retry(self, svc: _Service, chunk: Chunk) -> None:
         if chunk.done or chunk.job.epoch != self.epoch:
@@ -589,71 +530,8 @@ class Engine:
         chunk.suspect = True
         svc.push(chunk, front=True)
 
-    def _fits_batch(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
-        """An answer must match the answers already in the batch's tensors (outputs whose metadata
-        leaves a dimension open, -1, can still disagree between teachers)."""
-        dest = chunk.job.outputs.get(chunk.service)
-        for name, value in outputs.items():
-            buf = None if dest is None else dest.get(name)
-            if buf is not None and buf.shape[1:] != value.shape[1:]:
-                raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
-                                           f"batch's other chunks have {list(buf.shape[1:])}")
-
-    def _fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
-        job = chunk.job
-        if job.epoch != self.epoch or job.delivered or job.error is not None:
-            return
-        dest = job.outputs.setdefault(chunk.service, {})
-        if dest is None:  # this service already fell back to hard labels for the batch
-            return
-        for name, value in outputs.items():
-            buf = dest.get(name)
-            if buf is None:
-                buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.opts.pin_memory)
-                dest[name] = buf
-            buf[chunk.start:chunk.stop].copy_(value)
-        job.remaining[chunk.service] -= chunk.size
-        self._maybe_complete(job)
-
-    # ---- delivery ---------------------------------------------------------------------------
-    def _maybe_complete(self, job: Job) -> None:
-        if job.delivered or any(job.remaining.values()):
-            return
-        job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
-        if self.opts.ordered:
-            self._ready[job.seq] = job
-            self._flush()
-        else:
-            self._deliver(job)
-            self._next_seq += 1
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.opts.ordered:
-            while self._next_seq in self._ready:
-                job = self._ready.pop(self._next_seq)
-                self._next_seq += 1
-                if job.error is not None and not isinstance(job.error, BatchRejectedError):
-                    self._sink.error(job.epoch, job.error)
-                    return
-                self._deliver(job)
-        if self._end_seq is not None and self._next_seq >= self._end_seq:
-            self._sink.end(self.epoch)
-            self._end_seq = None
-
-    def _deliver(self, job: Job) -> None:
-        job.delivered = True
-        if job.error is not None:
-            self._sink.rejected(job.epoch, job.error)
-            return
-        if len(self._services) == 1:
-            outputs: Any = next(iter(job.outputs.values()))
-        else:
-            outputs = dict(job.outputs)
-        self._sink.batch(job.epoch, job.batch, outputs, job.size)
-
     def _fatal(self, error: BaseException) -> None:
-        self._sink.error(self.epoch, error)
+        self._delivery.sink.error(self.epoch, error)
         if self._epoch_task is not None:
             self._epoch_task.cancel()
         for svc in self._services.values():

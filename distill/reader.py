@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from distill.batches import normalize_inputs
 from distill.engine import Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
-from distill.fields import normalize_inputs
 from distill.flags import (
     OUTPUT_DTYPES,
     checked,
@@ -106,7 +106,7 @@ class ReaderOptions:
             values are never logged or shown in the options' repr.
     """
 
-    inputs: Any  # an InputSpec (distill.fields); a {teacher input: batch field} dict after validation
+    inputs: Any  # an InputSpec (distill.batches); a {teacher input: batch field} dict after validation
     outputs: Sequence[str] | None = None
     teachers: str | Mapping[str, str] | None = None
     registry: str | None = None

@@ -22,14 +22,16 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import torch
 
-from distill.fields import FieldArray
 from protos import registry_pb2
 from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
+
+if TYPE_CHECKING:
+    from distill.batches import FieldArray
 
 log = logging.getLogger(__name__)
 

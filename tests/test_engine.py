@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from discovery import subset
+from distill.batches import extract_inputs
 from distill.engine import Engine
 from distill.errors import BatchRejectedError, NoTeacherError
-from distill.fields import extract_inputs
 from distill.reader import ReaderOptions
 from distill.router import RouterConfig
 from distill.stats import ConsumptionMeter

@@ -1,5 +1,7 @@
-"""The user's loader, from the reader's side: pulling its batches on a thread of their own, and
-finding the teacher inputs inside whatever it yields.
+"""A user's batch inside the reader: pulled from the loader on a thread of its own, its teacher
+inputs found inside whatever the loader yields, split into chunks for teachers (`Job`, `Chunk`),
+the answers copied into the batch's tensors, and the batch handed to the reader's sink exactly
+once, in loader order (`Delivery`).
 
 A batch may be a tensor, a tuple/list, or a dict (a torch DataLoader yields all three). The
 `inputs` option says which fields go to the teacher and under which teacher input name:
@@ -14,13 +16,18 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
+from distill.errors import BatchRejectedError
+from distill.teacher_client import MalformedAnswerError
 from protos.kserve import DATATYPES, datatype_of
+
+if TYPE_CHECKING:
+    from distill.router import Signature
 
 InputSpec = str | Sequence[str] | Mapping[str, str | int]
 
@@ -109,8 +116,8 @@ def extract_inputs(batch: Any, inputs: Mapping[str, str | int]) -> tuple[int, di
     single = len(inputs) == 1
     out: dict[str, FieldArray] = {}
     size: int | None = None
-    for name, field in inputs.items():
-        fa = _as_array(_pick(batch, name, field, single), name)
+    for name, source in inputs.items():
+        fa = _as_array(_pick(batch, name, source, single), name)
         if fa.array.ndim == 0:
             raise TypeError(f"teacher input {name!r} is a scalar; it needs a batch dimension first")
         n = fa.array.shape[0]
@@ -172,3 +179,144 @@ def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+class Sink(Protocol):
+    """Where finished work goes: the reader's queue to the training loop (`distill.reader`)."""
+
+    def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None: ...
+
+    def end(self, epoch: int) -> None: ...
+
+    def error(self, epoch: int, error: BaseException) -> None: ...
+
+    def rejected(self, epoch: int, error: BaseException) -> None:
+        """This one batch failed (`BatchRejectedError`) in its place in the order; the epoch goes on."""
+
+
+@dataclass(eq=False)
+class Job:
+    epoch: int
+    seq: int
+    batch: Any = None
+    size: int = 0
+    fields: dict[str, FieldArray] = field(default_factory=dict)
+    signature: Signature = ()
+    remaining: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
+    error: BaseException | None = None
+    delivered: bool = False
+
+
+@dataclass(eq=False)
+class Chunk:
+    job: Job
+    service: str
+    start: int
+    stop: int
+    done: bool = False
+    winner: str = ""
+    sends: set[asyncio.Task[None]] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
+    refusals: dict[str, str] = field(default_factory=dict)  # teacher key -> what it said of this input
+    suspect: bool = False  # refused once: goes through the service's suspect lane
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+END_OF_LOADER = object()
+
+
+class Delivery:
+    """Answers into a batch's tensors, and finished batches to the sink exactly once: in loader
+    order (`ordered`), or as they finish. One per engine; `reset` at each epoch."""
+
+    def __init__(self, sink: Sink, *, ordered: bool, multi_service: bool, pin_memory: bool) -> None:
+        self.sink = sink
+        self.ordered = ordered
+        self.multi_service = multi_service
+        self.pin_memory = pin_memory
+        self.epoch = 0
+        self.ready: dict[int, Job] = {}
+        self.next_seq = 0
+        self.end_seq: int | None = None
+
+    def reset(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.ready = {}
+        self.next_seq = 0
+        self.end_seq = None
+
+    def end_at(self, seq: int) -> None:
+        """The loader ended after `seq` batches: the epoch ends once they are delivered."""
+        self.end_seq = seq
+        self.flush()
+
+    def fail_at(self, epoch: int, seq: int, error: BaseException) -> None:
+        """The loader failed at batch `seq`: the error takes its place, and the epoch ends there."""
+        if epoch != self.epoch:
+            return
+        self.ready[seq] = Job(epoch, seq, error=error)
+        self.end_seq = seq + 1
+        self.flush()
+
+    @staticmethod
+    def check_fits(chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
+        """An answer must match the answers already in the batch's tensors (outputs whose metadata
+        leaves a dimension open, -1, can still disagree between teachers)."""
+        dest = chunk.job.outputs.get(chunk.service)
+        for name, value in outputs.items():
+            buf = None if dest is None else dest.get(name)
+            if buf is not None and buf.shape[1:] != value.shape[1:]:
+                raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
+                                           f"batch's other chunks have {list(buf.shape[1:])}")
+
+    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
+        job = chunk.job
+        if job.epoch != self.epoch or job.delivered or job.error is not None:
+            return
+        dest = job.outputs.setdefault(chunk.service, {})
+        if dest is None:  # this service already fell back to hard labels for the batch
+            return
+        for name, value in outputs.items():
+            buf = dest.get(name)
+            if buf is None:
+                buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)
+                dest[name] = buf
+            buf[chunk.start:chunk.stop].copy_(value)
+        job.remaining[chunk.service] -= chunk.size
+        self.maybe_complete(job)
+
+    def maybe_complete(self, job: Job) -> None:
+        if job.delivered or any(job.remaining.values()):
+            return
+        job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
+        if self.ordered:
+            self.ready[job.seq] = job
+        else:
+            self._deliver(job)
+            self.next_seq += 1
+        self.flush()
+
+    def flush(self) -> None:
+        if self.ordered:
+            while self.next_seq in self.ready:
+                job = self.ready.pop(self.next_seq)
+                self.next_seq += 1
+                if job.error is not None and not isinstance(job.error, BatchRejectedError):
+                    self.sink.error(job.epoch, job.error)
+                    return
+                self._deliver(job)
+        if self.end_seq is not None and self.next_seq >= self.end_seq:
+            self.sink.end(self.epoch)
+            self.end_seq = None
+
+    def _deliver(self, job: Job) -> None:
+        job.delivered = True
+        if job.error is not None:
+            self.sink.rejected(job.epoch, job.error)
+            return
+        outputs: Any = dict(job.outputs) if self.multi_service else next(iter(job.outputs.values()))
+        self.sink.batch(job.epoch, job.batch, outputs, job.size)
