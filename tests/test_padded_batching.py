@@ -23,6 +23,7 @@ import tritonclient.grpc as tg
 from tritonclient.utils import InferenceServerException
 
 from teacher_server import BatchingConfig, ModelIO, ServerConfig, SpecError, TensorSpec
+from teacher_server.cli import build_parser, config_from_args
 from teacher_server.spec import ModelFileConfig
 from tests import seq_models
 from tests.servers import ServerThread
@@ -323,3 +324,20 @@ def test_model_config_json(tmp_path: Path) -> None:
     assert io is not None
     assert io == ModelIO((TensorSpec("TOKENS", "INT64", (-1,), 0.0), TensorSpec("MASK", "INT64", (-1,))),
                          (TensorSpec("LOGITS", "FP32", (-1, 50), per_position=True),), "MASK")
+
+
+def test_cli_flags() -> None:
+    args = build_parser().parse_args([
+        "--model", PADDED, "--device", "cpu", "--input", "TOKENS:INT64:-1:pad=0", "--input", "MASK:INT64:-1",
+        "--output", "LOGITS:FP32:-1,50:per_position", "--attention-mask", "MASK", "--max-batch-tokens", "4096",
+    ])
+    cfg = config_from_args(args)
+    assert cfg.io is not None and cfg.io.attention_mask == "MASK" and cfg.io.inputs[0].pad_value == 0
+    assert cfg.io.outputs[0].per_position
+    assert cfg.batching.max_batch_tokens == 4096
+    bad = build_parser().parse_args(["--model", PADDED, "--device", "cpu", "--max-batch-tokens", "-1"])
+    with pytest.raises(SpecError, match="--max-batch-tokens must be >= 0"):
+        config_from_args(bad)
+    no_inputs = build_parser().parse_args(["--model", PADDED, "--device", "cpu", "--attention-mask", "MASK"])
+    with pytest.raises(SpecError, match="--attention-mask needs the inputs declared"):
+        config_from_args(no_inputs)
