@@ -6,6 +6,14 @@ whole requests while they fit in `max_batch_size`, waiting for more at most
 waited for a busy instance is not delayed again). Requests are never split across batches.
 A request whose caller went away (deadline, cancel) before it was scheduled is dropped
 unexecuted. The queue is bounded: past `max_queue_size` waiting requests, submit() refuses.
+
+Only compatible requests share a batch (Triton's default): their client-sized (-1) dimensions
+agree, so concatenation cannot fail because of another client's request. A model that declares
+padded sequence inputs (`spec.TensorSpec.pad_value`) lets requests of different lengths share a
+batch; they are padded to the longest (`work.batch_input`), so to keep that waste small a batch
+takes only requests in the oldest request's power-of-two length bucket (lengths 9..16 together,
+17..32 together, ...), and `max_batch_tokens` caps samples x padded length. Requests are still
+taken oldest first, so none waits behind younger ones of another shape for more than one batch.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ class BatchingConfig:
     max_queue_delay_us: int = 500
     max_queue_size: int = 512
     enabled: bool = True
+    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0 = no cap
+
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -60,10 +70,25 @@ class BatchingConfig:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be >= 0 (0: no cap), got {self.max_batch_tokens}")
 
 
 BatchListener = Callable[[int, int, int], None]
 """Called as listener(samples, requests, compute_ns) after every executed batch."""
+
+TokenListener = Callable[[int, int], None]
+"""Called as listener(useful, computed) after every executed batch of a padded model: positions
+the requests needed, and positions computed including padding."""
+
+
+def _bucket(length: int | None) -> int:
+    """Power-of-two length bucket: 1, 2, 3..4, 5..8, 9..16, ... share a bucket."""
+    return (length - 1).bit_length() if length else 0
+
+
+def _compatible(first: Work, other: Work) -> bool:
+    return other.shape_key == first.shape_key and _bucket(other.length) == _bucket(first.length)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -84,10 +109,14 @@ class DynamicBatcher:
         self._workers: list[asyncio.Task[None]] = []
         self._executing = 0
         self._listeners: list[BatchListener] = []
+        self._token_listeners: list[TokenListener] = []
         self._closed = False
 
     def on_batch(self, listener: BatchListener) -> None:
         self._listeners.append(listener)
+
+    def on_tokens(self, listener: TokenListener) -> None:
+        self._token_listeners.append(listener)
 
     @property
     def queue_depth(self) -> int:
@@ -152,25 +181,45 @@ class DynamicBatcher:
         batch = [first]
         if not self._config.enabled:
             return batch
-        size = first.work.batch_size
-        limit = self._config.max_batch_size
         deadline_ns = first.enqueued_ns + self._config.max_queue_delay_us * 1000
-        while size < limit:
-            if self._queue:
-                nxt = self._queue[0]
-                if nxt.future.done():
-                    self._queue.popleft()
-                    continue
-                if size + nxt.work.batch_size > limit:
-                    break
-                batch.append(self._queue.popleft())
-                size += nxt.work.batch_size
-                continue
+        while not self._take_compatible(batch):
             remaining_ns = deadline_ns - time.perf_counter_ns()
             if remaining_ns <= 0:
                 break
             await self._wait_arrival(remaining_ns / 1e9)
         return batch
+
+    def _take_compatible(self, batch: list[_Pending]) -> bool:
+        """Move queued requests compatible with batch[0] into the batch, oldest first, while they
+        fit; drop the dead ones. True when the batch is full (the next compatible request does
+        not fit), so waiting for more is pointless."""
+        first = batch[0].work
+        size = sum(p.work.batch_size for p in batch)
+        longest = max(p.work.length or 0 for p in batch)
+        limit, cap = self._config.max_batch_size, self._config.max_batch_tokens
+        if size >= limit:
+            return True
+        if not self._queue:
+            return False
+        keep: collections.deque[_Pending] = collections.deque()
+        full = False
+        for p in self._queue:
+            if p.future.done():
+                continue
+            w = p.work
+            if full or not _compatible(first, w):
+                keep.append(p)
+                continue
+            grown = size + w.batch_size
+            padded_len = max(longest, w.length or 0)
+            if grown > limit or (cap and w.length is not None and grown * padded_len > cap):
+                full = True
+                keep.append(p)
+                continue
+            batch.append(p)
+            size, longest = grown, padded_len
+        self._queue = keep
+        return full or size >= limit
 
     async def _worker(self, inst: ModelInstance) -> None:
         loop = asyncio.get_running_loop()
@@ -199,6 +248,11 @@ class DynamicBatcher:
                     p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
             for listener in self._listeners:
                 listener(samples, len(batch), result.compute_ns)
+            if batch[0].work.length is not None:
+                useful = sum(p.work.tokens for p in batch)
+                computed = samples * max(p.work.length or 0 for p in batch)
+                for token_listener in self._token_listeners:
+                    token_listener(useful, computed)
 
     async def close(self) -> int:
         """Stop the workers and fail whatever is still queued or running (drain first for a clean

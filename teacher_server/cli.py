@@ -49,10 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a torch.export .pt2 file")
     m.add_argument("--name", default="teacher", help="model name clients ask for (default: %(default)s)")
     m.add_argument("--version", default="1", help="model version (default: %(default)s)")
-    m.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
-                   help="declare an input, e.g. INPUT:FP32:3,32,32 (repeat, in forward() order)")
-    m.add_argument("--output", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
-                   help="declare an output, e.g. LOGITS:FP32:100 (repeat, in return order); inferred if omitted")
+    m.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:SHAPE[:pad=V|:mask]",
+                   help="declare an input, e.g. INPUT:FP32:3,32,32 (repeat, in forward() order); "
+                   "TOKENS:INT64:-1:pad=0 lets requests of different lengths share a batch, padded with 0; "
+                   ":mask marks the attention mask (padded with 0, all ones when a client sends none)")
+    m.add_argument("--output", action="append", default=[], metavar="NAME:DTYPE:SHAPE[:per_position]",
+                   help="declare an output, e.g. LOGITS:FP32:100 (repeat, in return order); inferred if omitted; "
+                   "LOGITS:FP32:-1,100:per_position is cut back to each request's own sequence length")
+    m.add_argument("--attention-mask", default=None, metavar="NAME",
+                   help="the --input that is the attention mask (same as giving it :mask)")
     m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
@@ -69,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-queue-size", type=int, default=512,
                    help="requests allowed to wait; beyond it: RESOURCE_EXHAUSTED (default: %(default)s)")
     b.add_argument("--no-dynamic-batching", action="store_true", help="run every request as its own batch")
+    b.add_argument("--max-batch-tokens", type=int, default=0,
+                   help="models with padded inputs: cap on batch size x padded length (default: no cap; "
+                   "a larger single request still runs alone)")
 
     o = p.add_argument_group("outputs")
     o.add_argument("--output-dtype", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES), default=None,
@@ -116,6 +124,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if not (args.ttl > 0 and math.isfinite(args.ttl)):
         raise SpecError(f"--ttl must be a positive number of seconds (the registration lease; default 10), "
                         f"got {args.ttl}")
+    if args.max_batch_tokens < 0:
+        raise SpecError(f"--max-batch-tokens must be >= 0 (0: no cap), got {args.max_batch_tokens}")
     if args.model_config and not Path(args.model_config).is_file():
         raise SpecError(f"--model-config {args.model_config} does not exist")
 
@@ -144,9 +154,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.instances < 0:
         raise SpecError(f"--instances must be >= 0 (0: one per core on CPU, 1 on GPU), got {args.instances}")
     file_cfg = ModelFileConfig.load(args.model_config) if args.model_config else None
-    io: ModelIO | None = ModelIO.parse(args.input, args.output) if args.input else None
+    io: ModelIO | None = ModelIO.parse(args.input, args.output, args.attention_mask) if args.input else None
     if io is None and file_cfg is not None:
         io = file_cfg.io
+        if args.attention_mask and io is not None:
+            io = ModelIO(io.inputs, io.outputs, args.attention_mask)
+    if args.attention_mask and io is None:
+        raise SpecError("--attention-mask needs the inputs declared (--input or --model-config)")
     elif args.output and not args.input:
         raise SpecError("--output needs --input too (declare the inputs the outputs come from)")
     max_batch = args.max_batch_size
@@ -156,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model, name=args.name, version=args.version, host=args.host, port=args.port,
         device=args.device, io=io,
         batching=BatchingConfig(max_batch, args.max_queue_delay_us, args.max_queue_size,
-                                enabled=not args.no_dynamic_batching),
+                                enabled=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens),
         instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
         top_k=args.top_k,
         compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, http_port=args.http_port,

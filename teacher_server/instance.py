@@ -16,7 +16,7 @@ import torch
 
 from teacher_server.model import LoadedModel
 from teacher_server.outputs import EncodedOutput, encode_output
-from teacher_server.work import Work
+from teacher_server.work import Work, batch_input
 
 
 @dataclass
@@ -82,19 +82,18 @@ class ModelInstance:
         if len(works) == 1:
             return [x.to(self.model.device) for x in works[0].inputs]  # zero-copy on CPU
         n_inputs = len(works[0].inputs)
-        return [torch.cat([w.inputs[i] for w in works]).to(self.model.device) for i in range(n_inputs)]
+        return [batch_input(works, i).to(self.model.device) for i in range(n_inputs)]
 
     def _gather_cuda(self, works: Sequence[Work]) -> list[torch.Tensor]:
         assert self._staging is not None
         total = sum(w.batch_size for w in works)
         xs = []
         for i, buf in enumerate(self._staging):
-            parts = [w.inputs[i] for w in works]
             if buf is None or total > buf.shape[0]:
-                host = torch.cat(parts).pin_memory()
+                host = batch_input(works, i).pin_memory()
             else:
                 host = buf[:total]
-                torch.cat(parts, out=host)
+                torch.cat([w.inputs[i] for w in works], out=host)
             xs.append(host.to(self.model.device, non_blocking=True))
         return xs
 
@@ -106,7 +105,8 @@ class ModelInstance:
             encoded: list[EncodedOutput] = []
             for want in w.outputs:
                 i = self._spec_index[want.name]
-                encoded.extend(encode_output(outs[i][offset : offset + w.batch_size], specs[i], want))
+                part = w.cut(outs[i][offset : offset + w.batch_size], specs[i])
+                encoded.extend(encode_output(part, specs[i], want))
             result.append(encoded)
             offset += w.batch_size
         return result

@@ -64,6 +64,8 @@ class ServerMetrics:
         self._queue_duration_us = 0.0
         self._compute_infer_duration_us = 0.0
         self._last_inference_ms = 0.0
+        self._useful_tokens = 0
+        self._computed_tokens = 0
         # Read at scrape time (from the HTTP thread): the batcher's queue length.
         self._pending_source: Callable[[], int] = lambda: 0
         self._in_flight_source: Callable[[], int] = lambda: 0
@@ -87,6 +89,17 @@ class ServerMetrics:
     def record_execution(self) -> None:
         """One batch ran on a model instance."""
         self._exec_count += 1
+
+    def record_tokens(self, useful: int, computed: int) -> None:
+        """One batch of a padded model ran: `useful` positions the requests needed, `computed`
+        positions the model computed (padding included); their gap is the padding waste."""
+        self._useful_tokens += useful
+        self._computed_tokens += computed
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        """(useful, computed) sequence positions over all batches of a padded model."""
+        return self._useful_tokens, self._computed_tokens
 
     def watch_pending(self, source: Callable[[], int]) -> None:
         """Where the pending-request gauge is read from at scrape time (the batcher's queue)."""
@@ -136,6 +149,14 @@ class ServerMetrics:
             f"# TYPE {name} gauge",
             f"{name}{lab} {float(self._in_flight_source())}",
         ]
+        # Not Triton families: padding waste of models with padded sequence inputs.
+        for name, doc, v in (
+            ("teacher_useful_tokens_total", "Sequence positions requests needed (samples x own length)",
+             self._useful_tokens),
+            ("teacher_padded_tokens_total", "Sequence positions computed, padding included (samples x padded length)",
+             self._computed_tokens),
+        ):
+            lines += [f"# HELP {name} {doc}.", f"# TYPE {name} counter", f"{name}{lab} {float(v)}"]
         return "\n".join(lines) + "\n"
 
 

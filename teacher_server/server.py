@@ -245,6 +245,7 @@ class TeacherServer:
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size) for i in range(cfg.instances)]
             self._batcher = DynamicBatcher(instances, cfg.batching)
             self._batcher.on_batch(self._on_batch)
+            self._batcher.on_tokens(self.metrics.record_tokens)
             batcher = self._batcher
             self.metrics.watch_pending(lambda: batcher.queue_depth)
             self._batcher.start()

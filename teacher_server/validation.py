@@ -17,7 +17,7 @@ from teacher_server.errors import InvalidRequestError, echo
 from teacher_server.infer_request import InferRequest, Parameters
 from teacher_server.outputs import OutputDefaults, OutputTransform
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO
-from teacher_server.work import Work
+from teacher_server.work import PadPlan, Work
 
 REQUEST_PARAMETERS = ("output_dtype", "top_k", "priority", "timeout")
 OUTPUT_PARAMETERS = ("output_dtype", "top_k")
@@ -134,11 +134,49 @@ def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: Outp
                 seen[t.name] = decode_values(t.values, dt, shape)
             except ValueError as e:
                 raise InvalidRequestError(f"input {t.name!r}: {e}") from None
-    missing = [s.name for s in io.inputs if s.name not in seen]
+    missing = [s.name for s in io.inputs if s.name not in seen and s.name != io.attention_mask]
     if missing:
         raise InvalidRequestError(f"missing inputs {missing}; the model's inputs are {[s.name for s in io.inputs]}")
     assert batch is not None
-    return Work([seen[s.name] for s in io.inputs], batch, _wanted_outputs(req, io, defaults))
+    wanted = _wanted_outputs(req, io, defaults)
+    if not io.padded:
+        key = tuple(tuple(seen[s.name].shape[1:]) for s in io.inputs if -1 in s.shape)
+        return Work([seen[s.name] for s in io.inputs], batch, wanted, key)
+    return _padded_work(seen, batch, io, wanted)
+
+
+def _padded_work(seen: dict[str, torch.Tensor], batch: int, io: ModelIO, wanted: list[OutputTransform]) -> Work:
+    """A padded model's request: its sequence inputs agree on one length, and the attention mask
+    (all ones) is built when the client sent none."""
+    length: int | None = None
+    first = ""
+    for s in io.inputs:
+        axis = s.seq_axis
+        if axis is None or s.name not in seen:
+            continue
+        n = seen[s.name].shape[axis + 1]
+        if length is None:
+            length, first = n, s.name
+        elif n != length:
+            raise InvalidRequestError(
+                f"input {s.name!r}: sequence length {n} differs from input {first!r}'s {length}; "
+                "padded inputs and the attention mask must have one length per request")
+    assert length is not None  # a padded model has a padded input, and none may be missing
+    if io.attention_mask is not None and io.attention_mask not in seen:
+        spec = io.input(io.attention_mask)
+        assert spec is not None
+        seen[spec.name] = torch.ones((batch, *[length if d == -1 else d for d in spec.shape]), dtype=spec.torch_dtype)
+    key = tuple(tuple(seen[s.name].shape[1:]) for s in io.inputs if -1 in s.shape and s.seq_axis is None)
+    return Work([seen[s.name] for s in io.inputs], batch, wanted, key, length, pad_plan(io))
+
+
+def pad_plan(io: ModelIO) -> PadPlan:
+    """Which inputs a batch pads: (sequence axis, pad value) for each padded input and the mask."""
+    plan: list[tuple[int, float] | None] = []
+    for i, s in enumerate(io.inputs):
+        axis, value = s.seq_axis, io.input_pad(i)
+        plan.append((axis, value) if axis is not None and value is not None else None)
+    return tuple(plan)
 
 
 def _shape_text(shape: Sequence[int]) -> str:

@@ -1,18 +1,74 @@
-"""A validated request, as the batcher queues it and a model instance runs it."""
+"""A validated request, as the batcher queues it and a model instance runs it.
+
+Also the two steps that make requests of different sequence lengths share a batch: one copy of
+every request's input into a padded batch buffer (`batch_input`), and each request's outputs
+cut back to its own length (`Work.cut`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from teacher_server.outputs import OutputTransform
+from teacher_server.spec import TensorSpec
+
+# Per input: (per-sample sequence axis, pad value) when the model pads it, else None.
+PadPlan = tuple[tuple[int, float] | None, ...]
 
 
 @dataclass
 class Work:
-    """One request's share of a batch: decoded inputs (CPU, declared order) and wanted outputs."""
+    """One request's share of a batch: decoded inputs (CPU, declared order) and wanted outputs.
+
+    `shape_key` holds the per-sample shapes of the inputs the client sized (-1 dimensions) and
+    not padded: only requests with equal keys may be concatenated. `length` is the sequence
+    length of a padded model's request (None otherwise); `pads` says which inputs are padded.
+    """
 
     inputs: list[torch.Tensor]
     batch_size: int
     outputs: list[OutputTransform]
+    shape_key: tuple[tuple[int, ...], ...] = ()
+    length: int | None = None
+    pads: PadPlan = field(default=())
+
+    @property
+    def tokens(self) -> int:
+        """Positions this request really needs computed (samples x its own length)."""
+        return self.batch_size * (self.length or 1)
+
+    def cut(self, tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """This request's slice of a batch output (batch rows already taken), cut back to its own
+        length along a per-position output's sequence axis; a view, never a copy."""
+        if self.length is None or not spec.per_position:
+            return tensor
+        axis = spec.shape.index(-1) + 1
+        if tensor.shape[axis] == self.length:
+            return tensor
+        return tensor.narrow(axis, 0, self.length)
+
+
+def batch_input(works: Sequence[Work], index: int) -> torch.Tensor:
+    """Input `index` of a whole batch: the requests concatenated, or, for a padded input of
+    requests of different lengths, copied once into a buffer filled with the pad value."""
+    parts = [w.inputs[index] for w in works]
+    plan = works[0].pads[index] if works[0].pads else None
+    if plan is None:
+        return torch.cat(parts)
+    axis, value = plan
+    axis += 1  # the batch dimension comes first
+    longest = max(p.shape[axis] for p in parts)
+    if all(p.shape[axis] == longest for p in parts):
+        return torch.cat(parts)
+    shape = list(parts[0].shape)
+    shape[0] = sum(p.shape[0] for p in parts)
+    shape[axis] = longest
+    out = torch.full(shape, value, dtype=parts[0].dtype)
+    row = 0
+    for p in parts:
+        out[row : row + p.shape[0]].narrow(axis, 0, p.shape[axis]).copy_(p)
+        row += p.shape[0]
+    return out
