@@ -13,6 +13,7 @@ C-contiguous CPU numpy arrays without copying when they already are.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,8 @@ from protos.kserve import DATATYPES, datatype_of
 
 if TYPE_CHECKING:
     from distill.router import Signature
+
+log = logging.getLogger("distill.reader")
 
 InputSpec = str | Sequence[str] | Mapping[str, str | int]
 
@@ -288,6 +291,33 @@ class Delivery:
             buf[chunk.start:chunk.stop].copy_(value)
         job.remaining[chunk.service] -= chunk.size
         self.maybe_complete(job)
+
+    def reject(self, chunk: Chunk, reason: str, *, hard_labels: bool) -> bool:
+        """The teachers refused `chunk`: its batch fails alone (`BatchRejectedError` in its place in
+        the order), or under hard labels goes on without this service's outputs. True when this
+        settles the batch (count it), False when it was settled already."""
+        job, service = chunk.job, chunk.service
+        if job.delivered:
+            return False
+        what = f"batch {job.seq} of this pass (rows {chunk.start}..{chunk.stop - 1})"
+        counted = False
+        if hard_labels:
+            if job.outputs.get(service, {}) is not None:
+                counted = True
+                log.warning("service %r refused %s; it goes on with hard labels: %s", service, what, reason)
+            job.outputs[service] = None
+            job.remaining[service] = 0
+        else:
+            if job.error is None:
+                counted = True
+                log.warning("service %r refused %s: %s", service, what, reason)
+                job.error = BatchRejectedError(
+                    f"service {service!r} refused {what}: {reason}. Only this batch is lost and the teachers "
+                    "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
+                    "such batches, or pass fallback='hard_labels' to train on them with labels alone.")
+            job.remaining = dict.fromkeys(job.remaining, 0)
+        self.maybe_complete(job)
+        return counted
 
     def maybe_complete(self, job: Job) -> None:
         if job.delivered or any(job.remaining.values()):

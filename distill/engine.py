@@ -1,6 +1,7 @@
 """The reader's engine: an asyncio program on a background thread. Orchestration only: epochs,
-dispatch (with hedging and retry); the batches and their delivery are `distill.batches`; the pool (`distill.pool`) keeps the teachers, the
-router (`distill.router`) chooses among them, the client (`distill.teacher_client`) speaks KServe.
+dispatch (with hedging and retry); a batch and its delivery are `distill.batches`, the pool
+(`distill.pool`) keeps the teachers, the router (`distill.router`) chooses among them and times
+late chunks, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
   loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop)
@@ -35,28 +36,25 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
 from discovery import Registry, open_registry
 from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
-from distill.errors import BatchRejectedError
 from distill.pool import Connect, TeacherPool
 from distill.router import TeacherState
-from distill.stats import ConsumptionMeter, ReaderStats
+from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
 from distill.teacher_client import (
     ChunkRequest,
-    InferenceClient,
     MalformedAnswerError,
     RequestRejectedError,
     TeacherCallError,
-    TeacherClient,
     TeacherGoneError,
     TeacherOverloadedError,
+    grpc_connector,
 )
-from protos import registry_pb2
 
 if TYPE_CHECKING:
     from distill.reader import ReaderOptions
@@ -119,11 +117,9 @@ class Engine:
         self._delivery = Delivery(sink, ordered=options.ordered, multi_service=len(options.services) > 1,
                                   pin_memory=options.pin_memory)
         self._meter = meter
-        self._tls = options.client_tls.credentials() if options.client_tls is not None else None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._services = {
-            s: _Service(TeacherPool(s, options, connect or self._client, self._spawn_aux)) for s in options.services
-        }
+        connect = connect or grpc_connector(options.client_tls, options.headers)
+        self._services = {s: _Service(TeacherPool(s, options, connect, self._spawn_aux)) for s in options.services}
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
         self._loader = LoaderThread()
@@ -153,7 +149,8 @@ class Engine:
             self._spawn(svc.pool.follow(watch), f"watch-{svc.name}")
             self._spawn(self._dispatch(svc), f"dispatch-{svc.name}")
             if opts.registry and not opts.static:
-                demand = registry.publish_demand(svc.name, self._demand_fn(svc), student_id=opts.student_id)
+                demand = registry.publish_demand(svc.name, demand_report(opts.student_id, self._meter, svc.router),
+                                                 student_id=opts.student_id)
                 await demand.__aenter__()
                 self._closing.append(demand)
         for svc in self._services.values():
@@ -169,14 +166,6 @@ class Engine:
             return self._registries[0]
         self._registries.append(reg)
         return reg
-
-    def _client(self, endpoint: str, registered_tls: bool) -> InferenceClient:
-        """Plaintext, unless the reader was given TLS settings or the teacher registered as TLS
-        (then the system's root certificates verify it)."""
-        credentials = self._tls if self._tls is not None else (grpc.ssl_channel_credentials() if registered_tls
-                                                               else None)
-        tls = self.opts.client_tls
-        return TeacherClient(endpoint, credentials, tls.server_name if tls is not None else None, self.opts.headers)
 
     # ---- epochs -----------------------------------------------------------------------------
     def begin_epoch(self, loader: Any) -> int:
@@ -304,26 +293,9 @@ class Engine:
         """Fail this chunk's batch alone (the teachers stay): an error in its place in the training
         loop, or with fallback="hard_labels" the batch without this service's outputs."""
         svc.release(chunk)
-        job = chunk.job
-        if job.epoch != self.epoch or job.delivered:
-            return
-        what = f"batch {job.seq} of this pass (rows {chunk.start}..{chunk.stop - 1})"
-        if self.opts.fallback == "hard_labels":
-            if job.outputs.get(svc.name, {}) is not None:
-                self.rejected_batches += 1
-                log.warning("service %r refused %s; it goes on with hard labels: %s", svc.name, what, reason)
-            job.outputs[svc.name] = None
-            job.remaining[svc.name] = 0
-        else:
-            if job.error is None:
-                self.rejected_batches += 1
-                log.warning("service %r refused %s: %s", svc.name, what, reason)
-                job.error = BatchRejectedError(
-                    f"service {svc.name!r} refused {what}: {reason}. Only this batch is lost and the teachers "
-                    "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
-                    "such batches, or pass fallback='hard_labels' to train on them with labels alone.")
-            job.remaining = dict.fromkeys(job.remaining, 0)
-        self._delivery.maybe_complete(job)
+        if chunk.job.epoch == self.epoch and self._delivery.reject(
+                chunk, reason, hard_labels=self.opts.fallback == "hard_labels"):
+            self.rejected_batches += 1
 
     def _no_teacher(self, svc: _Service, chunk: Chunk) -> None:
         svc.release(chunk)
@@ -350,8 +322,8 @@ class Engine:
         task.add_done_callback(functools.partial(self._call_done, t))
         task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
         loop = asyncio.get_running_loop()
-        loop.call_later(self._late_delay(svc), self._late, svc, t, task)
-        delay = self._hedge_delay(svc)
+        loop.call_later(svc.router.late_delay(self.opts.timeout), self._late, svc, t, task)
+        delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
         if delay is not None and len(chunk.tried) == 1:
             loop.call_later(delay, self._hedge, svc, chunk)
 
@@ -361,20 +333,6 @@ class Engine:
             calls.discard(task)
             if not calls and t.removed:
                 del self._calls[t]
-
-    def _late_delay(self, svc: _Service) -> float:
-        """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at
-        most half the deadline, so healthy variance never counts but a hung teacher costs < 1 s."""
-        known = sorted(t.ewma_s for t in svc.router.teachers.values() if t.ewma_s > 0)
-        typical = known[len(known) // 2] if known else 0.25
-        return min(max(0.25, 4 * typical), self.opts.timeout / 2)
-
-    def _hedge_delay(self, svc: _Service) -> float | None:
-        """When a late chunk is raced on a second teacher: the fixed `hedge_after`, the adaptive late
-        delay, or never."""
-        if self.opts.hedge_s is not None or not self.opts.adaptive_hedge:
-            return self.opts.hedge_s
-        return self._late_delay(svc)
 
     def _late(self, svc: _Service, t: TeacherState, task: asyncio.Task[None]) -> None:
         """A call is late: check that its teacher still answers at all (a hung one is ejected and its
@@ -538,30 +496,10 @@ class Engine:
             svc.clear()
 
     # ---- stats, demand, close -----------------------------------------------------------------
-    def _demand_fn(self, svc: _Service) -> Callable[[], registry_pb2.StudentDemand]:
-        def demand() -> registry_pb2.StudentDemand:
-            rate, wait = self._meter.figures()
-            now = time.monotonic()
-            return registry_pb2.StudentDemand(
-                student_id=self.opts.student_id, samples_per_s=rate, wait_fraction=wait,
-                in_flight=sum(t.in_flight for t in svc.router.teachers.values()),
-                teachers_in_use=sum(1 for t in svc.router.teachers.values() if t.usable(now)),
-                updated_at=time.time(),
-            )
-
-        return demand
-
     def stats(self) -> ReaderStats:
-        rate, wait = self._meter.figures()
-        now = time.monotonic()
-        teachers = [t for svc in self._services.values() for t in svc.router.teachers.values()]
-        return ReaderStats(
-            batches=self._meter.batches, samples=self._meter.samples, samples_per_s=rate, wait_fraction=wait,
-            in_flight=sum(t.in_flight for t in teachers), teachers_in_use=sum(1 for t in teachers if t.usable(now)),
-            fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
-            rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
-            teachers={s: dict(svc.router.snapshot()) for s, svc in self._services.items()},
-        )
+        return reader_stats(self._meter, {s: svc.router for s, svc in self._services.items()},
+                            fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
+                            rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """An owned task on the data path (reading, dispatch, a chunk), cancelled on close; its

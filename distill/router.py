@@ -383,6 +383,20 @@ class Router:
             self._eject(t)
         self.notify()
 
+    def late_delay(self, deadline_s: float) -> float:
+        """When a chunk counts as late. Adaptive: 4x the pool's median latency, at least 0.25 s and at
+        most half the deadline, so healthy variance never counts but a hung teacher costs < 1 s."""
+        known = sorted(t.ewma_s for t in self.teachers.values() if t.ewma_s > 0)
+        typical = known[len(known) // 2] if known else 0.25
+        return min(max(0.25, 4 * typical), deadline_s / 2)
+
+    def hedge_delay(self, deadline_s: float, hedge_s: float | None, adaptive: bool) -> float | None:
+        """When a late chunk is raced on a second teacher: the fixed `hedge_s`, the adaptive late
+        delay, or never."""
+        if hedge_s is not None or not adaptive:
+            return hedge_s
+        return self.late_delay(deadline_s)
+
     def snapshot(self) -> Mapping[str, dict[str, object]]:
         now = time.monotonic()
         return {

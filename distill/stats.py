@@ -1,7 +1,9 @@
 """What the training loop experiences: samples consumed per second and the share of time it waited.
 
 Written by the training loop's thread, read by the engine thread (to publish StudentDemand) and
-by `reader.stats()`; a lock keeps the window consistent between them.
+by `reader.stats()`; a lock keeps the window consistent between them. `demand_report` and
+`reader_stats` turn it, with the routers' view of the teachers, into what the registry and the
+user see.
 """
 
 from __future__ import annotations
@@ -9,8 +11,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from protos import registry_pb2
+
+if TYPE_CHECKING:
+    from distill.router import Router
 
 
 @dataclass(frozen=True)
@@ -67,3 +75,31 @@ class ConsumptionMeter:
             samples = sum(e[1] for e in self._events)
             waited = sum(e[2] for e in self._events)
         return samples / span, min(1.0, waited / span)
+
+
+def demand_report(student_id: str, meter: ConsumptionMeter, router: Router) -> Callable[[], registry_pb2.StudentDemand]:
+    """What this student publishes for the autoscaler, sampled when called."""
+
+    def demand() -> registry_pb2.StudentDemand:
+        rate, wait = meter.figures()
+        now = time.monotonic()
+        return registry_pb2.StudentDemand(
+            student_id=student_id, samples_per_s=rate, wait_fraction=wait,
+            in_flight=sum(t.in_flight for t in router.teachers.values()),
+            teachers_in_use=sum(1 for t in router.teachers.values() if t.usable(now)),
+            updated_at=time.time(),
+        )
+
+    return demand
+
+
+def reader_stats(meter: ConsumptionMeter, routers: Mapping[str, Router], **counters: int) -> ReaderStats:
+    """`DistillReader.stats()`: the meter's figures, every teacher's, and the engine's counters."""
+    rate, wait = meter.figures()
+    now = time.monotonic()
+    teachers = [t for router in routers.values() for t in router.teachers.values()]
+    return ReaderStats(
+        batches=meter.batches, samples=meter.samples, samples_per_s=rate, wait_fraction=wait,
+        in_flight=sum(t.in_flight for t in teachers), teachers_in_use=sum(1 for t in teachers if t.usable(now)),
+        teachers={s: dict(router.snapshot()) for s, router in routers.items()}, **counters,
+    )

@@ -19,7 +19,7 @@ type is the verdict the engine's retry policy reads:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -381,3 +381,17 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+
+def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None) -> Callable[[str, bool], TeacherClient]:
+    """How the reader opens a client per teacher: plaintext, unless the reader was given TLS settings
+    or the teacher registered as TLS (then the system's root certificates verify it)."""
+    configured = tls.credentials() if tls is not None else None
+    server_name = tls.server_name if tls is not None else None
+
+    def connect(endpoint: str, registered_tls: bool) -> TeacherClient:
+        credentials = configured if configured is not None else (
+            grpc.ssl_channel_credentials() if registered_tls else None)
+        return TeacherClient(endpoint, credentials, server_name, headers)
+
+    return connect
