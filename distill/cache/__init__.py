@@ -32,14 +32,14 @@ _EXPORTS = {
     "StoreClosedError": "distill.cache.errors",
     "StoreNotFoundError": "distill.cache.errors",
     "Namespace": "distill.cache.namespace",
-    "Lookup": "distill.cache.store",
-    "OutputSpec": "distill.cache.store",
-    "Ragged": "distill.cache.store",
-    "ShardWriter": "distill.cache.store",
-    "StoreInfo": "distill.cache.store",
+    "Lookup": "distill.cache.values",
+    "OutputSpec": "distill.cache.format",
+    "Ragged": "distill.cache.values",
+    "ShardWriter": "distill.cache.writer",
+    "StoreInfo": "distill.cache.values",
     "TeacherOutputStore": "distill.cache.store",
-    "UnsealedFile": "distill.cache.store",
-    "id_dtype": "distill.cache.store",
+    "UnsealedFile": "distill.cache.values",
+    "id_dtype": "distill.cache.format",
 }
 
 if TYPE_CHECKING:
@@ -50,17 +50,11 @@ if TYPE_CHECKING:
         StoreClosedError,
         StoreNotFoundError,
     )
+    from distill.cache.format import OutputSpec, id_dtype
     from distill.cache.namespace import Namespace
-    from distill.cache.store import (
-        Lookup,
-        OutputSpec,
-        Ragged,
-        ShardWriter,
-        StoreInfo,
-        TeacherOutputStore,
-        UnsealedFile,
-        id_dtype,
-    )
+    from distill.cache.store import TeacherOutputStore
+    from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile
+    from distill.cache.writer import ShardWriter
 
 
 def __getattr__(name: str) -> Any:
