@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", required=True,
                    help="package.module:factory (returns an nn.Module), a TorchScript file, "
-                   "or a torch.export .pt2 file")
+                   "a torch.export .pt2 file, or hf:DIR (a transformers causal LM or sequence classifier "
+                   "saved with save_pretrained; read locally, never from a hub)")
     m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for a module:factory (repeat); VALUE is parsed as JSON when it "
                    "parses (3, 0.5, true, [1,2], \"text\"), else taken as a string")

@@ -1,9 +1,11 @@
 """Loading a teacher: from what the command line names to a module ready to run on its device.
 
-A teacher comes from one of three sources, all loaded only from what the command line names:
-`package.module:factory` (a callable returning an `nn.Module`), a TorchScript file, or a
-`torch.export` `.pt2` file. Its tensors are declared by flags, a JSON config, or an `io_spec`
-attribute (a `ModelIO`) on the module; undeclared outputs are inferred by a warm-up forward.
+A teacher comes from one of four sources, all loaded only from what the command line names:
+`package.module:factory` (a callable returning an `nn.Module`, called with the --model-arg
+keyword arguments), a TorchScript file, a `torch.export` `.pt2` file, or `hf:DIR`, a Hugging Face
+`transformers` model saved in a local directory (teacher_server.hf_model). Its tensors are
+declared by flags, a JSON config, or an `io_spec` attribute (a `ModelIO`) on the module;
+undeclared outputs are inferred by a warm-up forward.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from protos.kserve import datatype_of
+from teacher_server.hf_model import HFLoadError, is_hf_source, load_hf_teacher
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -39,10 +42,11 @@ class LoadedModel:
     io: ModelIO
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
+    autocast: bool = True  # False: the weights are already in compute_dtype (a Hugging Face teacher)
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the module and return its outputs in declared order (callers hold inference_mode)."""
-        autocast = self.compute_dtype != torch.float32
+        autocast = self.autocast and self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             out = self.module(*inputs)
         return _as_output_list(out, self.io.outputs)
@@ -181,9 +185,18 @@ def load_model(
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     if compute_dtype not in FLOAT_OUTPUT_DTYPES:
         raise SpecError(f"compute dtype {compute_dtype!r}; use one of {', '.join(FLOAT_OUTPUT_DTYPES)}")
-    if os.path.isabs(source) or source.startswith("."):
-        source = str(Path(source).resolve())
-    module = _load_module(source, dev, model_args)
+    hf = is_hf_source(source)
+    if hf:
+        if model_args:
+            raise ModelLoadError(f"--model-arg applies to a module:factory, not to {source}")
+        try:
+            module: Any = load_hf_teacher(source, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+        except HFLoadError as e:
+            raise ModelLoadError(str(e)) from e
+    else:
+        if os.path.isabs(source) or source.startswith("."):
+            source = str(Path(source).resolve())
+        module = _load_module(source, dev, model_args)
     _eval(module)
     declared = io or getattr(module, "io_spec", None)
     if declared is None or not declared.inputs:
@@ -191,7 +204,7 @@ def load_model(
             f"model {source!r} declares no inputs: pass --input NAME:DATATYPE:SHAPE (and --output), "
             "a --model-config JSON file, or set an `io_spec` (teacher_server.ModelIO) on the module"
         )
-    model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+    model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype], autocast=not hf)
     model.io = _probe(model)
     return model
 
@@ -204,7 +217,7 @@ def _probe(model: LoadedModel) -> ModelIO:
     ]
     try:
         with torch.inference_mode():
-            autocast = model.compute_dtype != torch.float32
+            autocast = model.autocast and model.compute_dtype != torch.float32
             with torch.autocast(model.device.type, dtype=model.compute_dtype, enabled=autocast):
                 raw = model.module(*xs)
             outs = _as_output_list(raw, model.io.outputs)
