@@ -242,3 +242,27 @@ def test_a_factory_rejecting_an_argument_names_it() -> None:
         load_model(LM, device="cpu", model_args={"vocab": 5, "vocabulary": 5})
     with pytest.raises(ModelLoadError, match="refused --model-arg vocab=1: vocab must be at least 2"):
         load_model(LM, device="cpu", model_args={"vocab": 1})
+
+
+def test_transform_parameters_over_http_and_the_tail_follows_its_outputs_binary_choice(
+        lm: torch.nn.Module) -> None:
+    import tritonclient.http as th
+
+    cfg = ServerConfig(model=LM, name="lm", device="cpu", model_args=ARGS, http_port=0)
+    x = _tokens(2, 5, seed=6)
+    with ServerThread(cfg) as s:
+        assert s.server is not None and s.server.http_port is not None
+        c = th.InferenceServerClient(f"127.0.0.1:{s.server.http_port}", network_timeout=60.0)
+        try:
+            inp = th.InferInput("TOKENS", list(x.shape), "INT64")
+            inp.set_data_from_numpy(x)
+            out = th.InferRequestedOutput("LOGITS", binary_data=True)
+            result = c.infer("lm", [inp], outputs=[out],
+                             parameters={"logprobs": True, "temperature": 0.5, "top_k": 3, "topk_tail": True})
+        finally:
+            c.close()
+    want = torch.topk(torch.log_softmax(_logits(lm, x) / 0.5, dim=-1), 3, dim=-1)
+    assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-5)
+    assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
+    assert np.allclose(result.as_numpy("LOGITS_TOPK_TAIL"), 1 - want.values.exp().sum(-1).numpy(), atol=1e-5)
+    assert all("binary_data_size" in o["parameters"] for o in result.get_response()["outputs"])
