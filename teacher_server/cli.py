@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
-                   help="autocast dtype for the forward pass (default: %(default)s)")
+                   help="autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
+                   "(default: %(default)s)")
     m.add_argument("--instances", type=int, default=0,
                    help="model instances, each on its own thread (default: one per core on CPU, 1 on GPU)")
     m.add_argument("--threads", type=int, default=0,

@@ -13,7 +13,7 @@ import tritonclient.grpc as tg
 
 from teacher_server import ServerConfig
 from teacher_server.model import ModelLoadError, load_model
-from tests.servers import ServerThread
+from tests.servers import ServerThread, teacher_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,3 +135,17 @@ def test_a_sequence_classifier_declares_class_logits(tmp_path: Path) -> None:
 def test_a_directory_without_a_saved_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"has no config\.json"):
         load_model(f"hf:{tmp_path}", device="cpu")
+
+
+def test_the_cli_serves_hf_dir_with_server_side_logprobs(
+        llama_dir: Path, reference: torch.nn.Module, tmp_path: Path) -> None:
+    """The real command line: --model hf:DIR with --logprobs --temperature --top-k --topk-tail defaults."""
+    args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--instances", "1",
+            "--logprobs", "--temperature", "2", "--top-k", "4", "--topk-tail"]
+    ids, mask = _batch()
+    with teacher_process(args, tmp_path) as (_, info), tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as c:
+        result = c.infer("llama", _inputs(ids, mask))
+    want = torch.topk(torch.log_softmax(_reference_logits(reference, ids, mask) / 2.0, dim=-1), 4, dim=-1)
+    assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-4)
+    assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
+    assert result.as_numpy("LOGITS_TOPK_TAIL").shape == (3, 9)
