@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", required=True,
                    help="package.module:factory (returns an nn.Module), a TorchScript file, "
-                   "or a torch.export .pt2 file")
+                   "a torch.export .pt2 file, or hf:DIR (a transformers causal LM or sequence classifier "
+                   "saved with save_pretrained; read locally, never from a hub)")
+    m.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for a module:factory (repeat); VALUE is parsed as JSON when it "
+                   "parses (3, 0.5, true, [1,2], \"text\"), else taken as a string")
     m.add_argument("--name", default="teacher", help="model name clients ask for (default: %(default)s)")
     m.add_argument("--version", default="1", help="model version (default: %(default)s)")
     m.add_argument("--input", action="append", default=[], metavar="NAME:DTYPE:SHAPE[:pad=V|:mask]",
@@ -61,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
-                   help="autocast dtype for the forward pass (default: %(default)s)")
+                   help="autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
+                   "(default: %(default)s)")
     m.add_argument("--instances", type=int, default=0,
                    help="model instances, each on its own thread (default: one per core on CPU, 1 on GPU)")
     m.add_argument("--threads", type=int, default=0,
@@ -83,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default dtype of floating outputs; requests override with the output_dtype parameter")
     o.add_argument("--top-k", type=int, default=0,
                    help="default: send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors)")
+    o.add_argument("--logprobs", action="store_true",
+                   help="default: send log_softmax(x / --temperature) of floating outputs, computed on the "
+                   "model's device (requests override with the logprobs parameter)")
+    o.add_argument("--temperature", type=float, default=1.0,
+                   help="default divisor of floating outputs before log-softmax and top-k; requests override "
+                   "with the temperature parameter (default: %(default)s)")
+    o.add_argument("--topk-tail", action="store_true",
+                   help="default: with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the top-k "
+                   "per position (requests override with the topk_tail parameter)")
 
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -115,6 +129,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad flag values before anything loads: SpecError naming the flag, the value and the
     fix (a model can take minutes to load; a typo should cost none of them)."""
     check_device(args.device)
+    parse_model_args(args.model_arg)
     if args.threads < 0:
         raise SpecError(f"--threads must be >= 0 (0: cores / instances), got {args.threads}")
     if not args.drain_grace >= 0:
@@ -128,6 +143,25 @@ def check_flags(args: argparse.Namespace) -> None:
         raise SpecError(f"--max-batch-tokens must be >= 0 (0: no cap), got {args.max_batch_tokens}")
     if args.model_config and not Path(args.model_config).is_file():
         raise SpecError(f"--model-config {args.model_config} does not exist")
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
+    """`--model-arg KEY=VALUE` flags as keyword arguments: VALUE as JSON when it parses, else the
+    string itself; SpecError for a malformed or repeated KEY."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise SpecError(f"--model-arg {item!r}: expected KEY=VALUE with KEY a Python identifier "
+                            "(a keyword argument of the factory), e.g. --model-arg hidden=256")
+        if key in out:
+            raise SpecError(f"--model-arg {key} given twice")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
 
 
 def check_device(device: str | None) -> None:
@@ -173,6 +207,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                 enabled=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens),
         instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
         top_k=args.top_k,
+        logprobs=args.logprobs, temperature=args.temperature, topk_tail=args.topk_tail,
+        model_args=parse_model_args(args.model_arg),
         compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, http_port=args.http_port,
         max_message_mb=args.max_message_mb,
         drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,

@@ -81,10 +81,10 @@ class DecodedInfer:
     binary: dict[str, bool] = field(default_factory=dict)
 
     def wants_binary(self, output_name: str) -> bool:
-        """Whether an encoded output goes back as binary; a top-k pair follows its output's choice."""
+        """Whether an encoded output goes back as binary; the top-k tensors follow their output's choice."""
         choice = self.binary.get(output_name)
         if choice is None:
-            for suffix in ("_TOPK_VALUES", "_TOPK_INDICES"):
+            for suffix in ("_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL"):
                 if output_name.endswith(suffix):
                     choice = self.binary.get(output_name[: -len(suffix)])
                     break

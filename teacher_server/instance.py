@@ -1,8 +1,9 @@
 """A model instance: one thread (and one CUDA stream on GPU) that executes whole batches.
 
 Everything heavy happens here, off the event loop: concatenating the requests' inputs, the
-host-to-device copy, the forward pass, and splitting + encoding each request's outputs. torch
-releases the GIL inside its kernels, so N instances overlap their compute.
+host-to-device copy, the forward pass, the output transforms (on the model's device, so only the
+reduced tensors are copied back), the device-to-host copy, and splitting + encoding each request's
+outputs. torch releases the GIL inside its kernels, so N instances overlap their compute.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from teacher_server.model import LoadedModel
-from teacher_server.outputs import EncodedOutput, encode_output
+from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named, transform_output
 from teacher_server.work import Work, batch_input
+
+
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """The one device-to-host copy of a transformed output (synchronous: the batch is done when it
+    returns); a CPU tensor is returned as is."""
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
 @dataclass
@@ -72,10 +79,10 @@ class ModelInstance:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     outs = self.model.forward(self._gather_cuda(works))
-                    outs = [o.to("cpu") for o in outs]  # synchronous: the batch is done when this returns
+                    host = self._transform(outs, works)
             else:
-                outs = self.model.forward(self._gather(works))
-            per_request = self._split(outs, works)
+                host = self._transform(self.model.forward(self._gather(works)), works)
+            per_request = [encode_named(named) for named in host]
         return BatchResult(per_request, time.perf_counter_ns() - start)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
@@ -97,17 +104,35 @@ class ModelInstance:
             xs.append(host.to(self.model.device, non_blocking=True))
         return xs
 
-    def _split(self, outs: list[torch.Tensor], works: Sequence[Work]) -> list[list[EncodedOutput]]:
+    def _transform(self, outs: list[torch.Tensor], works: Sequence[Work]) -> list[list[NamedTensor]]:
+        """Each request's transformed outputs as host tensors. The transforms run on the device
+        the outputs live on; only their results are copied to the host. When every request of the
+        batch wants the same transforms (the usual case), they run once on the whole batch and the
+        host tensors are split after the one copy."""
         specs = self.model.io.outputs
-        result: list[list[EncodedOutput]] = []
+        first = works[0].outputs
+        if all(w.outputs == first for w in works[1:]):
+            whole = [
+                (name, copy_to_host(t), specs[self._spec_index[want.name]])
+                for want in first
+                for name, t in transform_output(outs[self._spec_index[want.name]],
+                                                specs[self._spec_index[want.name]], want)
+            ]
+            result: list[list[NamedTensor]] = []
+            offset = 0
+            for w in works:  # per-position outputs (and their top-k) cut back to each request's length
+                result.append([(name, w.cut(t[offset : offset + w.batch_size], spec)) for name, t, spec in whole])
+                offset += w.batch_size
+            return result
+        result = []
         offset = 0
         for w in works:
-            encoded: list[EncodedOutput] = []
+            named: list[NamedTensor] = []
             for want in w.outputs:
                 i = self._spec_index[want.name]
                 part = w.cut(outs[i][offset : offset + w.batch_size], specs[i])
-                encoded.extend(encode_output(part, specs[i], want))
-            result.append(encoded)
+                named.extend((name, copy_to_host(t)) for name, t in transform_output(part, specs[i], want))
+            result.append(named)
             offset += w.batch_size
         return result
 

@@ -1,17 +1,20 @@
 """Loading a teacher: from what the command line names to a module ready to run on its device.
 
-A teacher comes from one of three sources, all loaded only from what the command line names:
-`package.module:factory` (a callable returning an `nn.Module`), a TorchScript file, or a
-`torch.export` `.pt2` file. Its tensors are declared by flags, a JSON config, or an `io_spec`
-attribute (a `ModelIO`) on the module; undeclared outputs are inferred by a warm-up forward.
+A teacher comes from one of four sources, all loaded only from what the command line names:
+`package.module:factory` (a callable returning an `nn.Module`, called with the --model-arg
+keyword arguments), a TorchScript file, a `torch.export` `.pt2` file, or `hf:DIR`, a Hugging Face
+`transformers` model saved in a local directory (teacher_server.hf_model). Its tensors are
+declared by flags, a JSON config, or an `io_spec` attribute (a `ModelIO`) on the module;
+undeclared outputs are inferred by a warm-up forward.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from protos.kserve import datatype_of
+from teacher_server.hf_model import HFLoadError, is_hf_source, load_hf_teacher
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -38,10 +42,11 @@ class LoadedModel:
     io: ModelIO
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
+    autocast: bool = True  # False: the weights are already in compute_dtype (a Hugging Face teacher)
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the module and return its outputs in declared order (callers hold inference_mode)."""
-        autocast = self.compute_dtype != torch.float32
+        autocast = self.autocast and self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             out = self.module(*inputs)
         return _as_output_list(out, self.io.outputs)
@@ -74,7 +79,7 @@ def _output_names(out: Any) -> list[str]:
     return [f"OUTPUT{i}" for i in range(n)]
 
 
-def import_factory(ref: str) -> Callable[[], Any]:
+def import_factory(ref: str) -> Callable[..., Any]:
     """Resolve `package.module:callable`."""
     mod_name, _, attr = ref.partition(":")
     if not mod_name or not attr:
@@ -90,18 +95,46 @@ def import_factory(ref: str) -> Callable[[], Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ModelLoadError(f"{ref!r} is not callable; it must return an nn.Module")
-    factory: Callable[[], Any] = obj
+    factory: Callable[..., Any] = obj
     return factory
 
 
-def _load_module(source: str, device: torch.device) -> Any:
+def call_factory(ref: str, factory: Callable[..., Any], model_args: Mapping[str, Any]) -> Any:
+    """Call a `module:factory` with the --model-arg keyword arguments; a factory that rejects them
+    is a ModelLoadError naming the argument and the factory's signature."""
+    try:
+        sig: inspect.Signature | None = inspect.signature(factory)
+    except (TypeError, ValueError):
+        sig = None  # builtins and some C callables have no signature: let the call decide
+    if sig is not None and model_args:
+        try:
+            sig.bind(**model_args)
+        except TypeError as e:
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+            unknown = [] if takes_any else [k for k in model_args if k not in sig.parameters]
+            names = ", ".join(unknown or sorted(model_args))
+            raise ModelLoadError(
+                f"factory {ref!r} rejects --model-arg {names}: {e}; its signature is {ref.partition(':')[2]}{sig}"
+            ) from None
+    if not model_args:
+        return factory()
+    try:
+        return factory(**model_args)
+    except (TypeError, ValueError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in model_args.items())
+        raise ModelLoadError(f"factory {ref!r} refused --model-arg {given}: {e}") from e
+
+
+def _load_module(source: str, device: torch.device, model_args: Mapping[str, Any] | None = None) -> Any:
     path = Path(source)
+    if model_args and (path.suffix in _FILE_SUFFIXES or (path.is_file() and ":" not in source)):
+        raise ModelLoadError(f"--model-arg applies to a module:factory; {source} is a model file")
     if path.suffix == ".pt2":
         if not path.is_file():
             raise ModelLoadError(f"exported program {source} does not exist")
         # torch.export.load reads a zip of graph + weights; it does not unpickle arbitrary objects.
         return torch.export.load(str(path)).module().to(device)
-    if path.suffix in {".pt", ".pth", ".ts", ".torchscript", ".jit"} or (path.is_file() and ":" not in source):
+    if path.suffix in _FILE_SUFFIXES or (path.is_file() and ":" not in source):
         if not path.is_file():
             raise ModelLoadError(f"TorchScript file {source} does not exist")
         try:
@@ -111,7 +144,7 @@ def _load_module(source: str, device: torch.device) -> Any:
                 f"{source} is not a TorchScript archive ({e}); save it with torch.jit.save or serve a "
                 "module:factory instead"
             ) from e
-    module = import_factory(source)()
+    module = call_factory(source, import_factory(source), model_args or {})
     if not isinstance(module, torch.nn.Module):
         raise ModelLoadError(f"factory {source!r} returned {type(module).__name__}, not a torch.nn.Module")
     return module.to(device)
@@ -122,6 +155,9 @@ def _eval(module: Any) -> None:
         module.eval()
     except (NotImplementedError, RuntimeError, AttributeError):
         pass  # exported programs have no train/eval switch
+
+
+_FILE_SUFFIXES = frozenset({".pt2", ".pt", ".pth", ".ts", ".torchscript", ".jit"})
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -140,14 +176,27 @@ def load_model(
     device: str | torch.device | None = None,
     io: ModelIO | None = None,
     compute_dtype: str = "FP32",
+    model_args: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load, move to device, switch to eval, resolve the I/O declaration and warm up once."""
+    """Load, move to device, switch to eval, resolve the I/O declaration and warm up once.
+
+    `model_args` are keyword arguments for a `module:factory` (--model-arg KEY=VALUE), so a
+    factory is configured on the command line rather than through environment variables."""
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     if compute_dtype not in FLOAT_OUTPUT_DTYPES:
         raise SpecError(f"compute dtype {compute_dtype!r}; use one of {', '.join(FLOAT_OUTPUT_DTYPES)}")
-    if os.path.isabs(source) or source.startswith("."):
-        source = str(Path(source).resolve())
-    module = _load_module(source, dev)
+    hf = is_hf_source(source)
+    if hf:
+        if model_args:
+            raise ModelLoadError(f"--model-arg applies to a module:factory, not to {source}")
+        try:
+            module: Any = load_hf_teacher(source, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+        except HFLoadError as e:
+            raise ModelLoadError(str(e)) from e
+    else:
+        if os.path.isabs(source) or source.startswith("."):
+            source = str(Path(source).resolve())
+        module = _load_module(source, dev, model_args)
     _eval(module)
     declared = io or getattr(module, "io_spec", None)
     if declared is None or not declared.inputs:
@@ -155,7 +204,7 @@ def load_model(
             f"model {source!r} declares no inputs: pass --input NAME:DATATYPE:SHAPE (and --output), "
             "a --model-config JSON file, or set an `io_spec` (teacher_server.ModelIO) on the module"
         )
-    model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+    model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype], autocast=not hf)
     model.io = _probe(model)
     return model
 
@@ -168,7 +217,7 @@ def _probe(model: LoadedModel) -> ModelIO:
     ]
     try:
         with torch.inference_mode():
-            autocast = model.compute_dtype != torch.float32
+            autocast = model.autocast and model.compute_dtype != torch.float32
             with torch.autocast(model.device.type, dtype=model.compute_dtype, enabled=autocast):
                 raw = model.module(*xs)
             outs = _as_output_list(raw, model.io.outputs)

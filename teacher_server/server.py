@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -62,6 +65,10 @@ class ServerConfig:
     instances: int = 1
     output_dtype: str | None = None  # default for floating outputs; None keeps the model's
     top_k: int = 0  # default top-k for every output; 0 sends full tensors
+    logprobs: bool = False  # default: send log_softmax(x / temperature) of floating outputs
+    temperature: float = 1.0  # default divisor of floating outputs before log-softmax / top-k
+    topk_tail: bool = False  # default: with top-k, also send <OUT>_TOPK_TAIL (mass outside the top-k)
+    model_args: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments of a module:factory
     compute_dtype: str = "FP32"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
     http_port: int | None = None  # KServe v2 HTTP/REST; None: off; 0: a free port
@@ -80,6 +87,8 @@ class ServerConfig:
             raise SpecError(f"--output-dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {self.output_dtype}")
         if self.top_k < 0:
             raise SpecError(f"--top-k must be >= 0, got {self.top_k}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise SpecError(f"--temperature must be a finite number > 0, got {self.temperature}")
         if self.max_message_mb < 1:
             raise SpecError(f"--max-message-mb must be >= 1, got {self.max_message_mb}")
         if not 0 <= self.port < 65536:
@@ -123,7 +132,8 @@ class TeacherServer:
         self.metrics = ServerMetrics(config.name, config.version)
         self.requests = RequestLifecycle(
             ServedModel(config.name, config.version, self.device, config.instances, config.batching,
-                        OutputDefaults(config.output_dtype, config.top_k)),
+                        OutputDefaults(config.output_dtype, config.top_k, config.logprobs, config.temperature,
+                                       config.topk_tail)),
             self.metrics,
         )
         self.metrics.watch_in_flight(lambda: self.requests.in_flight)
@@ -240,7 +250,8 @@ class TeacherServer:
             if self._model is None:
                 log.info("loading %s on %s", cfg.model, self.device)
                 self._model = await asyncio.to_thread(
-                    load_model, cfg.model, device=self.device, io=cfg.io, compute_dtype=cfg.compute_dtype
+                    load_model, cfg.model, device=self.device, io=cfg.io, compute_dtype=cfg.compute_dtype,
+                    model_args=cfg.model_args,
                 )
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size) for i in range(cfg.instances)]
             self._batcher = DynamicBatcher(instances, cfg.batching)

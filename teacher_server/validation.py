@@ -8,6 +8,7 @@ wrapped, not copied.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,8 +20,8 @@ from teacher_server.outputs import OutputDefaults, OutputTransform
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO
 from teacher_server.work import PadPlan, Work
 
-REQUEST_PARAMETERS = ("output_dtype", "top_k", "priority", "timeout")
-OUTPUT_PARAMETERS = ("output_dtype", "top_k")
+REQUEST_PARAMETERS = ("output_dtype", "top_k", "logprobs", "temperature", "topk_tail", "priority", "timeout")
+OUTPUT_PARAMETERS = ("output_dtype", "top_k", "logprobs", "temperature", "topk_tail")
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def _non_negative_int(value: object) -> bool:
 def _output_options(params: Parameters, where: str, base: OutputTransform,
                     allowed: tuple[str, ...]) -> OutputTransform:
     dtype, top_k = base.datatype, base.top_k
+    logprobs, temperature, topk_tail = base.logprobs, base.temperature, base.topk_tail
     for key, value in params.items():
         if key == "output_dtype":
             if not isinstance(value, str) or value.upper() not in FLOAT_OUTPUT_DTYPES:
@@ -58,6 +60,19 @@ def _output_options(params: Parameters, where: str, base: OutputTransform,
                     f"{where}: top_k must be a non-negative integer (int64_param), got {echo(value)}")
             assert isinstance(value, int)
             top_k = value
+        elif key in ("logprobs", "topk_tail"):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{where}: {key} must be a boolean (bool_param), got {echo(value)}")
+            if key == "logprobs":
+                logprobs = value
+            else:
+                topk_tail = value
+        elif key == "temperature":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise InvalidRequestError(
+                    f"{where}: temperature must be a finite number > 0 (double_param), got {echo(value)}")
+            temperature = float(value)
         elif key == "priority" and key in allowed:
             if not _non_negative_int(value):
                 raise InvalidRequestError(
@@ -72,7 +87,7 @@ def _output_options(params: Parameters, where: str, base: OutputTransform,
             raise InvalidRequestError(f"{where}: 'classification' outputs are not served; ask for top_k instead")
         else:
             _ignore(key, where.split(" ", 1)[0])
-    return OutputTransform(base.name, dtype, top_k)
+    return OutputTransform(base.name, dtype, top_k, logprobs, temperature, topk_tail)
 
 
 def _uses_shared_memory(req: InferRequest) -> bool:
@@ -185,9 +200,15 @@ def _shape_text(shape: Sequence[int]) -> str:
     return f"[{', '.join(map(str, shape[:16]))}, ...] ({len(shape)} dimensions)"
 
 
+def _asks_tail(req: InferRequest, name: str) -> bool:
+    """The request itself (not the server's --topk-tail default) asks for output `name`'s tail."""
+    if req.parameters.get("topk_tail") is True:
+        return True
+    return any(o.name == name and o.parameters.get("topk_tail") is True for o in req.outputs)
+
+
 def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) -> list[OutputTransform]:
-    base = _output_options(req.parameters, "request", OutputTransform("", defaults.datatype, defaults.top_k),
-                           REQUEST_PARAMETERS)
+    base = _output_options(req.parameters, "request", defaults.transform(), REQUEST_PARAMETERS)
     if req.outputs:
         wanted = []
         names = set()
@@ -199,10 +220,10 @@ def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) ->
             if o.name in names:
                 raise InvalidRequestError(f"output {o.name!r} requested twice")
             names.add(o.name)
-            inherited = OutputTransform(o.name, base.datatype, base.top_k)
+            inherited = base.with_name(o.name)
             wanted.append(_output_options(o.parameters, f"output {o.name!r}", inherited, OUTPUT_PARAMETERS))
     else:
-        wanted = [OutputTransform(s.name, base.datatype, base.top_k) for s in io.outputs]
+        wanted = [base.with_name(s.name) for s in io.outputs]
     for w in wanted:
         spec = io.output(w.name)
         assert spec is not None
@@ -211,4 +232,10 @@ def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) ->
         if w.top_k and spec.shape[-1] != -1 and w.top_k > spec.shape[-1]:
             raise InvalidRequestError(
                 f"output {w.name!r}: top_k {w.top_k} exceeds its last dimension {spec.shape[-1]}")
+        floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
+        if w.logprobs and floating and not spec.shape:
+            raise InvalidRequestError(f"output {w.name!r} has no class dimension; logprobs needs one")
+        if w.topk_tail and not w.top_k and _asks_tail(req, w.name):
+            raise InvalidRequestError(
+                f"output {w.name!r}: topk_tail is the probability mass outside the top-k; ask for top_k too")
     return wanted

@@ -136,3 +136,24 @@ class Stuck(Affine):
 
 def stuck() -> Stuck:
     return Stuck()
+
+
+class TinyLM(nn.Module):
+    """Token ids [B, T] to next-token logits [B, T, vocab]: a per-position output over a vocabulary,
+    configured by factory arguments (--model-arg vocab=37) instead of environment variables."""
+
+    def __init__(self, vocab: int, hidden: int, seed: int, scale: float) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(torch.randn(vocab, hidden, generator=g))
+        self.head = nn.Parameter(torch.randn(hidden, vocab, generator=g) * scale)
+        self.io_spec = ModelIO.parse(["TOKENS:INT64:-1"], [f"LOGITS:FP32:-1,{vocab}"])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens] @ self.head
+
+
+def tiny_lm(vocab: int = 50, hidden: int = 16, seed: int = 0, scale: float = 1.0) -> TinyLM:
+    if vocab < 2:
+        raise ValueError(f"vocab must be at least 2, got {vocab}")
+    return TinyLM(vocab, hidden, seed, scale)

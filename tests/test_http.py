@@ -197,7 +197,7 @@ def test_top_k_and_output_dtype_parameters(ref_server: ServerThread, ref_model: 
     assert status == 200, raw
     values, indices = json.loads(raw)["outputs"]
     assert values["name"] == "LOGITS_TOPK_VALUES" and values["datatype"] == "FP16"
-    assert indices["name"] == "LOGITS_TOPK_INDICES" and indices["datatype"] == "INT64"
+    assert indices["name"] == "LOGITS_TOPK_INDICES" and indices["datatype"] == "INT32"
     assert np.array_equal(np.asarray(indices["data"]).reshape(3, 4), want.indices.numpy())
     assert np.allclose(np.asarray(values["data"]).reshape(3, 4), want.values.numpy(), atol=1e-2)
 

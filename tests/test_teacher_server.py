@@ -241,7 +241,7 @@ def test_top_k_outputs(client: tg.InferenceServerClient, ref_model: torch.nn.Mod
     values, indices = result.as_numpy("LOGITS_TOPK_VALUES"), result.as_numpy("LOGITS_TOPK_INDICES")
     assert result.as_numpy("LOGITS") is None
     ref_v, ref_i = torch.topk(_expected(ref_model, x), 5, dim=-1)
-    assert values.shape == (6, 5) and indices.dtype == np.int64
+    assert values.shape == (6, 5) and indices.dtype == np.int32
     assert torch.equal(torch.from_numpy(indices), ref_i)
     assert torch.allclose(torch.from_numpy(values), ref_v, atol=1e-5)
 
@@ -484,8 +484,8 @@ def test_lifecycle_serves_a_protocol_neutral_request(ref_server: ServerThread, r
     assert names == ["LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES"] and result.batch_size == 3
     _, dtype, shape, raw = result.outputs[1]
     ref_i = torch.topk(_expected(ref_model, x), 4, dim=-1).indices
-    assert dtype == "INT64" and shape == [3, 4]
-    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int64).reshape(3, 4), ref_i)
+    assert dtype == "INT32" and shape == [3, 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(3, 4), ref_i)
     typed = InferRequest(model_name="ref_teacher", inputs=[
         InputTensor("INPUT", "FP32", [1, 3, 32, 32], values=x[:1].ravel().tolist())])
     _, _, _, raw = ref_server.call(lifecycle.infer(typed)).outputs[0]

@@ -1,0 +1,100 @@
+"""Hugging Face teachers: `--model hf:DIR` serves a `transformers` model saved with
+`save_pretrained` in a local directory.
+
+Only the directory is read (`local_files_only=True`, no remote code): a teacher never reaches a
+hub at run time. A causal LM and a sequence classifier are served; the teacher declares its own
+tensors, so no --input/--output flags are needed:
+
+    INPUT_IDS       INT64 [-1]       token ids, per sequence
+    ATTENTION_MASK  INT64 [-1]       1 for real tokens, 0 for padding
+    LOGITS          FP32  [-1, V]    next-token logits per position (causal LM), or
+                    FP32  [C]        class logits (sequence classification)
+
+The inputs reach `forward` by keyword and the logits are taken from the output object. With
+`--compute-dtype BF16/FP16` the weights are loaded in that dtype (half the memory of fp32; the
+usual way to run a large LM on a GPU); LOGITS is still declared FP32 and the output transforms
+(log-softmax, top-k) compute in fp32 on the device. `transformers` is the optional `llm` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from teacher_server.spec import ModelIO
+
+PREFIX = "hf:"
+CAUSAL_LM = "causal-lm"
+SEQUENCE_CLASSIFICATION = "sequence-classification"
+
+
+class HFLoadError(RuntimeError):
+    """The directory does not hold a servable transformers model; the message says why."""
+
+
+class HFTeacher(nn.Module):
+    """A transformers model behind the positional (INPUT_IDS, ATTENTION_MASK) -> LOGITS contract of
+    a teacher, with its `io_spec` declared from the model's config."""
+
+    def __init__(self, model: nn.Module, kind: str, width: int) -> None:
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        out = f"LOGITS:FP32:-1,{width}" if kind == CAUSAL_LM else f"LOGITS:FP32:{width}"
+        self.io_spec = ModelIO.parse(["INPUT_IDS:INT64:-1", "ATTENTION_MASK:INT64:-1"], [out])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.kind == CAUSAL_LM:
+            kwargs["use_cache"] = False  # one forward pass per batch: a KV cache would only cost memory
+        logits: torch.Tensor = self.model(**kwargs).logits
+        return logits
+
+
+def is_hf_source(source: str) -> bool:
+    return source.startswith(PREFIX)
+
+
+def _kind(config: Any) -> str:
+    archs = [str(a) for a in (getattr(config, "architectures", None) or [])]
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return SEQUENCE_CLASSIFICATION
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return CAUSAL_LM
+    raise HFLoadError(
+        f"architectures {archs or 'none'} in config.json: teacher-server serves a causal LM (*ForCausalLM) "
+        "or a sequence classifier (*ForSequenceClassification); save one of those with save_pretrained")
+
+
+def load_hf_teacher(source: str, device: torch.device, dtype: torch.dtype) -> HFTeacher:
+    """Load `hf:DIR` from the local directory only, in `dtype`, onto `device`, in eval mode."""
+    directory = Path(source[len(PREFIX):]).expanduser()
+    if not (directory / "config.json").is_file():
+        raise HFLoadError(f"--model {source}: {directory} has no config.json; pass a directory written by "
+                          "save_pretrained (models are never downloaded at run time)")
+    try:
+        import transformers
+    except ImportError as e:
+        raise HFLoadError(f"--model {source} needs transformers: pip install 'distill-mesh[llm]' ({e})") from e
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise HFLoadError(f"--model {source}: cannot read its config: {e}") from e
+    kind = _kind(config)
+    auto = (transformers.AutoModelForCausalLM if kind == CAUSAL_LM
+            else transformers.AutoModelForSequenceClassification)
+    try:
+        model = auto.from_pretrained(str(directory), local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise HFLoadError(f"--model {source}: cannot load its weights: {e}") from e
+    if kind == CAUSAL_LM:
+        head = model.get_output_embeddings()
+        width = int(getattr(head, "out_features", 0) or config.vocab_size)
+    else:
+        width = int(config.num_labels)
+    teacher = HFTeacher(model, kind, width).to(device)
+    teacher.eval()
+    return teacher

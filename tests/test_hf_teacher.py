@@ -1,0 +1,151 @@
+"""`--model hf:DIR`: a tiny random Llama saved with save_pretrained, served from its directory with
+attention masks, against the same model in process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as tg
+
+from teacher_server import ServerConfig
+from teacher_server.model import ModelLoadError, load_model
+from tests.servers import ServerThread, teacher_process
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def _save_llama(directory: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    _save_llama(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_server(llama_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu")) as s:
+        yield s
+
+
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+    ids = np.random.default_rng(0).integers(1, VOCAB, size=(3, 9), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    mask[2, :3] = 0  # left padding: the real tokens' answers depend on the mask reaching the model
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _inputs(ids: np.ndarray, mask: np.ndarray) -> list[tg.InferInput]:
+    out = []
+    for name, x in (("INPUT_IDS", ids), ("ATTENTION_MASK", mask)):
+        i = tg.InferInput(name, list(x.shape), "INT64")
+        i.set_data_from_numpy(x)
+        out.append(i)
+    return out
+
+
+def _reference_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+    with torch.inference_mode():
+        logits: torch.Tensor = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    return logits
+
+
+def test_the_teacher_declares_its_tensors(hf_server: ServerThread) -> None:
+    c = tg.InferenceServerClient(hf_server.url)
+    try:
+        meta = c.get_model_metadata("llama", as_json=True)
+    finally:
+        c.close()
+    assert meta["inputs"] == [{"name": "INPUT_IDS", "datatype": "INT64", "shape": ["-1", "-1"]},
+                              {"name": "ATTENTION_MASK", "datatype": "INT64", "shape": ["-1", "-1"]}]
+    assert meta["outputs"] == [{"name": "LOGITS", "datatype": "FP32", "shape": ["-1", "-1", str(VOCAB)]}]
+
+
+def test_logits_with_attention_masks_match_the_in_process_model(
+        hf_server: ServerThread, reference: torch.nn.Module) -> None:
+    ids, mask = _batch()
+    c = tg.InferenceServerClient(hf_server.url)
+    try:
+        full = c.infer("llama", _inputs(ids, mask))
+        topk = c.infer("llama", _inputs(ids, mask),
+                       parameters={"logprobs": True, "temperature": 2.0, "top_k": 8, "topk_tail": True})
+    finally:
+        c.close()
+    logits = _reference_logits(reference, ids, mask)
+    unmasked = _reference_logits(reference, ids, np.ones_like(mask))
+    assert not torch.allclose(logits[2, 3:], unmasked[2, 3:], atol=1e-3)  # so the test can fail
+    assert np.allclose(full.as_numpy("LOGITS"), logits.numpy(), atol=1e-4)
+
+    want = torch.topk(torch.log_softmax(logits / 2.0, dim=-1), 8, dim=-1)
+    values = topk.as_numpy("LOGITS_TOPK_VALUES")
+    assert values.shape == (3, 9, 8) and topk.as_numpy("LOGITS_TOPK_INDICES").dtype == np.int32
+    assert np.allclose(values, want.values.numpy(), atol=1e-4)
+    assert np.array_equal(topk.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
+    assert np.allclose(topk.as_numpy("LOGITS_TOPK_TAIL"), 1 - np.exp(values).sum(-1), atol=1e-5)
+
+
+def test_compute_dtype_loads_the_weights_in_it(llama_dir: Path, reference: torch.nn.Module) -> None:
+    model = load_model(f"hf:{llama_dir}", device="cpu", compute_dtype="BF16")
+    assert isinstance(model.module, torch.nn.Module)
+    assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}
+    ids, mask = _batch()
+    with torch.inference_mode():
+        [out] = model.forward([torch.from_numpy(ids), torch.from_numpy(mask)])
+    assert out.shape == (3, 9, VOCAB)
+    assert torch.allclose(out.float(), _reference_logits(reference, ids, mask), atol=0.1, rtol=0.05)
+
+
+def test_a_sequence_classifier_declares_class_logits(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=5, pad_token_id=0)
+    torch.manual_seed(1)
+    classifier = transformers.LlamaForSequenceClassification(config).eval()
+    classifier.save_pretrained(str(tmp_path))
+    model = load_model(f"hf:{tmp_path}", device="cpu")
+    assert [(s.name, s.shape) for s in model.io.outputs] == [("LOGITS", (5,))]
+    ids, mask = _batch()
+    with torch.inference_mode():
+        [out] = model.forward([torch.from_numpy(ids), torch.from_numpy(mask)])
+        want = classifier(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    assert torch.allclose(out, want, atol=1e-5)
+
+
+def test_a_directory_without_a_saved_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        load_model(f"hf:{tmp_path}", device="cpu")
+
+
+def test_the_cli_serves_hf_dir_with_server_side_logprobs(
+        llama_dir: Path, reference: torch.nn.Module, tmp_path: Path) -> None:
+    """The real command line: --model hf:DIR with --logprobs --temperature --top-k --topk-tail defaults."""
+    args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--instances", "1",
+            "--logprobs", "--temperature", "2", "--top-k", "4", "--topk-tail"]
+    ids, mask = _batch()
+    with teacher_process(args, tmp_path) as (_, info), tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as c:
+        result = c.infer("llama", _inputs(ids, mask))
+    want = torch.topk(torch.log_softmax(_reference_logits(reference, ids, mask) / 2.0, dim=-1), 4, dim=-1)
+    assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-4)
+    assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
+    assert result.as_numpy("LOGITS_TOPK_TAIL").shape == (3, 9)
