@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="declare an input, e.g. INPUT:FP32:3,32,32 (repeat, in forward() order)")
     m.add_argument("--output", action="append", default=[], metavar="NAME:DTYPE:SHAPE",
                    help="declare an output, e.g. LOGITS:FP32:100 (repeat, in return order); inferred if omitted")
-    m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
+    m.add_argument("--model-config", help="inputs, outputs and max_batch_size from a file: Triton's config.pbtxt, "
+                   "Triton-style JSON (input/output, data_type, dims) or ours (inputs/outputs, datatype, shape)")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
                    help="autocast dtype for the forward pass (default: %(default)s)")
