@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="declare an output, e.g. LOGITS:FP32:100 (repeat, in return order); inferred if omitted")
     m.add_argument("--model-config", help="inputs, outputs and max_batch_size from a file: Triton's config.pbtxt, "
                    "Triton-style JSON (input/output, data_type, dims) or ours (inputs/outputs, datatype, shape)")
+    m.add_argument("--model-path", action="append", default=[], metavar="DIR",
+                   help="directory to import --model's module from, put first on sys.path (repeat for several; "
+                   "default: the working directory, as with python -m)")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
                    help="autocast dtype for the forward pass (default: %(default)s)")
@@ -119,6 +122,20 @@ def check_flags(args: argparse.Namespace) -> None:
                         f"got {args.ttl}")
     if args.model_config and not Path(args.model_config).is_file():
         raise SpecError(f"--model-config {args.model_config} does not exist")
+
+
+def apply_model_path(args: argparse.Namespace) -> list[str]:
+    """Put --model-path's directories (default: the working directory) first on sys.path, so
+    that `--model mymodel:build` finds ./mymodel.py from the `teacher-server` script too (a script's
+    sys.path starts with its own bin directory, not the working directory). Returns what was added."""
+    dirs = [str(Path(d).resolve()) for d in (args.model_path or [os.getcwd()])]
+    for d in args.model_path:
+        if not Path(d).is_dir():
+            raise SpecError(f"--model-path {d} is not a directory")
+    for d in reversed(dirs):
+        if d not in sys.path[: len(dirs)]:
+            sys.path.insert(0, d)
+    return dirs
 
 
 def check_device(device: str | None) -> None:
@@ -292,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
+        apply_model_path(args)
         config = config_from_args(args)
         registration = registration_from_args(args)
         run_async(check_registry_access(args))
