@@ -218,6 +218,9 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
+_NAME_FLOOR = 16  # a name cut to fewer characters than this says little; drop other columns first
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1, indent: str = "  ", *,
            width: int | None = None, drop: Sequence[str] = (), shrink: Sequence[str] = ()) -> list[str]:
     """Columns sized to their content; the first ``left`` left-aligned (names), the rest right-aligned (figures).
@@ -235,13 +238,19 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1, 
         return len(indent) + sum(widths[i] for i in keep) + 2 * (len(keep) - 1)
 
     if width is not None:
+        names = [list(header).index(n) for n in shrink if n in header]
+        full = list(widths)
+        for i in names:  # drop columns only while the table does not fit even with the names cut short
+            widths[i] = min(full[i], max(_NAME_FLOOR, len(header[i])))
         for name in drop:
             if total(cols) <= width:
                 break
             if name in header:
                 cols.remove(list(header).index(name))
-        names = [list(header).index(n) for n in shrink if n in header and list(header).index(n) in cols]
-        for floor in (16, 6):  # take from the widest name column first, one character at a time
+        for i in names:
+            widths[i] = full[i]
+        names = [i for i in names if i in cols]
+        for floor in (_NAME_FLOOR, 6):  # take from the widest name column first, one character at a time
             while total(cols) > width:
                 room = [i for i in names if widths[i] > max(floor, len(header[i]))]
                 if not room:
@@ -301,7 +310,7 @@ def describe_value(value: bytes, now: float | None = None) -> str:
 
 
 # Which teacher columns give way first on a narrow screen; SAMPLES/S, BUSY and CAPACITY/S never do.
-_TEACHER_DROP = ("INSTANCE", "LOAD AGE", "UP", "MAXB", "DEVICE", "INFLIGHT", "STATE", "QUEUE")
+_TEACHER_DROP = ("INSTANCE", "LOAD AGE", "UP", "MAXB", "DEVICE", "INFLIGHT", "QUEUE", "STATE")
 _TEACHER_SHRINK = ("MODEL", "ENDPOINT")
 
 

@@ -226,7 +226,7 @@ def test_render_fits_80_columns_and_keeps_the_throughput_columns() -> None:
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines), "\n".join(line for line in lines if len(line) > 80)
     [header] = [line for line in lines if "ENDPOINT" in line]
-    for column in ("SAMPLES/S", "BUSY", "CAPACITY/S", "MODEL"):
+    for column in ("SAMPLES/S", "BUSY", "CAPACITY/S", "MODEL", "STATE"):
         assert column in header, header
     assert "INSTANCE" in wide and "INSTANCE" not in header  # what gave way
     rows = [line for line in lines if "87%" in line]
