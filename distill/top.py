@@ -24,6 +24,7 @@ import json
 import math
 import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -217,15 +218,65 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1, indent: str = "  ") -> list[str]:
-    """Columns sized to their content; the first ``left`` left-aligned (names), the rest right-aligned (figures)."""
+_NAME_FLOOR = 16  # a name cut to fewer characters than this says little; drop other columns first
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1, indent: str = "  ", *,
+           width: int | None = None, drop: Sequence[str] = (), shrink: Sequence[str] = ()) -> list[str]:
+    """Columns sized to their content; the first ``left`` left-aligned (names), the rest right-aligned (figures).
+
+    With ``width``, a table wider than that is made to fit rather than clipped at the right edge,
+    where the figures people look at live: first the columns named in ``drop`` go, in that order,
+    then the name columns in ``shrink`` are cut in the middle, the widest first (``10.0~:9898``:
+    both ends of an endpoint or a model name tell more than its start alone). Only a screen too narrow even for
+    that is clipped.
+    """
+    cols = list(range(len(header)))
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
 
+    def total(keep: Sequence[int]) -> int:
+        return len(indent) + sum(widths[i] for i in keep) + 2 * (len(keep) - 1)
+
+    if width is not None:
+        names = [list(header).index(n) for n in shrink if n in header]
+        full = list(widths)
+        for i in names:  # drop columns only while the table does not fit even with the names cut short
+            widths[i] = min(full[i], max(_NAME_FLOOR, len(header[i])))
+        for name in drop:
+            if total(cols) <= width:
+                break
+            if name in header:
+                cols.remove(list(header).index(name))
+        for i in names:
+            widths[i] = full[i]
+        names = [i for i in names if i in cols]
+        for floor in (_NAME_FLOOR, 6):  # take from the widest name column first, one character at a time
+            while total(cols) > width:
+                room = [i for i in names if widths[i] > max(floor, len(header[i]))]
+                if not room:
+                    break
+                widths[max(room, key=lambda i: widths[i])] -= 1
+
+    def cell(text: str, i: int) -> str:
+        w = widths[i]
+        if len(text) > w:
+            head = (w - 1) // 2
+            text = text[:head] + "~" + text[len(text) - (w - 1 - head):]
+        return text.ljust(w) if i < left else text.rjust(w)
+
     def line(cells: Sequence[str]) -> str:
-        out = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
-        return (indent + "  ".join(out)).rstrip()
+        text = (indent + "  ".join(cell(cells[i], i) for i in cols)).rstrip()
+        return text if width is None else text[:width]
 
     return [line(header), *(line(r) for r in rows)]
+
+
+def _fit(text: str, width: int | None, indent: str = "  ") -> list[str]:
+    """One line of prose, wrapped at ``width`` (continuations indented) rather than clipped."""
+    if width is None or len(text) <= width:
+        return [text]
+    lead = text[: len(text) - len(text.lstrip())] + indent
+    return textwrap.wrap(text, width, subsequent_indent=lead, break_long_words=True, break_on_hyphens=False)
 
 
 def describe_value(value: bytes, now: float | None = None) -> str:
@@ -258,17 +309,21 @@ def describe_value(value: bytes, now: float | None = None) -> str:
     return " ".join(parts)
 
 
-def _render_service(view: ServiceView, now: float, max_rows: int) -> list[str]:
+# Which teacher columns give way first on a narrow screen; SAMPLES/S, BUSY and CAPACITY/S never do.
+_TEACHER_DROP = ("INSTANCE", "LOAD AGE", "UP", "MAXB", "DEVICE", "INFLIGHT", "QUEUE", "STATE")
+_TEACHER_SHRINK = ("MODEL", "ENDPOINT")
+
+
+def _render_service(view: ServiceView, now: float, max_rows: int, width: int | None = None) -> list[str]:
     loads = [t.load for t in view.teachers if t.load is not None]
     capacity = sum(ld.capacity_samples_per_s for ld in loads)
     served = sum(ld.samples_per_s for ld in loads)
     demand = sum(d.samples_per_s for d in view.students)
     stall = sum(d.wait_fraction for d in view.students) / len(view.students) if view.students else 0.0
-    lines = [
+    lines = _fit(
         f"service {view.name}: {len(view.teachers)} teacher(s), serving {_rate(served)} samples/s of "
         f"{_rate(capacity) if capacity else '?'} measured capacity; {len(view.students)} student(s) consuming "
-        f"{_rate(demand)} samples/s, mean stall {_pct(stall)}"
-    ]
+        f"{_rate(demand)} samples/s, mean stall {_pct(stall)}", width)
     if view.teachers:
         rows = []
         for t in view.teachers[:max_rows]:
@@ -285,7 +340,8 @@ def _render_service(view: ServiceView, now: float, max_rows: int) -> list[str]:
             rows.append([r.endpoint, t.instance_id, r.device or "-", model, str(r.max_batch_size), *figures, up,
                          state])
         lines += _table(["ENDPOINT", "INSTANCE", "DEVICE", "MODEL", "MAXB", "QUEUE", "INFLIGHT", "SAMPLES/S",
-                         "BUSY", "CAPACITY/S", "LOAD AGE", "UP", "STATE"], rows, left=4)
+                         "BUSY", "CAPACITY/S", "LOAD AGE", "UP", "STATE"], rows, left=4, width=width,
+                        drop=_TEACHER_DROP, shrink=_TEACHER_SHRINK)
         if len(view.teachers) > max_rows:
             lines.append(f"  ... and {len(view.teachers) - max_rows} more teacher(s)")
     else:
@@ -295,14 +351,15 @@ def _render_service(view: ServiceView, now: float, max_rows: int) -> list[str]:
         busiest.sort(key=lambda d: d.student_id)
         rows = [[d.student_id, _rate(d.samples_per_s), _pct(d.wait_fraction), str(d.in_flight),
                  str(d.teachers_in_use), _age(now - d.updated_at) if d.updated_at else "-"] for d in busiest]
-        lines += _table(["STUDENT", "SAMPLES/S", "STALL", "INFLIGHT", "TEACHERS", "AGE"], rows)
+        lines += _table(["STUDENT", "SAMPLES/S", "STALL", "INFLIGHT", "TEACHERS", "AGE"], rows, width=width,
+                        drop=("AGE", "TEACHERS", "INFLIGHT"), shrink=("STUDENT",))
         if len(view.students) > max_rows:
             lines.append(f"  ... and {len(view.students) - max_rows} more student(s) (showing the busiest)")
     else:
         lines.append("  no students publishing demand")
     if view.autoscaler:
         for rec in view.autoscaler:
-            lines.append(f"  autoscaler {rec.name or '(prefix)'}: {describe_value(rec.value, now)}")
+            lines += _fit(f"  autoscaler {rec.name or '(prefix)'}: {describe_value(rec.value, now)}", width)
     else:
         lines.append("  autoscaler: none running")
     if view.unparsable:
@@ -310,18 +367,23 @@ def _render_service(view: ServiceView, now: float, max_rows: int) -> list[str]:
     return lines
 
 
-def render(view: MeshView, *, max_rows: int = 50, services: Sequence[str] = (), now: float | None = None) -> str:
-    """The whole screen as text (pure; ``now`` defaults to the time the view was taken)."""
+def render(view: MeshView, *, max_rows: int = 50, services: Sequence[str] = (), now: float | None = None,
+           width: int | None = None) -> str:
+    """The whole screen as text (pure; ``now`` defaults to the time the view was taken).
+
+    ``width``: the screen's columns; every line then fits in it, tables giving up their less useful
+    columns and cutting long names before the throughput figures are touched (None: no limit).
+    """
     t = view.taken_at if now is None else now
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.taken_at))
-    lines = [f"distill top - {view.registry} - {stamp} - revision {view.revision} - "
-             f"{len(view.services)} service(s)", ""]
+    lines = [*_fit(f"distill top - {view.registry} - {stamp} - revision {view.revision} - "
+                   f"{len(view.services)} service(s)", width), ""]
     if not view.services:
         wanted = f" named {', '.join(services)}" if services else ""
-        lines.append(f"no services{wanted} under {keys.ROOT}/ yet (teachers register there when they start "
-                     "with --registry and --service)")
+        lines += _fit(f"no services{wanted} under {keys.ROOT}/ yet (teachers register there when they start "
+                      "with --registry and --service)", width)
     for s in view.services:
-        lines += _render_service(s, t, max_rows)
+        lines += _render_service(s, t, max_rows, width)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -363,6 +425,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit (for scripts and tests)")
     p.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
+    p.add_argument("--width", type=int, default=None, metavar="COLUMNS",
+                   help="fit the view in this many columns (default: the terminal's width when refreshing, "
+                        "no limit with --once)")
     p.add_argument("--max-rows", type=int, default=50, help="teachers/students shown per service (default: 50)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for etcd per read (default: 3)")
     add_registry_security_args(p)
@@ -389,13 +454,13 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
             if args.json:
                 out.write(json.dumps(view_as_dict(view), indent=2) + "\n")
             else:
-                out.write(render(view, max_rows=args.max_rows, services=args.service))
+                out.write(render(view, max_rows=args.max_rows, services=args.service, width=args.width))
             out.flush()
             return 0
         problem: str | None = None
         while True:
-            width = shutil.get_terminal_size((200, 50)).columns
-            text = render(view, max_rows=args.max_rows, services=args.service)
+            width = args.width or shutil.get_terminal_size((200, 50)).columns
+            text = render(view, max_rows=args.max_rows, services=args.service, width=width)
             if problem is not None:  # keep the last view on screen and say how stale it is
                 text = (f"registry unreachable, retrying every {args.interval:g} s: {problem}\n"
                         f"last snapshot, {_age(time.time() - view.taken_at)} old:\n{text}")
@@ -417,6 +482,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     stream = out if out is not None else sys.stdout
     if not args.interval > 0:
         print("distill top: --interval must be > 0 seconds", file=sys.stderr)
+        return 2
+    if args.width is not None and args.width < 40:
+        print("distill top: --width must be at least 40 columns", file=sys.stderr)
         return 2
     if args.json and not args.once:
         print("distill top: --json needs --once (a refreshing view is for people)", file=sys.stderr)

@@ -1,7 +1,9 @@
 """The serving side of the mesh: PyTorch teachers behind the Triton / KServe v2 gRPC protocol.
 
 `TeacherServer` owns one model from load to drain; `ServerConfig` is its whole configuration;
-`ModelIO` / `TensorSpec` declare a model's tensors. The CLI is `teacher-server`.
+`ModelIO` / `TensorSpec` declare a model's tensors. From Python, `serve(model, inputs=..., outputs=...)`
+serves an nn.Module until SIGTERM and `await start(model, ...)` returns a running server (see
+`teacher_server.api`). The CLI is `teacher-server`.
 
 One request's data path, module by module: `grpc_codec` (bytes -> `infer_request.InferRequest`),
 `lifecycle` (admission, accounting), `validation` (-> `work.Work`), `batcher` (queue),
@@ -19,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from teacher_server.api import serve, start
     from teacher_server.batcher import BatchingConfig
     from teacher_server.errors import (
         InferError,
@@ -58,6 +61,8 @@ __all__ = [
     "UnavailableError",
     "__version__",
     "load_model",
+    "serve",
+    "start",
 ]
 
 _WHERE = {
@@ -69,6 +74,7 @@ _WHERE = {
     "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
     "ServerConfig": "server", "TeacherServer": "server",
     "ModelIO": "spec", "SpecError": "spec", "TensorSpec": "spec",
+    "serve": "api", "start": "api",
 }
 
 

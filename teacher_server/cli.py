@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "LOGITS:FP32:-1,100:per_position is cut back to each request's own sequence length")
     m.add_argument("--attention-mask", default=None, metavar="NAME",
                    help="the --input that is the attention mask (same as giving it :mask)")
-    m.add_argument("--model-config", help="JSON file with 'inputs', 'outputs' and optionally 'max_batch_size'")
+    m.add_argument("--model-config", help="inputs, outputs and max_batch_size from a file: Triton's config.pbtxt, "
+                   "Triton-style JSON (input/output, data_type, dims) or ours (inputs/outputs, datatype, shape)")
+    m.add_argument("--model-path", action="append", default=[], metavar="DIR",
+                   help="directory to import --model's module from, put first on sys.path (repeat for several; "
+                   "default: the working directory, as with python -m)")
     m.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda when available, else cpu)")
     m.add_argument("--compute-dtype", default="FP32", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES),
                    help="autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
@@ -162,6 +166,20 @@ def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
         except ValueError:
             out[key] = raw
     return out
+
+
+def apply_model_path(args: argparse.Namespace) -> list[str]:
+    """Put --model-path's directories (default: the working directory) first on sys.path, so
+    that `--model mymodel:build` finds ./mymodel.py from the `teacher-server` script too (a script's
+    sys.path starts with its own bin directory, not the working directory). Returns what was added."""
+    dirs = [str(Path(d).resolve()) for d in (args.model_path or [os.getcwd()])]
+    for d in args.model_path:
+        if not Path(d).is_dir():
+            raise SpecError(f"--model-path {d} is not a directory")
+    for d in reversed(dirs):
+        if d not in sys.path[: len(dirs)]:
+            sys.path.insert(0, d)
+    return dirs
 
 
 def check_device(device: str | None) -> None:
@@ -341,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
+        apply_model_path(args)
         config = config_from_args(args)
         registration = registration_from_args(args)
         run_async(check_registry_access(args))

@@ -87,7 +87,8 @@ def import_factory(ref: str) -> Callable[..., Any]:
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ModelLoadError(f"cannot import {mod_name!r} for model {ref!r}: {e}") from e
+        raise ModelLoadError(f"cannot import {mod_name!r} for model {ref!r}: {e} (is the directory it is in on "
+                             "the import path? pass --model-path DIR, or model_path= to serve())") from e
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -125,6 +126,20 @@ def call_factory(ref: str, factory: Callable[..., Any], model_args: Mapping[str,
         raise ModelLoadError(f"factory {ref!r} refused --model-arg {given}: {e}") from e
 
 
+def _refuse_static_batch(program: Any, source: str) -> None:
+    """A program exported without a dynamic batch dimension runs one batch size only; without this
+    check the first other batch fails deep in torch with 'Guard failed: x.size()[0] == 2'."""
+    user = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" and node.name in user else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 1 and isinstance(val.shape[0], int):
+            raise ModelLoadError(
+                f"exported program {source}: input {node.name!r} has a fixed batch size of {val.shape[0]}, but "
+                "the server sends batches of any size; export with a dynamic batch dimension and an example "
+                "batch of 2 or more: batch = torch.export.Dim('batch'); torch.export.export(model, (x,), "
+                f"dynamic_shapes={{{node.name!r}: {{0: batch}}}})")
+
+
 def _load_module(source: str, device: torch.device, model_args: Mapping[str, Any] | None = None) -> Any:
     path = Path(source)
     if model_args and (path.suffix in _FILE_SUFFIXES or (path.is_file() and ":" not in source)):
@@ -133,7 +148,9 @@ def _load_module(source: str, device: torch.device, model_args: Mapping[str, Any
         if not path.is_file():
             raise ModelLoadError(f"exported program {source} does not exist")
         # torch.export.load reads a zip of graph + weights; it does not unpickle arbitrary objects.
-        return torch.export.load(str(path)).module().to(device)
+        program = torch.export.load(str(path))
+        _refuse_static_batch(program, source)
+        return program.module().to(device)
     if path.suffix in _FILE_SUFFIXES or (path.is_file() and ":" not in source):
         if not path.is_file():
             raise ModelLoadError(f"TorchScript file {source} does not exist")

@@ -16,7 +16,6 @@ top-level `"attention_mask": "MASK"`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -185,7 +184,7 @@ class ModelIO:
 
 @dataclass(frozen=True)
 class ModelFileConfig:
-    """The optional JSON model config: the same facts as the flags, for models served often."""
+    """The optional model config file: the same facts as the flags, for models served often."""
 
     io: ModelIO | None
     max_batch_size: int | None
@@ -193,21 +192,7 @@ class ModelFileConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelFileConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise SpecError(f"model config {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise SpecError(f"model config {path} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise SpecError(f"model config {path} must be a JSON object with 'inputs' and 'outputs'")
-        io = None
-        if "inputs" in raw:
-            mask = raw.get("attention_mask")
-            io = ModelIO(
-                tuple(TensorSpec.from_dict(d) for d in raw["inputs"]),
-                tuple(TensorSpec.from_dict(d) for d in raw.get("outputs", [])),
-                str(mask) if mask is not None else None,
-            )
-        mbs = raw.get("max_batch_size")
-        return cls(io, int(mbs) if mbs is not None else None, raw.get("name"))
+        """Read a model config file: our JSON, or Triton's config.pbtxt or JSON (teacher_server.model_config)."""
+        from teacher_server.model_config import load_model_config  # here: it imports this module
+
+        return load_model_config(path)

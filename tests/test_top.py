@@ -198,3 +198,42 @@ def test_autoscaler_records_of_any_format_are_readable() -> None:
     assert dtop.describe_value(b"plain   text\nvalue") == "plain text value"
     assert dtop.describe_value(b"\xff\x00\x01") == "<3 bytes of binary data>"
     assert dtop.describe_value(b"[1, 2]") == "[1, 2]"
+
+
+def test_render_fits_80_columns_and_keeps_the_throughput_columns() -> None:
+    kvs = []
+    for i in range(3):
+        iid = f"teacher-instance-with-a-long-generated-name-{i:04d}"
+        rec = registry_pb2.TeacherRecord(instance_id=iid, endpoint=f"teacher-{i}.gpu-pool.cluster.example.org:9898",
+                                         model_name="a_rather_long_teacher_model_name_for_distillation",
+                                         model_version="12", device="cuda:0", max_batch_size=256, started_at=900.0)
+        load = registry_pb2.TeacherLoad(instance_id=iid, queue_depth=12, in_flight=3, samples_per_s=123456.0 + i,
+                                        busy_fraction=0.87, capacity_samples_per_s=234567.0, updated_at=999.0)
+        kvs += [_kv(f"/distill/v1/cv-teacher-with-a-long-service-name/teachers/{iid}", rec),
+                _kv(f"/distill/v1/cv-teacher-with-a-long-service-name/load/{iid}", load)]
+    demand = registry_pb2.StudentDemand(student_id="student-rank-0-of-a-very-long-job-name-abcdef",
+                                        samples_per_s=9999.0, wait_fraction=0.05, in_flight=4, teachers_in_use=3,
+                                        updated_at=999.0)
+    kvs.append(_kv("/distill/v1/cv-teacher-with-a-long-service-name/students/s0", demand))
+    decision = {"action": "up", "current": 3, "desired": 4, "reason": "students stall 30% > 10% " * 4, "at": 990.0}
+    kvs.append((b"/distill/v1/cv-teacher-with-a-long-service-name/autoscaler/decision", json.dumps(decision).encode()))
+    view = dtop.MeshView("etcd://etcd-0.etcd.cluster.example.org:2379,etcd-1.etcd.cluster.example.org:2379", 7,
+                         1000.0, dtop.parse_kvs(kvs))
+
+    wide = dtop.render(view)
+    assert max(len(line) for line in wide.splitlines()) > 80, "the snapshot should need fitting"
+    text = dtop.render(view, width=80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), "\n".join(line for line in lines if len(line) > 80)
+    [header] = [line for line in lines if "ENDPOINT" in line]
+    for column in ("SAMPLES/S", "BUSY", "CAPACITY/S", "MODEL", "STATE"):
+        assert column in header, header
+    assert "INSTANCE" in wide and "INSTANCE" not in header  # what gave way
+    rows = [line for line in lines if "87%" in line]
+    assert len(rows) == 3, text
+    for i, row in enumerate(rows):
+        assert f"123,45{6 + i}" in row and "87%" in row and "234,567" in row, row
+        assert row.lstrip().startswith("teacher-") and ":9898" in row, row  # both ends of a cut endpoint
+    assert "STUDENT" in text and "9,999" in text and "5%" in text
+    assert "autoscaler decision: action=up" in text and "desired=4" in text
+    assert "etcd-1.etcd" in text  # the title wraps instead of losing its end

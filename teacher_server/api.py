@@ -1,0 +1,264 @@
+"""Serving a teacher from Python: ``teacher_server.serve(model, ...)``, the same server as the CLI.
+
+    import teacher_server
+    teacher_server.serve(MyNet(), name="ref_teacher", inputs=["INPUT:FP32:3,32,32"], outputs=["LOGITS:FP32:100"],
+                         port=9898, device="cpu", registry="etcd://10.0.0.5:2379", service="cifar-teacher")
+
+``serve`` blocks until SIGINT or SIGTERM and then drains exactly as ``teacher-server`` does
+(refuse new work, deregister, finish in-flight work within ``drain_grace_s``). From async code,
+``await start(model, ...)`` returns a running ``TeacherServer``; ``await server.stop()`` drains it.
+
+What ``model`` may be:
+
+* an ``nn.Module`` (moved to ``device``, put in eval mode) or any callable taking the input
+  tensors in declaration order, batch first, and returning a tensor, a tuple/list of them, or a
+  dict of them (named outputs);
+* a string, as ``--model`` takes it: ``package.module:factory``, a TorchScript file or a
+  ``torch.export`` ``.pt2`` file. ``model_path=`` adds directories to ``sys.path`` first (the CLI's
+  ``--model-path``; the working directory is on it already when Python was started with ``-m``
+  or a script in that directory).
+
+Either way the model gets the CLI's checks before the port opens: one warm-up forward pass on
+zeros shaped like the declared inputs (outputs not declared are inferred from it), and the same
+validation of every option. ``preprocess`` and ``postprocess`` run per batch on the model
+instance's thread, around the model: ``preprocess(*inputs)`` returns the model's arguments (one
+tensor or a tuple), ``postprocess(output)`` what is sent back (for instance, picking one output
+or a softmax). Both see whole batches, so they must keep the batch dimension first.
+
+Why a function and not a class to subclass (as LitServe does): a teacher is a model that is
+already written; wrapping it in a class would only move its ``forward``. The per-request hooks
+people need for teachers are tokenizing and picking outputs, which ``preprocess`` and
+``postprocess`` cover without a new abstraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from teacher_server.batcher import BatchingConfig
+from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
+from teacher_server.server import ServerConfig, TeacherServer, check_tls_files, default_instances
+from teacher_server.spec import ModelFileConfig, ModelIO, SpecError, TensorSpec
+
+__all__ = ["prepare", "serve", "start"]
+
+log = logging.getLogger("teacher_server")
+
+TensorDecl = str | TensorSpec
+Hook = Callable[..., Any]
+
+# Keyword options of serve()/start() that configure batching rather than the ServerConfig itself.
+_BATCHING = {"max_queue_delay_us", "max_queue_size", "dynamic_batching"}
+
+
+class _Pipeline(torch.nn.Module):
+    """preprocess -> model -> postprocess as one module, so that the instance thread runs all three."""
+
+    def __init__(self, model: Callable[..., Any], preprocess: Hook | None, postprocess: Hook | None) -> None:
+        super().__init__()
+        self.model = model
+        self.preprocess = preprocess
+        self.postprocess = postprocess
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        args: Any = xs
+        if self.preprocess is not None:
+            pre = self.preprocess(*xs)
+            args = tuple(pre) if isinstance(pre, (tuple, list)) else (pre,)
+        out = self.model(*args)
+        return out if self.postprocess is None else self.postprocess(out)
+
+
+def _specs(decls: Sequence[TensorDecl], what: str) -> tuple[TensorSpec, ...]:
+    if isinstance(decls, (str, TensorSpec)):
+        raise SpecError(f"{what}= takes a list of declarations, e.g. {what}=['INPUT:FP32:3,32,32']")
+    return tuple(d if isinstance(d, TensorSpec) else TensorSpec.parse(d) for d in decls)
+
+
+def _declared_io(inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
+                 file_cfg: ModelFileConfig | None) -> ModelIO | None:
+    if inputs:
+        return ModelIO(_specs(inputs, "inputs"), _specs(outputs, "outputs"))
+    if outputs:
+        raise SpecError("outputs= needs inputs= too (declare the inputs the outputs come from)")
+    return file_cfg.io if file_cfg is not None else None
+
+
+def _add_model_path(model_path: str | Path | Sequence[str | Path] | None) -> None:
+    if model_path is None:
+        return
+    dirs = [model_path] if isinstance(model_path, (str, Path)) else list(model_path)
+    for d in reversed(dirs):
+        if not Path(d).is_dir():
+            raise SpecError(f"model_path {d} is not a directory")
+        resolved = str(Path(d).resolve())
+        if resolved not in sys.path:
+            sys.path.insert(0, resolved)
+
+
+def prepare(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
+            outputs: Sequence[TensorDecl] = (), model_config: str | Path | None = None,
+            device: str | None = None, compute_dtype: str = "FP32", max_batch_size: int | None = None,
+            preprocess: Hook | None = None, postprocess: Hook | None = None,
+            model_path: str | Path | Sequence[str | Path] | None = None,
+            **options: Any) -> tuple[ServerConfig, LoadedModel]:
+    """Check every option, load the model and run its warm-up forward: what ``serve`` and ``start``
+    do before opening a port, returned so that a caller may build ``TeacherServer(config, model)``.
+
+    ``options`` are ``ServerConfig``'s fields (``instances``, ``http_port``, ``metrics_port``,
+    ``top_k``, ``output_dtype``, ``drain_grace_s``, ``tls_cert``, ...) plus the batcher's
+    ``max_queue_delay_us``, ``max_queue_size`` and ``dynamic_batching`` (bool). Raises SpecError for
+    a bad option or declaration, ModelLoadError for a model that does not load or run.
+    """
+    unknown = set(options) - {f for f in ServerConfig.__dataclass_fields__ if f not in {"model", "io", "batching"}}
+    unknown -= _BATCHING
+    if unknown:
+        raise SpecError(f"unknown option(s) {', '.join(sorted(unknown))}; serve() takes ServerConfig's fields "
+                        f"and {', '.join(sorted(_BATCHING))}")
+    if compute_dtype not in FLOAT_OUTPUT_DTYPES:
+        raise SpecError(f"compute_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {compute_dtype!r}")
+    file_cfg = ModelFileConfig.load(model_config) if model_config is not None else None
+    io = _declared_io(inputs, outputs, file_cfg)
+    if max_batch_size is None:
+        max_batch_size = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size else 256
+    batching = BatchingConfig(max_batch_size, options.pop("max_queue_delay_us", 500),
+                              options.pop("max_queue_size", 512), enabled=options.pop("dynamic_batching", True))
+    options.setdefault("instances", default_instances(device))
+    source = model if isinstance(model, str) else f"<python {type(model).__name__}>"
+    config = ServerConfig(model=source, name=name, device=device, io=io, batching=batching,
+                          compute_dtype=compute_dtype, **options)
+    check_tls_files(config)
+    _add_model_path(model_path)
+    if isinstance(model, str):
+        if preprocess is not None or postprocess is not None:
+            raise SpecError("preprocess= and postprocess= need the model itself, not a reference to load")
+        return config, load_model(model, device=device, io=io, compute_dtype=compute_dtype)
+    if not callable(model):
+        raise SpecError(f"model must be an nn.Module, a callable or a 'module:factory' string, "
+                        f"not {type(model).__name__}")
+    dev = resolve_device(device)
+    if isinstance(model, torch.nn.Module):
+        model = model.to(dev).eval()
+    declared = io or getattr(model, "io_spec", None)
+    if declared is None or not declared.inputs:
+        raise SpecError("the model declares no inputs: pass inputs=['NAME:DATATYPE:SHAPE', ...] (outputs= too, "
+                        "or they are inferred), model_config=, or set an io_spec (teacher_server.ModelIO) on it")
+    module = model if preprocess is None and postprocess is None else _Pipeline(model, preprocess, postprocess)
+    loaded = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
+    loaded.io = _probe(loaded)  # the CLI's warm-up: the port opens only for a model that runs
+    return config, loaded
+
+
+def _registration(registry: str, service: str, ttl: float,
+                  security: dict[str, Any]) -> Callable[[TeacherServer], AbstractAsyncContextManager[object]]:
+    from discovery import open_registry  # here: an unregistered teacher does not need etcd's client
+
+    reg = open_registry(registry, **security)
+
+    @contextlib.asynccontextmanager
+    async def register(server: TeacherServer) -> AsyncIterator[object]:
+        async with reg, reg.register(service, server.record(), ttl=ttl, load=server.load) as lease:
+            yield lease
+
+    return register
+
+
+def _check_registry(registry: str | None, service: str | None, ttl: float) -> None:
+    if registry is None and service is not None:
+        raise SpecError("service= needs registry='etcd://host:2379'")
+    if registry is not None and not service:
+        raise SpecError("registry= needs service='NAME' (the name students ask the registry for)")
+    if not ttl > 0:
+        raise SpecError(f"ttl must be a positive number of seconds, got {ttl}")
+
+
+async def start(model: Any, **kwargs: Any) -> TeacherServer:
+    """Load, warm up and start a teacher from async code; returns the running ``TeacherServer``.
+
+    Takes ``serve``'s arguments except registration (use ``discovery``'s ``register()`` with
+    ``server.record()`` for that) and ``ready_file``. Loading runs on a worker thread, so the event
+    loop keeps running meanwhile. Stop it with ``await server.stop()`` (drains first).
+    """
+    config, loaded = await asyncio.to_thread(prepare, model, **kwargs)
+    server = TeacherServer(config, loaded)
+    try:
+        await server.start()
+    except BaseException:
+        await server.stop(0)
+        raise
+    return server
+
+
+def serve(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
+          outputs: Sequence[TensorDecl] = (), port: int = 8001, host: str = "127.0.0.1",
+          registry: str | None = None, service: str | None = None, ttl: float = 10.0,
+          registry_options: dict[str, Any] | None = None, ready_file: str | Path | None = None,
+          **options: Any) -> int:
+    """Serve ``model`` until SIGINT or SIGTERM, then drain; the blocking form (call it from the main
+    thread: it installs the signal handlers).
+
+    ``inputs``/``outputs``: declarations ``"NAME:DATATYPE:D1,D2"`` (or ``TensorSpec``) in
+    ``forward()`` order, batch dimension left out; outputs are inferred when not declared.
+    ``registry``/``service``: register in etcd under a lease for as long as it serves
+    (``registry_options``: ``discovery.open_registry``'s TLS and credential options).
+    ``ready_file``: written with ``{endpoint, port, pid, ...}`` as JSON once serving.
+    Everything else goes to ``prepare`` (device, max_batch_size, preprocess, instances, ...).
+    Returns the number of forward passes still running when the drain grace ran out (0: clean).
+    """
+    _check_registry(registry, service, ttl)
+    config, loaded = prepare(model, name=name, inputs=inputs, outputs=outputs, port=port, host=host, **options)
+    registration = None
+    if registry is not None and service is not None:
+        registration = _registration(registry, service, ttl, dict(registry_options or {}))
+    return asyncio.run(_serve(TeacherServer(config, loaded), registration, ready_file))
+
+
+def _write_ready_file(path: str | Path, server: TeacherServer) -> None:
+    """Written once, atomically (write then rename): a reader never sees half a file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"endpoint": server.endpoint, "port": server.port, "metrics_port": server.metrics_port,
+                               "pid": os.getpid(), "instance_id": server.instance_id}))
+    tmp.replace(path)
+
+
+async def _serve(server: TeacherServer,
+                 registration: Callable[[TeacherServer], AbstractAsyncContextManager[object]] | None,
+                 ready_file: str | Path | None) -> int:
+    """The CLI's lifecycle: start, register, wait for a signal, refuse new work, deregister, drain."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        async with contextlib.AsyncExitStack() as stack:
+            if registration is not None:
+                await stack.enter_async_context(registration(server))
+            if ready_file is not None:
+                _write_ready_file(ready_file, server)
+            await stop.wait()
+            log.info("signal received: draining")
+            await server.begin_drain()
+        await server.stop()
+        if server.abandoned_batches:
+            log.warning("stopped with %d forward pass(es) still running after the drain grace",
+                        server.abandoned_batches)
+        else:
+            log.info("stopped cleanly")
+        return server.abandoned_batches
+    finally:
+        await server.stop(0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
