@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -40,9 +41,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import grpc
+import numpy as np
 import torch
 
 from discovery import Registry, open_registry
+from distill.cache.errors import SchemaMismatchError
 from distill.errors import BatchRejectedError
 from distill.fields import FieldArray, LoaderThread, extract_inputs
 from distill.pool import Connect, TeacherPool
@@ -61,6 +64,7 @@ from distill.teacher_client import (
 from protos import registry_pb2
 
 if TYPE_CHECKING:
+    from distill.cache.reader_side import CachedRows, ReaderCache
     from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
@@ -91,6 +95,12 @@ class Job:
     outputs: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
     error: BaseException | None = None
     delivered: bool = False
+    cached: CachedRows | None = None  # with a cache: the batch's keys, and what the store held
+
+    @property
+    def sent(self) -> int:
+        """Rows that go to the teachers: the store's misses with a cache, else the whole batch."""
+        return self.size if self.cached is None else len(self.cached.miss_indices)
 
 
 @dataclass(eq=False)
@@ -187,6 +197,7 @@ class Engine:
         self.retries = 0
         self.hedges = 0
         self.hung_ejections = 0
+        self.cache: ReaderCache | None = None  # opened in start() when options.cache is set
         self._calls: dict[TeacherState, set[asyncio.Task[None]]] = {}  # in-flight calls per teacher
         self._abandoned: set[asyncio.Task[None]] = set()  # calls given up on because their teacher hung
         self._closed = False
@@ -210,6 +221,18 @@ class Engine:
                 self._closing.append(demand)
         for svc in self._services.values():
             await svc.pool.wait_first()
+        if opts.cache is not None:
+            await self._open_cache(os.fspath(opts.cache))
+
+    async def _open_cache(self, path: str) -> None:
+        """Open the teacher-output store (on the loader thread: it reads files). Its namespace is built
+        from the first teacher's metadata; with no teacher, the store's own must match the options."""
+        from distill.cache.reader_side import ReaderCache
+
+        meta = next((t.meta for svc in self._services.values() for t in svc.router.teachers.values()
+                     if t.meta is not None), None)
+        loop = asyncio.get_running_loop()
+        self.cache = await self._loader.submit(loop, lambda: ReaderCache.open(path, self.opts, meta))
 
     def _registry_for(self, service: str) -> Registry:
         if self.opts.static is not None:
@@ -259,13 +282,25 @@ class Engine:
             self._finish_with_error(epoch, 0, e)
             return
 
-        def next_batch() -> tuple[Any, int, dict[str, FieldArray]] | object:
+        cache = self.cache
+
+        def next_batch() -> tuple[Any, int, dict[str, FieldArray], CachedRows | None] | object:
             try:
                 batch = next(iterator)
             except StopIteration:
                 return _END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            return batch, size, fields
+            cached = None
+            if cache is not None:  # the store's rows; only the misses' inputs go on to a teacher
+                cached = cache.lookup(batch)
+                if len(cached.hit) != size:
+                    raise ValueError(f"cache key {cache.key!r} holds {len(cached.hit)} keys for a batch of {size} "
+                                     "samples: key= must name a field with one key per sample")
+                if cached.hit.any():
+                    miss = cached.miss_indices
+                    fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype)
+                              for n, f in fields.items()}
+            return batch, size, fields, cached
 
         seq = 0
         while True:
@@ -283,13 +318,36 @@ class Engine:
                 self._end_seq = seq
                 self._flush()
                 return
-            batch, size, fields = cast(tuple[Any, int, dict[str, FieldArray]], item)
+            batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
             job = Job(epoch, seq, batch, size, fields,
-                      tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()))
+                      tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
             seq += 1
+            if cached is not None and self._from_store(job):
+                continue
             for svc in self._services.values():
-                job.remaining[svc.name] = size
-                svc.push(Chunk(job, svc.name, 0, size))
+                job.remaining[svc.name] = job.sent
+                svc.push(Chunk(job, svc.name, 0, job.sent))
+
+    def _from_store(self, job: Job) -> bool:
+        """Settle a batch from the store when no teacher is needed: all its samples are stored, or some
+        are missing and there is no teacher to ask (an error naming the key, or hard labels)."""
+        cached = job.cached
+        assert cached is not None and self.cache is not None
+        name = next(iter(self._services), "cache")
+        if cached.all_hit:
+            job.outputs[name] = dict(cached.outputs)
+        elif self._services:
+            return False
+        elif self.opts.fallback == "hard_labels":
+            self.fallback_batches += 1
+            log.warning("batch %d has samples missing from the store and there is no teacher: it goes on with hard "
+                        "labels", job.seq)
+            job.outputs[name] = None
+        else:
+            job.error = self.cache.miss_error(cached, job.seq)
+        job.fields = {}
+        self._maybe_complete(job)
+        return True
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
         if epoch != self.epoch:
@@ -606,12 +664,28 @@ class Engine:
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
             return
+        cached = job.cached
+        rows = None if cached is None or cached.hit.sum() == 0 else torch.from_numpy(
+            cached.miss_indices[chunk.start:chunk.stop])
         for name, value in outputs.items():
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.opts.pin_memory)
+                if rows is not None:  # a partial hit: the stored rows go in their places in the batch
+                    assert cached is not None
+                    stored = cached.outputs.get(name)
+                    if stored is None or stored.shape[1:] != value.shape[1:] or stored.dtype != value.dtype:
+                        raise SchemaMismatchError(
+                            f"output {name!r} came from the teacher as {value.dtype} {list(value.shape[1:])} per "
+                            f"sample; the teacher-output store holds "
+                            f"{None if stored is None else (stored.dtype, list(stored.shape[1:]))}: the teacher "
+                            "changed without its name or version changing; use another cache path")
+                    buf[torch.from_numpy(cached.hit_indices)] = stored
                 dest[name] = buf
-            buf[chunk.start:chunk.stop].copy_(value)
+            if rows is None:
+                buf[chunk.start:chunk.stop].copy_(value)
+            else:
+                buf[rows] = value
         job.remaining[chunk.service] -= chunk.size
         self._maybe_complete(job)
 
@@ -620,6 +694,7 @@ class Engine:
         if job.delivered or any(job.remaining.values()):
             return
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
+        self._write_back(job)
         if self.opts.ordered:
             self._ready[job.seq] = job
             self._flush()
@@ -627,6 +702,17 @@ class Engine:
             self._deliver(job)
             self._next_seq += 1
             self._flush()
+
+    def _write_back(self, job: Job) -> None:
+        """The teachers' rows of a completed batch go to the store's writer thread (never blocking)."""
+        cache, cached = self.cache, job.cached
+        if cache is None or cached is None or cache.mode == "read" or job.error is not None or cached.all_hit:
+            return
+        answered = next(iter(job.outputs.values()), None) if self._services else None
+        if not answered:
+            return  # hard labels: nothing to store
+        miss = torch.from_numpy(cached.miss_indices)
+        cache.write_back(cached.missing_keys(), {n: t.index_select(0, miss) for n, t in answered.items()})
 
     def _flush(self) -> None:
         if self.opts.ordered:
@@ -646,7 +732,7 @@ class Engine:
         if job.error is not None:
             self._sink.rejected(job.epoch, job.error)
             return
-        if len(self._services) == 1:
+        if len(self._services) <= 1:
             outputs: Any = next(iter(job.outputs.values()))
         else:
             outputs = dict(job.outputs)
@@ -731,4 +817,7 @@ class Engine:
         for reg in self._registries:
             with contextlib.suppress(Exception):
                 await reg.close()
+        if self.cache is not None:  # write what is queued and seal the shard, off the loop
+            cache, self.cache = self.cache, None
+            await asyncio.get_running_loop().run_in_executor(None, cache.close)
         self._loader.close()
