@@ -724,6 +724,8 @@ class Engine:
                     return
                 self._deliver(job)
         if self._end_seq is not None and self._next_seq >= self._end_seq:
+            if self.cache is not None:  # the pass's answers become readable by the next pass
+                self.cache.seal()
             self._sink.end(self.epoch)
             self._end_seq = None
 

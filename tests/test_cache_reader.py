@@ -96,6 +96,18 @@ def test_read_write_stores_then_a_full_hit_sends_nothing(teacher: ServerThread, 
         assert torch.equal(a["Y"], b["Y"]), "the store's outputs differ from the teacher's"
 
 
+def test_a_second_pass_of_the_same_reader_reads_what_the_first_stored(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(4)
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, tmp_path / "kd", "read_write") as reader:
+        _epoch(reader, len(data))
+        assert reader._engine is not None and reader._engine.cache is not None
+        assert reader._engine.cache.wait_sealed(30), "the pass's shard was not sealed"
+        _epoch(reader, len(data))
+    assert _inference_count(teacher.url) - before == len(data) * ROWS, "the second pass asked the teacher again"
+
+
 def test_partial_hit_sends_only_the_missing_samples(teacher: ServerThread, tmp_path: Path) -> None:
     data = _batches(5)
     cache = tmp_path / "kd"
@@ -109,6 +121,26 @@ def test_partial_hit_sends_only_the_missing_samples(teacher: ServerThread, tmp_p
     assert _inference_count(teacher.url) - before == len(data) * ROWS // 2, "stored samples went to a teacher"
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == len(data) * ROWS, "the teacher's rows were not written back"
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_stored_batches_overtaking_teacher_batches_keep_exactly_once_delivery(
+        teacher: ServerThread, tmp_path: Path, ordered: bool) -> None:
+    """Odd batches are stored (ready at once), even ones go to the teacher: ordered delivery still
+    yields loader order, and either way every batch comes exactly once with the right outputs."""
+    data = _batches(12)
+    cache = tmp_path / "kd"
+    with _reader(data[1::2], teacher, cache, "write") as reader:
+        for _ in reader:
+            pass
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read_write", ordered=ordered, prefetch=6) as reader:
+        seen = []
+        for batch, out in reader:
+            seen.append(int(batch["tag"][0]))
+            assert torch.allclose(out["Y"], _expected(batch["X"]), atol=1e-5)
+    assert_delivered_once_in_order(seen if ordered else sorted(seen), len(data))
+    assert _inference_count(teacher.url) - before == 6 * ROWS
 
 
 def test_read_mode_without_teachers_trains_offline_and_a_miss_names_its_key(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 # `distill` command) costs nothing, and a missing pyarrow is reported when the store is used.
 _EXPORTS = {
     "CacheError": "distill.cache.errors",
+    "CacheMissError": "distill.cache.reader_side",
     "NamespaceMismatchError": "distill.cache.errors",
     "SchemaMismatchError": "distill.cache.errors",
     "StoreClosedError": "distill.cache.errors",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         StoreNotFoundError,
     )
     from distill.cache.namespace import Namespace
+    from distill.cache.reader_side import CacheMissError
     from distill.cache.store import (
         Lookup,
         OutputSpec,
@@ -81,6 +83,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CacheError",
+    "CacheMissError",
     "Lookup",
     "Namespace",
     "NamespaceMismatchError",

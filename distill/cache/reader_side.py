@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,7 @@ class CachedRows:
 
 
 _STOP = object()
+_SEAL = object()
 
 
 class ReaderCache:
@@ -148,6 +150,12 @@ class ReaderCache:
         self.mode = mode
         self.key = key
         self.dropped_batches = 0
+        self.refresh_s = 1.0  # list the store's shards at most this often while reading
+        self._refreshed = time.monotonic()
+        self._stale = threading.Event()  # our writer sealed a shard: read it at the next lookup
+        self._seals_asked = 0
+        self._seals_done = 0
+        self._sealed = threading.Condition()
         self.written_samples = 0
         self.write_error: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches)
@@ -187,7 +195,11 @@ class ReaderCache:
         if self.mode == "write":
             n = len(keys)
             return CachedRows(keys, np.zeros(n, dtype=bool), {})
-        self.store.refresh()
+        now = time.monotonic()
+        if self._stale.is_set() or now - self._refreshed >= self.refresh_s:  # shards sealed meanwhile
+            self._stale.clear()
+            self.store.refresh()
+            self._refreshed = now
         found = self.store.lookup(keys)
         outputs = {name: found.tensor(name) for name in found.outputs} if found.n_hits else {}
         return CachedRows(keys, found.hit, outputs)
@@ -214,6 +226,24 @@ class ReaderCache:
                 log.warning("the teacher-output store's writer is behind; %d batches were not stored (they will "
                             "be asked of a teacher again)", self.dropped_batches)
 
+    def seal(self) -> None:
+        """Seal what was written so far once the queue before it is written (the end of a pass), so
+        the next pass reads it from the store; never blocks."""
+        if self._thread is None:
+            return
+        try:
+            self._seals_asked += 1
+            self._queue.put_nowait(_SEAL)
+        except queue.Full:
+            self._seals_asked -= 1
+            pass  # the writer is behind: the shard is sealed later (at its size limit, or on close)
+
+    def wait_sealed(self, timeout: float) -> bool:
+        """Block until every seal asked for so far is done (for tests and tools); False on timeout."""
+        asked = self._seals_asked
+        with self._sealed:
+            return self._sealed.wait_for(lambda: self._seals_done >= asked or self._thread is None, timeout)
+
     def _write_loop(self) -> None:
         try:
             with self.store.writer() as writer:
@@ -221,6 +251,13 @@ class ReaderCache:
                     item = self._queue.get()
                     if item is _STOP:
                         return
+                    if item is _SEAL:
+                        if writer.seal() is not None:
+                            self._stale.set()
+                        with self._sealed:
+                            self._seals_done += 1
+                            self._sealed.notify_all()
+                        continue
                     keys, outputs = item
                     try:
                         writer.append(keys, outputs)
@@ -241,6 +278,10 @@ class ReaderCache:
             item = self._queue.get()
             if item is _STOP:
                 return
+            if item is _SEAL:
+                with self._sealed:
+                    self._seals_done += 1
+                    self._sealed.notify_all()
 
     def close(self, timeout: float = 60.0) -> None:
         """Write what is queued, seal the shard, join the writer thread and close the store (blocking)."""
