@@ -108,6 +108,27 @@ def test_a_second_pass_of_the_same_reader_reads_what_the_first_stored(
     assert _inference_count(teacher.url) - before == len(data) * ROWS, "the second pass asked the teacher again"
 
 
+def test_content_hash_keys_make_a_bytes_keyed_store(teacher: ServerThread, tmp_path: Path) -> None:
+    import hashlib
+
+    data = [(b["X"], [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in b["X"]], int(b["tag"][0]))
+            for b in _batches(3)]
+    cache = tmp_path / "kd"
+    for mode in ("read_write", "read_write"):
+        before = _inference_count(teacher.url)
+        with DistillReader(data, teachers=teacher.url, inputs={"X": 0}, outputs=["Y"], cache=str(cache),
+                           cache_mode=mode, key=1) as reader:
+            seen = []
+            for (x, _, tag), out in reader:
+                seen.append(tag)
+                assert torch.allclose(out["Y"], _expected(x), atol=1e-5)
+        assert_delivered_once_in_order(seen, 3)
+        asked = _inference_count(teacher.url) - before
+    assert asked == 0, "the second run asked the teacher for stored samples"
+    with TeacherOutputStore.open(cache) as store:
+        assert store.key_type == "bytes" and len(store) == 3 * ROWS
+
+
 def test_partial_hit_sends_only_the_missing_samples(teacher: ServerThread, tmp_path: Path) -> None:
     data = _batches(5)
     cache = tmp_path / "kd"

@@ -13,13 +13,15 @@ The engine asks three things of it, each off the event loop except the last:
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -143,10 +145,15 @@ _SEAL = object()
 class ReaderCache:
     """The store, opened for one reader, and its writer thread (see the module docstring)."""
 
-    def __init__(self, store: TeacherOutputStore, mode: str, key: str | int, queue_batches: int = 64) -> None:
+    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, queue_batches: int = 64,
+                 create: tuple[str, Namespace] | None = None) -> None:
         if mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
-        self.store = store
+        if (store is None) == (create is None):
+            raise ValueError("pass an open store, or create=(path, namespace) for a store made at the first batch")
+        self._store = store
+        self._create = create  # a new store is made at the first batch, keyed like its keys (int64 or bytes)
+        self.path = str(store.path) if store is not None else create[0] if create is not None else ""
         self.mode = mode
         self.key = key
         self.dropped_batches = 0
@@ -160,9 +167,19 @@ class ReaderCache:
         self.write_error: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches)
         self._thread: threading.Thread | None = None
-        if mode != "read":
-            self._thread = threading.Thread(target=self._write_loop, name="distill-cache-writer", daemon=True)
-            self._thread.start()
+        if store is not None and mode != "read":
+            self._start_writer()
+
+    @property
+    def store(self) -> TeacherOutputStore:
+        """The open store (a new one exists once the first batch was looked up)."""
+        if self._store is None:
+            raise CacheError(f"the teacher-output store at {self.path} is made at the first batch; none came yet")
+        return self._store
+
+    def _start_writer(self) -> None:
+        self._thread = threading.Thread(target=self._write_loop, name="distill-cache-writer", daemon=True)
+        self._thread.start()
 
     @classmethod
     def open(cls, path: str, options: Any, meta: TeacherMetadata | None) -> ReaderCache:
@@ -173,8 +190,11 @@ class ReaderCache:
         key: str | int = options.key
         if meta is not None:
             ns = reader_namespace(options, meta)
+            key_type = _key_type_of(path)
+            if key_type is None and mode != "read":
+                return cls(None, mode, key, create=(path, ns))
             store = TeacherOutputStore.open(path, ns, mode="r" if mode == "read" else "a",
-                                            key_type=_key_type_of(path))
+                                            key_type=key_type or "int64")
         else:
             try:
                 store = TeacherOutputStore.open(path, mode="r")
@@ -192,6 +212,13 @@ class ReaderCache:
     def lookup(self, batch: Any) -> CachedRows:
         """The batch's keys and what the store holds of them (nothing is read in `write` mode)."""
         keys = batch_keys(batch, self.key)
+        if self._create is not None:  # a new store: keyed by int64 for integer keys, else by bytes
+            path, ns = self._create
+            key_type: Literal["int64", "bytes"] = (
+                "int64" if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu" else "bytes")
+            self._store = TeacherOutputStore.open(path, ns, mode="a", key_type=key_type)
+            self._create = None
+            self._start_writer()
         if self.mode == "write":
             n = len(keys)
             return CachedRows(keys, np.zeros(n, dtype=bool), {})
@@ -209,7 +236,7 @@ class ReaderCache:
         key = rows.key_at(int(miss[0]))
         return CacheMissError(
             f"sample key {key!r} (row {int(miss[0])} of batch {seq}, {len(miss)} of its {len(rows.hit)} samples "
-            f"missing) is not in the teacher-output store at {self.store.path}, and cache_mode='read' has no "
+            f"missing) is not in the teacher-output store at {self.path}, and cache_mode='read' has no "
             "teacher to ask: record the data set first (`distill record`), give the reader teachers, or pass "
             "fallback='hard_labels' to train such batches on labels alone", key)
 
@@ -265,12 +292,12 @@ class ReaderCache:
                     except CacheError as e:  # e.g. outputs whose shape changed: stop storing, keep training
                         self.write_error = e
                         log.error("writing to the teacher-output store at %s failed; no more outputs are stored: "
-                                  "%s", self.store.path, e)
+                                  "%s", self.path, e)
                         self._drain()
                         return
         except Exception as e:  # pragma: no cover - disk full, permissions
             self.write_error = e
-            log.exception("the teacher-output store's writer at %s failed", self.store.path)
+            log.exception("the teacher-output store's writer at %s failed", self.path)
             self._drain()
 
     def _drain(self) -> None:
@@ -291,15 +318,21 @@ class ReaderCache:
             if self._thread.is_alive():
                 log.error("the teacher-output store's writer did not finish in %g s", timeout)
             self._thread = None
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
 
 
 def _key_type_of(path: str) -> Any:
-    """The key type of an existing store (so a bytes-keyed store opens), int64 for a new one."""
+    """The key type of an existing store, from its manifest (so a bytes-keyed store opens); None
+    when there is no store yet."""
+    manifest = Path(path) / "store.json"
     try:
-        existing = TeacherOutputStore.open(path, mode="r")
-    except StoreNotFoundError:
-        return "int64"
-    with existing:
-        return existing.key_type
-
+        doc = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CacheError(f"{manifest} is not a readable store manifest ({e}); was it written by distill.cache?") from e
+    key_type = doc.get("key_type") if isinstance(doc, dict) else None
+    if key_type not in ("int64", "bytes"):
+        raise CacheError(f"{manifest} names no key type (int64 or bytes); was it written by distill.cache?")
+    return key_type
