@@ -225,6 +225,14 @@ def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
         DistillReader(data, inputs=["X"], cache=str(tmp_path), key="index")
 
 
+def test_a_batch_without_the_key_field_fails_the_pass_with_what_to_fix(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = [{"X": b["X"], "tag": b["tag"]} for b in _batches(2)]
+    reader = DistillReader(data, teachers=teacher.url, inputs=["X"], cache=str(tmp_path / "kd"), key="index")
+    with reader, pytest.raises(TypeError, match="cache key 'index'"):
+        next(iter(reader))
+
+
 def test_flags_reach_the_reader(tmp_path: Path) -> None:
     import argparse
 
