@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from distill.cache.errors import SchemaMismatchError
 from distill.errors import BatchRejectedError
 from distill.teacher_client import MalformedAnswerError
 from protos.kserve import DATATYPES, datatype_of
 
 if TYPE_CHECKING:
+    from distill.cache.reader_side import CachedRows, ReaderCache
     from distill.router import Signature
 
 log = logging.getLogger("distill.reader")
@@ -209,6 +211,12 @@ class Job:
     outputs: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
     error: BaseException | None = None
     delivered: bool = False
+    cached: CachedRows | None = None  # with a cache: the batch's keys, and what the store held
+
+    @property
+    def sent(self) -> int:
+        """Rows that go to the teachers: the store's misses with a cache, else the whole batch."""
+        return self.size if self.cached is None else len(self.cached.miss_indices)
 
 
 @dataclass(eq=False)
@@ -236,11 +244,12 @@ class Delivery:
     """Answers into a batch's tensors, and finished batches to the sink exactly once: in loader
     order (`ordered`), or as they finish. One per engine; `reset` at each epoch."""
 
-    def __init__(self, sink: Sink, *, ordered: bool, multi_service: bool, pin_memory: bool) -> None:
+    def __init__(self, sink: Sink, *, ordered: bool, services: int, pin_memory: bool) -> None:
         self.sink = sink
         self.ordered = ordered
-        self.multi_service = multi_service
+        self.services = services
         self.pin_memory = pin_memory
+        self.cache: ReaderCache | None = None  # the teacher-output store, when the reader has one
         self.epoch = 0
         self.ready: dict[int, Job] = {}
         self.next_seq = 0
@@ -283,12 +292,28 @@ class Delivery:
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
             return
+        cached = job.cached
+        rows = None if cached is None or cached.hit.sum() == 0 else torch.from_numpy(
+            cached.miss_indices[chunk.start:chunk.stop])
         for name, value in outputs.items():
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)
+                if rows is not None:  # a partial hit: the stored rows go in their places in the batch
+                    assert cached is not None
+                    stored = cached.outputs.get(name)
+                    if stored is None or stored.shape[1:] != value.shape[1:] or stored.dtype != value.dtype:
+                        raise SchemaMismatchError(
+                            f"output {name!r} came from the teacher as {value.dtype} {list(value.shape[1:])} per "
+                            f"sample; the teacher-output store holds "
+                            f"{None if stored is None else (stored.dtype, list(stored.shape[1:]))}: the teacher "
+                            "changed without its name or version changing; use another cache path")
+                    buf[torch.from_numpy(cached.hit_indices)] = stored
                 dest[name] = buf
-            buf[chunk.start:chunk.stop].copy_(value)
+            if rows is None:
+                buf[chunk.start:chunk.stop].copy_(value)
+            else:
+                buf[rows] = value
         job.remaining[chunk.service] -= chunk.size
         self.maybe_complete(job)
 
@@ -323,12 +348,24 @@ class Delivery:
         if job.delivered or any(job.remaining.values()):
             return
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
+        self._write_back(job)
         if self.ordered:
             self.ready[job.seq] = job
         else:
             self._deliver(job)
             self.next_seq += 1
         self.flush()
+
+    def _write_back(self, job: Job) -> None:
+        """The teachers' rows of a completed batch go to the store's writer thread (never blocking)."""
+        cache, cached = self.cache, job.cached
+        if cache is None or cached is None or cache.mode == "read" or job.error is not None or cached.all_hit:
+            return
+        answered = next(iter(job.outputs.values()), None) if self.services else None
+        if not answered:
+            return  # hard labels: nothing to store
+        miss = torch.from_numpy(cached.miss_indices)
+        cache.write_back(cached.missing_keys(), {n: t.index_select(0, miss) for n, t in answered.items()})
 
     def flush(self) -> None:
         if self.ordered:
@@ -340,6 +377,8 @@ class Delivery:
                     return
                 self._deliver(job)
         if self.end_seq is not None and self.next_seq >= self.end_seq:
+            if self.cache is not None:  # the pass's answers become readable by the next pass
+                self.cache.seal()
             self.sink.end(self.epoch)
             self.end_seq = None
 
@@ -348,5 +387,5 @@ class Delivery:
         if job.error is not None:
             self.sink.rejected(job.epoch, job.error)
             return
-        outputs: Any = dict(job.outputs) if self.multi_service else next(iter(job.outputs.values()))
+        outputs: Any = dict(job.outputs) if self.services > 1 else next(iter(job.outputs.values()))
         self.sink.batch(job.epoch, job.batch, outputs, job.size)

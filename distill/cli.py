@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stall) and the autoscaler's records. --once prints one snapshot and exits (exit 1: registry unreachable).",
     ))
     cache_cli.add_parser(sub)
+    cache_cli.add_record_parser(sub)
     return parser
 
 
@@ -35,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return top.run(args)
     if args.command == "cache":
         return cache_cli.run(args)
+    if args.command == "record":
+        return cache_cli.record(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

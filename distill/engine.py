@@ -34,12 +34,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
+import numpy as np
 
 from discovery import Registry, open_registry
 from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
@@ -57,6 +59,7 @@ from distill.teacher_client import (
 )
 
 if TYPE_CHECKING:
+    from distill.cache.reader_side import CachedRows, ReaderCache
     from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
@@ -114,7 +117,7 @@ class Engine:
     def __init__(self, options: ReaderOptions, sink: Sink, meter: ConsumptionMeter,
                  connect: Connect | None = None) -> None:
         self.opts = options
-        self._delivery = Delivery(sink, ordered=options.ordered, multi_service=len(options.services) > 1,
+        self._delivery = Delivery(sink, ordered=options.ordered, services=len(options.services),
                                   pin_memory=options.pin_memory)
         self._meter = meter
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -131,6 +134,7 @@ class Engine:
         self.retries = 0
         self.hedges = 0
         self.hung_ejections = 0
+        self.cache: ReaderCache | None = None  # opened in start() when options.cache is set
         self._calls: dict[TeacherState, set[asyncio.Task[None]]] = {}  # in-flight calls per teacher
         self._abandoned: set[asyncio.Task[None]] = set()  # calls given up on because their teacher hung
         self._closed = False
@@ -155,6 +159,19 @@ class Engine:
                 self._closing.append(demand)
         for svc in self._services.values():
             await svc.pool.wait_first()
+        if opts.cache is not None:
+            await self._open_cache(os.fspath(opts.cache))
+
+    async def _open_cache(self, path: str) -> None:
+        """Open the teacher-output store (on the loader thread: it reads files). Its namespace is built
+        from the first teacher's metadata; with no teacher, the store's own must match the options."""
+        from distill.cache.reader_side import ReaderCache
+
+        meta = next((t.meta for svc in self._services.values() for t in svc.router.teachers.values()
+                     if t.meta is not None), None)
+        loop = asyncio.get_running_loop()
+        self.cache = await self._loader.submit(loop, lambda: ReaderCache.open(path, self.opts, meta))
+        self._delivery.cache = self.cache
 
     def _registry_for(self, service: str) -> Registry:
         if self.opts.static is not None:
@@ -194,13 +211,25 @@ class Engine:
             self._finish_with_error(epoch, 0, e)
             return
 
-        def next_batch() -> tuple[Any, int, dict[str, FieldArray]] | object:
+        cache = self.cache
+
+        def next_batch() -> tuple[Any, int, dict[str, FieldArray], CachedRows | None] | object:
             try:
                 batch = next(iterator)
             except StopIteration:
                 return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            return batch, size, fields
+            cached = None
+            if cache is not None:  # the store's rows; only the misses' inputs go on to a teacher
+                cached = cache.lookup(batch)
+                if len(cached.hit) != size:
+                    raise ValueError(f"cache key {cache.key!r} holds {len(cached.hit)} keys for a batch of {size} "
+                                     "samples: key= must name a field with one key per sample")
+                if cached.hit.any():
+                    miss = cached.miss_indices
+                    fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype)
+                              for n, f in fields.items()}
+            return batch, size, fields, cached
 
         seq = 0
         while True:
@@ -217,13 +246,36 @@ class Engine:
             if item is END_OF_LOADER:
                 self._delivery.end_at(seq)
                 return
-            batch, size, fields = cast(tuple[Any, int, dict[str, FieldArray]], item)
+            batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
             job = Job(epoch, seq, batch, size, fields,
-                      tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()))
+                      tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
             seq += 1
+            if cached is not None and self._from_store(job):
+                continue
             for svc in self._services.values():
-                job.remaining[svc.name] = size
-                svc.push(Chunk(job, svc.name, 0, size))
+                job.remaining[svc.name] = job.sent
+                svc.push(Chunk(job, svc.name, 0, job.sent))
+
+    def _from_store(self, job: Job) -> bool:
+        """Settle a batch from the store when no teacher is needed: all its samples are stored, or some
+        are missing and there is no teacher to ask (an error naming the key, or hard labels)."""
+        cached = job.cached
+        assert cached is not None and self.cache is not None
+        name = next(iter(self._services), "cache")
+        if cached.all_hit:
+            job.outputs[name] = dict(cached.outputs)
+        elif self._services:
+            return False
+        elif self.opts.fallback == "hard_labels":
+            self.fallback_batches += 1
+            log.warning("batch %d has samples missing from the store and there is no teacher: it goes on with hard "
+                        "labels", job.seq)
+            job.outputs[name] = None
+        else:
+            job.error = self.cache.miss_error(cached, job.seq)
+        job.fields = {}
+        self._delivery.maybe_complete(job)
+        return True
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
         self._delivery.fail_at(epoch, seq, error)
@@ -547,4 +599,8 @@ class Engine:
         for reg in self._registries:
             with contextlib.suppress(Exception):
                 await reg.close()
+        if self.cache is not None:  # write what is queued and seal the shard, off the loop
+            cache, self.cache = self.cache, None
+            self._delivery.cache = None
+            await asyncio.get_running_loop().run_in_executor(None, cache.close)
         self._loader.close()

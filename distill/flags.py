@@ -414,6 +414,12 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--distill_registry_key", metavar="FILE", help="client key for etcd (with the certificate)")
     g.add_argument("--distill_registry_user", metavar="USER",
                    help="etcd user; the password comes from $DISTILL_REGISTRY_PASSWORD")
+    g.add_argument("--distill_cache", metavar="PATH",
+                   help="a teacher-output store (distill.cache): stored samples are not asked of a teacher, and "
+                   "teacher answers are stored (the program names the batch's key field)")
+    g.add_argument("--distill_cache_mode", choices=("read", "write", "read_write"), default="read_write",
+                   help="read_write: read the store and store what teachers answer; read: only read it (with no "
+                   "teachers, train offline); write: ask teachers for everything and store it (default: %(default)s)")
     return parser
 
 
@@ -449,7 +455,8 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     registry = _get(args, "distill_registry")
     service = _get(args, "distill_service")
 
-    if teachers is None and registry is None:
+    offline = getattr(args, "distill_cache", None) is not None and getattr(args, "distill_cache_mode", "") == "read"
+    if teachers is None and registry is None and not offline:
         raise ValueError(
             "no teachers configured: pass --distill_teachers host:port[,host:port] for a fixed set of "
             "teachers, or --distill_registry etcd://host:2379 with --distill_service NAME to find them "
@@ -466,7 +473,7 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 "--distill_service applies only with --distill_registry; "
                 "drop it when using --distill_teachers"
             )
-    else:
+    elif registry is not None:
         registry = checked(_registry, "--distill_registry", registry)
         if service is None:
             raise ValueError(
@@ -525,4 +532,6 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
             getattr(args, "distill_registry_ca_cert", None), getattr(args, "distill_registry_cert", None),
             getattr(args, "distill_registry_key", None), getattr(args, "distill_registry_user", None),
         ) if registry is not None else {},
+        **({"cache": args.distill_cache, "cache_mode": getattr(args, "distill_cache_mode", "read_write")}
+           if getattr(args, "distill_cache", None) is not None else {}),
     }

@@ -52,6 +52,7 @@ from distill.teacher_client import ClientTLS
 log = logging.getLogger("distill.reader")
 
 _FLOAT_DTYPES = OUTPUT_DTYPES
+CACHE_MODES = ("read", "write", "read_write")
 
 
 def default_student_id() -> str:
@@ -104,6 +105,14 @@ class ReaderOptions:
         headers: gRPC headers sent on every call to every teacher, e.g. the access token of a Triton
             that restricts its API: {"triton-grpc-protocol-<key>": token}. Names are lower-cased;
             values are never logged or shown in the options' repr.
+        cache: a teacher-output store's directory (`distill.cache`, docs/cache.md): samples it holds
+            are not asked of a teacher, and what teachers answer is written to it off the training thread.
+        cache_mode: "read_write" (default): read the store, ask teachers for the missing samples only
+            and store their answers; "read": only read it (with no teachers at all it trains offline, and a
+            missing sample raises CacheMissError naming its key, or with fallback="hard_labels" yields None
+            outputs); "write": ask teachers for every sample and store their answers.
+        key: the batch field (a dict key, or a tuple position) holding each sample's key in the store:
+            a dataset index or a content hash. Required with `cache`.
     """
 
     inputs: Any  # an InputSpec (distill.batches); a {teacher input: batch field} dict after validation
@@ -132,6 +141,9 @@ class ReaderOptions:
     tls_server_name: str | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # values are credentials
+    cache: str | os.PathLike[str] | None = None
+    cache_mode: str = "read_write"
+    key: str | int | None = None
     # Derived in __post_init__:
     services: tuple[str, ...] = field(init=False)
     static: Mapping[str, str] | None = field(init=False)  # service -> "host:port,..." for fixed lists
@@ -139,14 +151,22 @@ class ReaderOptions:
 
     def __post_init__(self) -> None:
         teachers, service = self.teachers, self.service
-        if (teachers is None) == (self.registry is None):
-            raise ValueError("pass exactly one of teachers='host:port,...' and registry='etcd://host:2379'")
+        offline = teachers is None and self.registry is None and self.cache is not None and self.cache_mode == "read"
+        if (teachers is None) == (self.registry is None) and not offline:
+            raise ValueError("pass exactly one of teachers='host:port,...' and registry='etcd://host:2379' (or, to "
+                             "train from a teacher-output store alone, cache=PATH with cache_mode='read')")
+        self._check_cache()
         static: dict[str, str] | None
-        if isinstance(teachers, str):
+        if offline:
+            static = {}
+        elif isinstance(teachers, str):
             static = {service if isinstance(service, str) else "teachers": teachers}
         else:
             static = dict(teachers) if teachers is not None else None
-        if static is not None:
+        services: tuple[str, ...]
+        if offline:
+            services = ()
+        elif static is not None:
             services = tuple(static)
         elif isinstance(service, str):
             services = (service,)
@@ -185,10 +205,25 @@ class ReaderOptions:
             "registry_options": dict(self.registry_options or {}),
             "router": self.router or RouterConfig(),
             "headers": checked(headers_map, "headers", self.headers),
-            "services": services, "static": static, "client_tls": tls,
+            "services": services, "static": static or None, "client_tls": tls,
+            "cache": os.fspath(self.cache) if self.cache is not None else None,
         }
+        if self.cache is not None and len(services) > 1:
+            raise ValueError(f"cache= serves one teacher service; this reader has {len(services)} ({services}): "
+                             "give each service's reader its own cache, or drop cache=")
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
+
+    def _check_cache(self) -> None:
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.cache is None:
+            return
+        if self.key is None:
+            raise ValueError("cache= needs key=: the batch field holding each sample's key (a dataset index or a "
+                             "content hash), e.g. key='index'")
+        if not isinstance(self.key, (str, int)):
+            raise TypeError(f"key must be a batch field name or a tuple position, got {self.key!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **kwargs: Any) -> ReaderOptions:

@@ -143,6 +143,8 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_registry_cert",
         "--distill_registry_key",
         "--distill_registry_user",
+        "--distill_cache",
+        "--distill_cache_mode",
     }
 
 

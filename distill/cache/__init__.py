@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 # `distill` command) costs nothing, and a missing pyarrow is reported when the store is used.
 _EXPORTS = {
     "CacheError": "distill.cache.errors",
+    "CacheMissError": "distill.cache.reader_side",
     "NamespaceMismatchError": "distill.cache.errors",
     "SchemaMismatchError": "distill.cache.errors",
     "StoreClosedError": "distill.cache.errors",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     )
     from distill.cache.format import OutputSpec, id_dtype
     from distill.cache.namespace import Namespace
+    from distill.cache.reader_side import CacheMissError
     from distill.cache.store import TeacherOutputStore
     from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile
     from distill.cache.writer import ShardWriter
@@ -75,6 +77,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CacheError",
+    "CacheMissError",
     "Lookup",
     "Namespace",
     "NamespaceMismatchError",

@@ -3,6 +3,8 @@
     distill cache info PATH            # namespace, samples, bytes per sample and per token, shards
     distill cache info PATH --json     # the same as JSON, for scripts
     distill cache info PATH --remove-torn   # also delete shards torn by writers that died on this host
+    distill record --teachers HOST:PORT --cache PATH --loader my_data:loader --inputs X --key index
+                                       # fill a store from a loader at full teacher throughput (resumable)
 
 This module imports pyarrow and torch only when a subcommand runs, so ``distill --help`` and
 ``distill top`` stay fast and work without the ``cache`` extra.
@@ -16,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_arguments", "add_parser", "main", "run"]
+__all__ = ["add_arguments", "add_parser", "add_record_arguments", "add_record_parser", "main", "record", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,7 +36,122 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     info.add_argument("--max-shards", type=int, default=20, help="list at most this many sealed shards (text)")
     info.add_argument("--remove-torn", action="store_true",
                       help="delete torn shards whose writer on this host is gone")
+    add_record_arguments(sub.add_parser("record", help=_RECORD_HELP, description=_RECORD_DESCRIPTION))
     return p
+
+
+_RECORD_HELP = "fill a teacher-output store from a loader, at full teacher throughput (resumable)"
+_RECORD_DESCRIPTION = (
+    "Drive a loader through the teachers and store their outputs, keyed by each sample's key, so that training "
+    "runs read them instead of asking a teacher (DistillReader(..., cache=PATH)). Resumable: batches whose "
+    "samples are all stored are skipped, and of the others only the missing samples go to a teacher. "
+    "--loader names a Python callable, module:function, that returns the loader (an iterable of batches); "
+    "its batches are dicts (or tuples) holding the teacher inputs and the key field. The store's namespace is "
+    "the teacher's model name and version and the output settings given here: train with the same settings."
+)
+
+
+def add_record_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of ``distill record`` (also ``distill cache record``)."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--teachers", metavar="HOST:PORT[,HOST:PORT]", help="a fixed set of teachers")
+    where.add_argument("--registry", metavar="etcd://HOST:2379", help="find teachers in this registry")
+    p.add_argument("--service", metavar="NAME", help="the service the teachers register under (with --registry)")
+    p.add_argument("--cache", required=True, metavar="PATH", help="the store's directory (created if needed)")
+    p.add_argument("--loader", required=True, metavar="MODULE:FUNCTION",
+                   help="a callable returning the loader, e.g. my_dataset:train_loader")
+    p.add_argument("--key", default="index", metavar="FIELD",
+                   help="the batch field holding each sample's key (a dict key, or a tuple position as a "
+                   "number) (default: %(default)s)")
+    p.add_argument("--inputs", required=True, metavar="NAME[,NAME]",
+                   help="teacher inputs, taken from batch fields of the same names")
+    p.add_argument("--outputs", metavar="NAME[,NAME]", help="teacher outputs to store (default: all)")
+    p.add_argument("--model", help="model name on the teachers (default: what each serves)")
+    p.add_argument("--model-version", default="", help="model version to ask for (default: the teacher's)")
+    p.add_argument("--top-k", type=int, default=0, help="store top-k outputs instead of full tensors")
+    p.add_argument("--output-dtype", choices=("FP32", "FP16", "BF16"), help="ask teachers for this dtype")
+    p.add_argument("--prefetch", type=int, default=16, help="batches in flight (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``record`` on the ``distill`` command's subparsers."""
+    return add_record_arguments(subparsers.add_parser("record", help=_RECORD_HELP, description=_RECORD_DESCRIPTION))
+
+
+def _load_callable(spec: str) -> Any:
+    import importlib
+
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"--loader {spec!r}: expected MODULE:FUNCTION, e.g. my_dataset:train_loader")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn() if callable(fn) else fn
+
+
+def _stored(path: str) -> int:
+    from distill.cache.errors import StoreNotFoundError
+    from distill.cache.store import TeacherOutputStore
+
+    try:
+        with TeacherOutputStore.open(path, mode="r") as store:
+            return len(store)
+    except StoreNotFoundError:
+        return 0
+
+
+def record(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
+    """Run ``distill record``: the loader through a DistillReader in ``read_write`` mode, so stored
+    samples are skipped and the rest are asked of the teachers and stored. Returns the exit status."""
+    import time
+
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    from distill.errors import DistillError
+    from distill.reader import DistillReader
+
+    key: str | int = int(args.key) if args.key.lstrip("-").isdigit() else args.key
+    try:
+        loader = _load_callable(args.loader)
+        before = _stored(args.cache)
+        reader = DistillReader(
+            loader, teachers=args.teachers, registry=args.registry, service=args.service,
+            inputs=args.inputs.split(","), outputs=args.outputs.split(",") if args.outputs else None,
+            model=args.model, model_version=args.model_version, top_k=args.top_k, output_dtype=args.output_dtype,
+            prefetch=args.prefetch, timeout=args.timeout, cache=args.cache, cache_mode="read_write", key=key,
+        )
+    except (ValueError, TypeError, ImportError, AttributeError, DistillError) as e:
+        print(f"distill record: {e}", file=err)
+        return 1
+    from tqdm import tqdm
+
+    total = len(loader) if hasattr(loader, "__len__") else None
+    started = time.perf_counter()
+    samples = 0
+    try:
+        with reader, tqdm(total=total, unit="batch", disable=args.no_progress, file=err) as bar:
+            for batch, _ in reader:
+                samples += len(_keys_of(batch, key))
+                bar.update(1)
+    except DistillError as e:
+        print(f"distill record: {e}", file=err)
+        return 1
+    elapsed = time.perf_counter() - started
+    after = _stored(args.cache)
+    print(f"recorded {after - before:,} new samples ({samples - (after - before):,} of {samples:,} already "
+          f"stored) into {args.cache} in {elapsed:.1f} s: {samples / max(elapsed, 1e-9):,.1f} samples/s; the store "
+          f"holds {after:,}", file=out)
+    return 0
+
+
+def _keys_of(batch: Any, key: str | int) -> Any:
+    from distill.cache.reader_side import batch_keys
+
+    return batch_keys(batch, key)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,6 +175,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print("distill cache: needs pyarrow; install it with: pip install 'distill-mesh[cache]'", file=sys.stderr)
         return 1
 
+    if args.cache_command == "record":
+        return record(args, out)
     if args.cache_command != "info":  # pragma: no cover - argparse rejects unknown commands
         return 2
     try:

@@ -1,0 +1,338 @@
+"""The teacher-output store on the student's side: what `DistillReader(..., cache=PATH)` uses.
+
+The engine asks three things of it, each off the event loop except the last:
+
+* `lookup(batch)` (on the loader thread, with the batch): the batch's keys and which of them are
+  stored, with the stored rows' outputs when the mode reads the store;
+* `namespace` checks (once, at start): the store's namespace is the teacher's identity plus every
+  output setting of the reader, so outputs of other teachers or settings are refused;
+* `write_back(keys, outputs)` (on the event loop): hand the teacher's rows to a dedicated writer
+  thread through a bounded queue, never blocking; when the queue is full the rows are not
+  stored (they are misses again next time) and a warning says so. The writer seals on close.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from distill.cache.errors import CacheError, NamespaceMismatchError, StoreNotFoundError
+from distill.cache.namespace import Namespace
+from distill.cache.store import TeacherOutputStore
+from distill.reader import CACHE_MODES
+
+if TYPE_CHECKING:
+    from distill.teacher_client import TeacherMetadata
+
+__all__ = ["CACHE_MODES", "CacheMissError", "CachedRows", "ReaderCache", "batch_keys", "reader_namespace"]
+
+log = logging.getLogger("distill.cache")
+
+_WIRE_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+
+
+class CacheMissError(CacheError):
+    """A sample is not in the store and no teacher may compute it (``cache_mode="read"`` without
+    teachers); ``key`` is the first missing sample key."""
+
+    def __init__(self, message: str, key: Any) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def reader_namespace(options: Any, meta: TeacherMetadata) -> Namespace:
+    """The namespace of what this reader receives from a teacher serving `meta`: its model name and
+    version, the outputs asked for, their dtype and top-k (see docs/cache.md)."""
+    outputs = tuple(options.outputs) if options.outputs else tuple(sorted(meta.outputs))
+    return Namespace(
+        model_name=meta.model_name,
+        model_version=options.model_version or meta.model_version,
+        outputs=outputs,
+        dtype=_WIRE_DTYPES.get(options.output_dtype or "", "native"),
+        top_k=options.top_k or None,
+        values="logits",
+    )
+
+
+def _check_options(options: Any, stored: Namespace, where: str) -> None:
+    """Without a teacher to ask, the store's own namespace must agree with every output setting the
+    reader was given (model, version, outputs, dtype, top-k)."""
+    asked: dict[str, Any] = {
+        "dtype": _WIRE_DTYPES.get(options.output_dtype or "", "native"),
+        "top_k": options.top_k or None,
+    }
+    if options.model:
+        asked["model_name"] = options.model
+    if options.model_version:
+        asked["model_version"] = options.model_version
+    if options.outputs:
+        asked["outputs"] = tuple(options.outputs)
+    differ = tuple(f for f, v in asked.items() if getattr(stored, f) != v)
+    if differ:
+        parts = ", ".join(f"{f}: store has {getattr(stored, f)!r}, asked for {asked[f]!r}" for f in differ)
+        raise NamespaceMismatchError(
+            f"the teacher-output store at {where} was recorded with other settings ({parts}): pass the reader the "
+            "settings the store was recorded with (`distill cache info PATH` prints them), or another cache path",
+            differ,
+        )
+
+
+def batch_keys(batch: Any, key: str | int) -> Any:
+    """The sample keys of `batch`: its field `key` (a dict key or a tuple position), as an int64
+    numpy array, or a list of bytes/str keys (content hashes)."""
+    if isinstance(batch, Mapping):
+        if key not in batch:
+            raise TypeError(f"cache key {key!r}: the batch has no such field (keys: {list(batch)}); pass key= the "
+                            "batch field holding each sample's key (a dataset index or a content hash)")
+        value = batch[key]
+    elif isinstance(batch, (tuple, list)) and isinstance(key, int) and -len(batch) <= key < len(batch):
+        value = batch[key]
+    else:
+        raise TypeError(f"cache key {key!r}: a batch of type {type(batch).__name__} has no such field; pass key= a "
+                        "dict key, or a position for tuple batches")
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().reshape(-1)
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1)
+    return list(value)
+
+
+@dataclass
+class CachedRows:
+    """What the store had for one batch: its keys, the hit mask, and the hits' outputs."""
+
+    keys: Any
+    hit: np.ndarray
+    outputs: dict[str, torch.Tensor]
+
+    @property
+    def all_hit(self) -> bool:
+        return bool(self.hit.all())
+
+    @property
+    def miss_indices(self) -> np.ndarray:
+        return np.flatnonzero(~self.hit)
+
+    @property
+    def hit_indices(self) -> np.ndarray:
+        return np.flatnonzero(self.hit)
+
+    def key_at(self, i: int) -> Any:
+        k = self.keys[i]
+        return k.item() if isinstance(k, np.generic) else k
+
+    def missing_keys(self) -> Any:
+        miss = self.miss_indices
+        if isinstance(self.keys, np.ndarray):
+            return self.keys[miss]
+        return [self.keys[i] for i in miss]
+
+
+_STOP = object()
+_SEAL = object()
+
+
+class ReaderCache:
+    """The store, opened for one reader, and its writer thread (see the module docstring)."""
+
+    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, queue_batches: int = 64,
+                 create: tuple[str, Namespace] | None = None) -> None:
+        if mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
+        if (store is None) == (create is None):
+            raise ValueError("pass an open store, or create=(path, namespace) for a store made at the first batch")
+        self._store = store
+        self._create = create  # a new store is made at the first batch, keyed like its keys (int64 or bytes)
+        self.path = str(store.path) if store is not None else create[0] if create is not None else ""
+        self.mode = mode
+        self.key = key
+        self.dropped_batches = 0
+        self.refresh_s = 1.0  # list the store's shards at most this often while reading
+        self._refreshed = time.monotonic()
+        self._stale = threading.Event()  # our writer sealed a shard: read it at the next lookup
+        self._seals_asked = 0
+        self._seals_done = 0
+        self._sealed = threading.Condition()
+        self.written_samples = 0
+        self.write_error: BaseException | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches)
+        self._thread: threading.Thread | None = None
+        if store is not None and mode != "read":
+            self._start_writer()
+
+    @property
+    def store(self) -> TeacherOutputStore:
+        """The open store (a new one exists once the first batch was looked up)."""
+        if self._store is None:
+            raise CacheError(f"the teacher-output store at {self.path} is made at the first batch; none came yet")
+        return self._store
+
+    def _start_writer(self) -> None:
+        self._thread = threading.Thread(target=self._write_loop, name="distill-cache-writer", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, path: str, options: Any, meta: TeacherMetadata | None) -> ReaderCache:
+        """Open the store at `path` for a reader (blocking: call it off the event loop). With a
+        teacher's metadata the namespace is built from it and checked; without one (offline, `read`
+        mode) the store must exist and its namespace must agree with the reader's options."""
+        mode: str = options.cache_mode
+        key: str | int = options.key
+        if meta is not None:
+            ns = reader_namespace(options, meta)
+            key_type = _key_type_of(path)
+            if key_type is None and mode != "read":
+                return cls(None, mode, key, create=(path, ns))
+            store = TeacherOutputStore.open(path, ns, mode="r" if mode == "read" else "a",
+                                            key_type=key_type or "int64")
+        else:
+            try:
+                store = TeacherOutputStore.open(path, mode="r")
+            except StoreNotFoundError as e:
+                raise StoreNotFoundError(
+                    f"{e}. Without a teacher the reader cannot name the namespace of a new store: record it with "
+                    "`distill record` first, or give the reader teachers") from e
+            _check_options(options, store.namespace, path)
+            if mode != "read":
+                store.close()
+                store = TeacherOutputStore.open(path, store.namespace, mode="a")
+        return cls(store, mode, key)
+
+    # ---- reading (loader thread) -------------------------------------------------------------
+    def lookup(self, batch: Any) -> CachedRows:
+        """The batch's keys and what the store holds of them (nothing is read in `write` mode)."""
+        keys = batch_keys(batch, self.key)
+        if self._create is not None:  # a new store: keyed by int64 for integer keys, else by bytes
+            path, ns = self._create
+            key_type: Literal["int64", "bytes"] = (
+                "int64" if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu" else "bytes")
+            self._store = TeacherOutputStore.open(path, ns, mode="a", key_type=key_type)
+            self._create = None
+            self._start_writer()
+        if self.mode == "write":
+            n = len(keys)
+            return CachedRows(keys, np.zeros(n, dtype=bool), {})
+        now = time.monotonic()
+        if self._stale.is_set() or now - self._refreshed >= self.refresh_s:  # shards sealed meanwhile
+            self._stale.clear()
+            self.store.refresh()
+            self._refreshed = now
+        found = self.store.lookup(keys)
+        outputs = {name: found.tensor(name) for name in found.outputs} if found.n_hits else {}
+        return CachedRows(keys, found.hit, outputs)
+
+    def miss_error(self, rows: CachedRows, seq: int) -> CacheMissError:
+        miss = rows.miss_indices
+        key = rows.key_at(int(miss[0]))
+        return CacheMissError(
+            f"sample key {key!r} (row {int(miss[0])} of batch {seq}, {len(miss)} of its {len(rows.hit)} samples "
+            f"missing) is not in the teacher-output store at {self.path}, and cache_mode='read' has no "
+            "teacher to ask: record the data set first (`distill record`), give the reader teachers, or pass "
+            "fallback='hard_labels' to train such batches on labels alone", key)
+
+    # ---- writing (event loop -> writer thread) ---------------------------------------------
+    def write_back(self, keys: Any, outputs: Mapping[str, torch.Tensor]) -> None:
+        """Queue the teacher's rows for the store; never blocks (a full queue drops them, with a warning)."""
+        if self._thread is None or len(keys) == 0:
+            return
+        try:
+            self._queue.put_nowait((keys, dict(outputs)))
+        except queue.Full:
+            self.dropped_batches += 1
+            if self.dropped_batches == 1 or self.dropped_batches % 100 == 0:
+                log.warning("the teacher-output store's writer is behind; %d batches were not stored (they will "
+                            "be asked of a teacher again)", self.dropped_batches)
+
+    def seal(self) -> None:
+        """Seal what was written so far once the queue before it is written (the end of a pass), so
+        the next pass reads it from the store; never blocks."""
+        if self._thread is None:
+            return
+        try:
+            self._seals_asked += 1
+            self._queue.put_nowait(_SEAL)
+        except queue.Full:
+            self._seals_asked -= 1
+            pass  # the writer is behind: the shard is sealed later (at its size limit, or on close)
+
+    def wait_sealed(self, timeout: float) -> bool:
+        """Block until every seal asked for so far is done (for tests and tools); False on timeout."""
+        asked = self._seals_asked
+        with self._sealed:
+            return self._sealed.wait_for(lambda: self._seals_done >= asked or self._thread is None, timeout)
+
+    def _write_loop(self) -> None:
+        try:
+            with self.store.writer() as writer:
+                while True:
+                    item = self._queue.get()
+                    if item is _STOP:
+                        return
+                    if item is _SEAL:
+                        if writer.seal() is not None:
+                            self._stale.set()
+                        with self._sealed:
+                            self._seals_done += 1
+                            self._sealed.notify_all()
+                        continue
+                    keys, outputs = item
+                    try:
+                        writer.append(keys, outputs)
+                        self.written_samples += len(keys)
+                    except CacheError as e:  # e.g. outputs whose shape changed: stop storing, keep training
+                        self.write_error = e
+                        log.error("writing to the teacher-output store at %s failed; no more outputs are stored: "
+                                  "%s", self.path, e)
+                        self._drain()
+                        return
+        except Exception as e:  # pragma: no cover - disk full, permissions
+            self.write_error = e
+            log.exception("the teacher-output store's writer at %s failed", self.path)
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if item is _SEAL:
+                with self._sealed:
+                    self._seals_done += 1
+                    self._sealed.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Write what is queued, seal the shard, join the writer thread and close the store (blocking)."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the teacher-output store's writer did not finish in %g s", timeout)
+            self._thread = None
+        if self._store is not None:
+            self._store.close()
+
+
+def _key_type_of(path: str) -> Any:
+    """The key type of an existing store, from its manifest (so a bytes-keyed store opens); None
+    when there is no store yet."""
+    manifest = Path(path) / "store.json"
+    try:
+        doc = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CacheError(f"{manifest} is not a readable store manifest ({e}); was it written by distill.cache?") from e
+    key_type = doc.get("key_type") if isinstance(doc, dict) else None
+    if key_type not in ("int64", "bytes"):
+        raise CacheError(f"{manifest} names no key type (int64 or bytes); was it written by distill.cache?")
+    return key_type

@@ -1,0 +1,280 @@
+"""DistillReader with a teacher-output store (cache=PATH), and `distill record`, against real teachers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+pytest.importorskip("pyarrow")
+
+from distill import DistillReader, add_distill_args
+from distill.cache import NamespaceMismatchError, TeacherOutputStore
+from distill.cache.reader_side import CacheMissError
+from protos.kserve import service_pb2, service_pb2_grpc
+from teacher_server import BatchingConfig, ServerConfig
+from tests.faults.helpers import assert_delivered_once_in_order
+from tests.models import Affine
+from tests.servers import REPO, ServerThread
+
+AFFINE = Affine()
+ROWS = 10
+
+
+def _expected(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return AFFINE(x)
+
+
+def _batches(n: int, rows: int = ROWS) -> list[dict[str, torch.Tensor]]:
+    """Batch i holds samples i*rows .. i*rows+rows-1; a sample's input depends on its index only."""
+    out = []
+    for i in range(n):
+        idx = torch.arange(i * rows, (i + 1) * rows)
+        x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(k))) for k in idx])
+        out.append({"X": x, "index": idx, "tag": torch.full((rows,), i)})
+    return out
+
+
+def _inference_count(url: str) -> int:
+    """Samples the teacher itself says it inferred (KServe ModelStatistics)."""
+    with grpc.insecure_channel(url) as channel:
+        stats = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+            service_pb2.ModelStatisticsRequest(), timeout=10)
+    return int(stats.model_stats[0].inference_count)
+
+
+def _epoch(reader: DistillReader, n: int) -> list[dict[str, torch.Tensor]]:
+    """One pass: every batch once, in order, with the model's outputs; returns the teacher outputs."""
+    seen, outs = [], []
+    for batch, teacher in reader:
+        seen.append(int(batch["tag"][0]))
+        assert teacher is not None
+        assert torch.allclose(teacher["Y"], _expected(batch["X"]), atol=1e-5), f"batch {seen[-1]} has wrong outputs"
+        outs.append(teacher)
+    assert_delivered_once_in_order(seen, n)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def teacher() -> Iterator[ServerThread]:
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu",
+                       batching=BatchingConfig(max_batch_size=8, max_queue_delay_us=200))
+    with ServerThread(cfg) as srv:
+        yield srv
+
+
+def _reader(data: list[dict[str, torch.Tensor]], teacher: ServerThread | None, cache: Path, mode: str,
+            **kw: object) -> DistillReader:
+    where: dict[str, object] = {"teachers": teacher.url} if teacher is not None else {}
+    return DistillReader(data, inputs=["X"], outputs=["Y"], cache=str(cache), cache_mode=mode, key="index",
+                         no_teacher_timeout=5.0, **where, **kw)
+
+
+def test_read_write_stores_then_a_full_hit_sends_nothing(teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(6)
+    cache = tmp_path / "kd"
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read_write") as reader:
+        first = _epoch(reader, len(data))
+    assert _inference_count(teacher.url) - before == 6 * ROWS
+    with TeacherOutputStore.open(cache) as store:
+        assert len(store) == 6 * ROWS
+        assert store.namespace.model_name == "affine" and store.namespace.outputs == ("Y",)
+
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read_write") as reader:
+        again = _epoch(reader, len(data))
+        _epoch(reader, len(data))  # a second pass over the same loader: still from the store
+    assert _inference_count(teacher.url) == before, "a batch whose samples are all stored went to a teacher"
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a["Y"], b["Y"]), "the store's outputs differ from the teacher's"
+
+
+def test_a_second_pass_of_the_same_reader_reads_what_the_first_stored(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(4)
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, tmp_path / "kd", "read_write") as reader:
+        _epoch(reader, len(data))
+        assert reader._engine is not None and reader._engine.cache is not None
+        assert reader._engine.cache.wait_sealed(30), "the pass's shard was not sealed"
+        _epoch(reader, len(data))
+    assert _inference_count(teacher.url) - before == len(data) * ROWS, "the second pass asked the teacher again"
+
+
+def test_content_hash_keys_make_a_bytes_keyed_store(teacher: ServerThread, tmp_path: Path) -> None:
+    import hashlib
+
+    data = [(b["X"], [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in b["X"]], int(b["tag"][0]))
+            for b in _batches(3)]
+    cache = tmp_path / "kd"
+    for mode in ("read_write", "read_write"):
+        before = _inference_count(teacher.url)
+        with DistillReader(data, teachers=teacher.url, inputs={"X": 0}, outputs=["Y"], cache=str(cache),
+                           cache_mode=mode, key=1) as reader:
+            seen = []
+            for (x, _, tag), out in reader:
+                seen.append(tag)
+                assert torch.allclose(out["Y"], _expected(x), atol=1e-5)
+        assert_delivered_once_in_order(seen, 3)
+        asked = _inference_count(teacher.url) - before
+    assert asked == 0, "the second run asked the teacher for stored samples"
+    with TeacherOutputStore.open(cache) as store:
+        assert store.key_type == "bytes" and len(store) == 3 * ROWS
+
+
+def test_partial_hit_sends_only_the_missing_samples(teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(5)
+    cache = tmp_path / "kd"
+    # Store the even samples only, from the teacher, through a reader over a loader of those.
+    evens = [{k: v[::2] for k, v in b.items()} for b in data]
+    with _reader(evens, teacher, cache, "write") as reader:
+        _epoch(reader, len(evens))
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read_write") as reader:
+        _epoch(reader, len(data))  # stored and teacher rows merged back in batch order
+    assert _inference_count(teacher.url) - before == len(data) * ROWS // 2, "stored samples went to a teacher"
+    with TeacherOutputStore.open(cache) as store:
+        assert len(store) == len(data) * ROWS, "the teacher's rows were not written back"
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_stored_batches_overtaking_teacher_batches_keep_exactly_once_delivery(
+        teacher: ServerThread, tmp_path: Path, ordered: bool) -> None:
+    """Odd batches are stored (ready at once), even ones go to the teacher: ordered delivery still
+    yields loader order, and either way every batch comes exactly once with the right outputs."""
+    data = _batches(12)
+    cache = tmp_path / "kd"
+    with _reader(data[1::2], teacher, cache, "write") as reader:
+        for _ in reader:
+            pass
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read_write", ordered=ordered, prefetch=6) as reader:
+        seen = []
+        for batch, out in reader:
+            seen.append(int(batch["tag"][0]))
+            assert torch.allclose(out["Y"], _expected(batch["X"]), atol=1e-5)
+    assert_delivered_once_in_order(seen if ordered else sorted(seen), len(data))
+    assert _inference_count(teacher.url) - before == 6 * ROWS
+
+
+def test_read_mode_without_teachers_trains_offline_and_a_miss_names_its_key(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(4)
+    cache = tmp_path / "kd"
+    with _reader(data[:3], teacher, cache, "write") as reader:
+        _epoch(reader, 3)
+    with _reader(data[:3], None, cache, "read") as reader:
+        _epoch(reader, 3)
+        assert reader.options.services == ()
+
+    with _reader(data, None, cache, "read") as reader:
+        it = iter(reader)
+        for _ in range(3):
+            next(it)
+        with pytest.raises(CacheMissError, match=r"sample key 30 ") as err:
+            next(it)
+        assert err.value.key == 30
+
+    with _reader(data, None, cache, "read", fallback="hard_labels") as reader:
+        got = [(int(b["tag"][0]), t) for b, t in reader]
+    assert [tag for tag, _ in got] == [0, 1, 2, 3]
+    assert got[3][1] is None and all(t is not None for _, t in got[:3])
+
+
+def test_read_mode_with_a_teacher_asks_it_for_misses_and_stores_nothing(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(3)
+    cache = tmp_path / "kd"
+    with _reader(data[:1], teacher, cache, "write") as reader:
+        _epoch(reader, 1)
+    before = _inference_count(teacher.url)
+    with _reader(data, teacher, cache, "read") as reader:
+        _epoch(reader, 3)
+    assert _inference_count(teacher.url) - before == 2 * ROWS
+    with TeacherOutputStore.open(cache) as store:
+        assert len(store) == ROWS
+
+
+def test_a_store_of_other_settings_is_refused(teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(2)
+    cache = tmp_path / "kd"
+    with _reader(data, teacher, cache, "write") as reader:
+        _epoch(reader, 2)
+    with pytest.raises(NamespaceMismatchError, match="dtype") as err:
+        _reader(data, teacher, cache, "read_write", output_dtype="fp16").start()
+    assert "dtype" in err.value.fields
+    with pytest.raises(NamespaceMismatchError, match="model_name") as err:
+        _reader(data, None, cache, "read", model="another-teacher").start()
+    assert err.value.fields == ("model_name",)
+
+
+def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    data = _batches(1)
+    with pytest.raises(ValueError, match="key="):
+        DistillReader(data, inputs=["X"], cache=str(tmp_path), cache_mode="read")
+    with pytest.raises(ValueError, match="cache_mode"):
+        DistillReader(data, inputs=["X"], teachers="127.0.0.1:1", cache=str(tmp_path), cache_mode="rw", key="index")
+    with pytest.raises(ValueError, match="exactly one of"):  # offline needs cache_mode='read'
+        DistillReader(data, inputs=["X"], cache=str(tmp_path), key="index")
+
+
+def test_a_batch_without_the_key_field_fails_the_pass_with_what_to_fix(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    data = [{"X": b["X"], "tag": b["tag"]} for b in _batches(2)]
+    reader = DistillReader(data, teachers=teacher.url, inputs=["X"], cache=str(tmp_path / "kd"), key="index")
+    with reader, pytest.raises(TypeError, match="cache key 'index'"):
+        next(iter(reader))
+
+
+def test_flags_reach_the_reader(tmp_path: Path) -> None:
+    import argparse
+
+    parser = add_distill_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--distill_cache", str(tmp_path), "--distill_cache_mode", "read"])
+    reader = DistillReader.from_args(args, [], inputs=["X"], key="index")
+    assert reader.options.cache == str(tmp_path) and reader.options.cache_mode == "read"
+    assert reader.options.services == ()
+
+
+def _record(teacher: ServerThread, cache: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "record_data.py").write_text(
+        "import torch\n"
+        "def loader():\n"
+        "    out = []\n"
+        "    for i in range(5):\n"
+        "        idx = torch.arange(i * 10, (i + 1) * 10)\n"
+        "        x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(k))) for k in idx])\n"
+        "        out.append({'X': x, 'index': idx})\n"
+        "    return out\n")
+    env_path = f"{tmp_path}:{REPO}"
+    return subprocess.run(
+        [sys.executable, "-m", "distill.cli", "record", "--teachers", teacher.url, "--cache", str(cache),
+         "--loader", "record_data:loader", "--inputs", "X", "--outputs", "Y", "--key", "index", "--no-progress"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        check=False)
+
+
+def test_record_fills_the_store_and_resumes(teacher: ServerThread, tmp_path: Path) -> None:
+    cache = tmp_path / "kd"
+    before = _inference_count(teacher.url)
+    first = _record(teacher, cache, tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "recorded 50 new samples" in first.stdout, first.stdout
+    assert _inference_count(teacher.url) - before == 50
+
+    before = _inference_count(teacher.url)
+    second = _record(teacher, cache, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "recorded 0 new samples (50 of 50 already stored)" in second.stdout, second.stdout
+    assert _inference_count(teacher.url) == before, "a resumed record asked a teacher for stored samples"
+
+    data = _batches(5)
+    with _reader(data, None, cache, "read") as reader:  # what record stored is what the teacher computes
+        _epoch(reader, 5)
