@@ -244,10 +244,10 @@ class Delivery:
     """Answers into a batch's tensors, and finished batches to the sink exactly once: in loader
     order (`ordered`), or as they finish. One per engine; `reset` at each epoch."""
 
-    def __init__(self, sink: Sink, *, ordered: bool, services: int, pin_memory: bool) -> None:
+    def __init__(self, sink: Sink, *, ordered: bool, services: Sequence[str], pin_memory: bool) -> None:
         self.sink = sink
         self.ordered = ordered
-        self.services = services
+        self.services = tuple(services)
         self.pin_memory = pin_memory
         self.cache: ReaderCache | None = None  # the teacher-output store, when the reader has one
         self.epoch = 0
@@ -344,6 +344,30 @@ class Delivery:
         self.maybe_complete(job)
         return counted
 
+    def from_store(self, job: Job, *, hard_labels: bool) -> str:
+        """Settle a batch from the store when no teacher is needed: all its samples are stored
+        ("stored"), or some are missing and there is no teacher to ask: an error naming the key
+        ("missing"), or the batch without outputs ("hard_labels"). "" when teachers must answer."""
+        cached = job.cached
+        assert cached is not None and self.cache is not None
+        name = self.services[0] if self.services else "cache"
+        if cached.all_hit:
+            job.outputs[name] = dict(cached.outputs)
+            settled = "stored"
+        elif self.services:
+            return ""
+        elif hard_labels:
+            log.warning("batch %d has samples missing from the store and there is no teacher: it goes on with "
+                        "hard labels", job.seq)
+            job.outputs[name] = None
+            settled = "hard_labels"
+        else:
+            job.error = self.cache.miss_error(cached, job.seq)
+            settled = "missing"
+        job.fields = {}
+        self.maybe_complete(job)
+        return settled
+
     def maybe_complete(self, job: Job) -> None:
         if job.delivered or any(job.remaining.values()):
             return
@@ -387,5 +411,5 @@ class Delivery:
         if job.error is not None:
             self.sink.rejected(job.epoch, job.error)
             return
-        outputs: Any = dict(job.outputs) if self.services > 1 else next(iter(job.outputs.values()))
+        outputs: Any = dict(job.outputs) if len(self.services) > 1 else next(iter(job.outputs.values()))
         self.sink.batch(job.epoch, job.batch, outputs, job.size)

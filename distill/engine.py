@@ -41,10 +41,10 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-import numpy as np
 
 from discovery import Registry, open_registry
 from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
+from distill.liveness import CallWatch
 from distill.pool import Connect, TeacherPool
 from distill.router import TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
@@ -117,7 +117,7 @@ class Engine:
     def __init__(self, options: ReaderOptions, sink: Sink, meter: ConsumptionMeter,
                  connect: Connect | None = None) -> None:
         self.opts = options
-        self._delivery = Delivery(sink, ordered=options.ordered, services=len(options.services),
+        self._delivery = Delivery(sink, ordered=options.ordered, services=tuple(options.services),
                                   pin_memory=options.pin_memory)
         self._meter = meter
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -133,10 +133,8 @@ class Engine:
         self.rejected_batches = 0
         self.retries = 0
         self.hedges = 0
-        self.hung_ejections = 0
         self.cache: ReaderCache | None = None  # opened in start() when options.cache is set
-        self._calls: dict[TeacherState, set[asyncio.Task[None]]] = {}  # in-flight calls per teacher
-        self._abandoned: set[asyncio.Task[None]] = set()  # calls given up on because their teacher hung
+        self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
         self._closed = False
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -219,17 +217,9 @@ class Engine:
             except StopIteration:
                 return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            cached = None
-            if cache is not None:  # the store's rows; only the misses' inputs go on to a teacher
-                cached = cache.lookup(batch)
-                if len(cached.hit) != size:
-                    raise ValueError(f"cache key {cache.key!r} holds {len(cached.hit)} keys for a batch of {size} "
-                                     "samples: key= must name a field with one key per sample")
-                if cached.hit.any():
-                    miss = cached.miss_indices
-                    fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype)
-                              for n, f in fields.items()}
-            return batch, size, fields, cached
+            if cache is None:
+                return batch, size, fields, None
+            return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
 
         seq = 0
         while True:
@@ -250,32 +240,15 @@ class Engine:
             job = Job(epoch, seq, batch, size, fields,
                       tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
             seq += 1
-            if cached is not None and self._from_store(job):
-                continue
+            if cached is not None:
+                settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")
+                if settled == "hard_labels":
+                    self.fallback_batches += 1
+                if settled:
+                    continue
             for svc in self._services.values():
                 job.remaining[svc.name] = job.sent
                 svc.push(Chunk(job, svc.name, 0, job.sent))
-
-    def _from_store(self, job: Job) -> bool:
-        """Settle a batch from the store when no teacher is needed: all its samples are stored, or some
-        are missing and there is no teacher to ask (an error naming the key, or hard labels)."""
-        cached = job.cached
-        assert cached is not None and self.cache is not None
-        name = next(iter(self._services), "cache")
-        if cached.all_hit:
-            job.outputs[name] = dict(cached.outputs)
-        elif self._services:
-            return False
-        elif self.opts.fallback == "hard_labels":
-            self.fallback_batches += 1
-            log.warning("batch %d has samples missing from the store and there is no teacher: it goes on with hard "
-                        "labels", job.seq)
-            job.outputs[name] = None
-        else:
-            job.error = self.cache.miss_error(cached, job.seq)
-        job.fields = {}
-        self._delivery.maybe_complete(job)
-        return True
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
         self._delivery.fail_at(epoch, seq, error)
@@ -369,60 +342,14 @@ class Engine:
         task = self._spawn(self._call(svc, chunk, t), "chunk")
         chunk.sends.add(task)
         chunk.tried.add(t.key)
-        self._calls.setdefault(t, set()).add(task)
+        self._watch.track(t, task)
         task.add_done_callback(chunk.sends.discard)
-        task.add_done_callback(functools.partial(self._call_done, t))
         task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
         loop = asyncio.get_running_loop()
-        loop.call_later(svc.router.late_delay(self.opts.timeout), self._late, svc, t, task)
+        loop.call_later(svc.router.late_delay(self.opts.timeout), self._watch.late, svc.pool, t, task)
         delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
         if delay is not None and len(chunk.tried) == 1:
             loop.call_later(delay, self._hedge, svc, chunk)
-
-    def _call_done(self, t: TeacherState, task: asyncio.Task[None]) -> None:
-        calls = self._calls.get(t)
-        if calls is not None:
-            calls.discard(task)
-            if not calls and t.removed:
-                del self._calls[t]
-
-    def _late(self, svc: _Service, t: TeacherState, task: asyncio.Task[None]) -> None:
-        """A call is late: check that its teacher still answers at all (a hung one is ejected and its
-        chunks re-sent at once, not at their deadline). Hedging has its own timer."""
-        if task.done() or self._closed:
-            return
-        if t.needs_probe:  # already found hung (or failing): do not wait for the deadline
-            self._abandon(svc, t)
-        elif not t.checking and not t.removed and t.meta is not None:
-            t.checking = True
-            self._spawn_aux(self._check_alive(svc, t), f"alive-{t.endpoint}")
-
-    async def _check_alive(self, svc: _Service, t: TeacherState) -> None:
-        """A readiness probe of a teacher holding a late chunk: no answer in time means it hung."""
-        assert t.meta is not None
-        try:
-            try:
-                await t.client.ready(t.meta.model_name, timeout=svc.router.config.probe_timeout_s)
-                return  # it answers (ready or not): the chunk is slow, not lost; its deadline stands
-            except TeacherCallError as e:
-                detail = f"the readiness probe failed ({e})"
-            except TeacherGoneError:
-                return
-            if not self._calls.get(t) or t.removed:
-                return  # its calls ended meanwhile: nothing is waiting on it
-            self.hung_ejections += 1
-            svc.router.hung(t, detail)
-            self._abandon(svc, t)
-            svc.pool.probe_if_ejected(t)
-        finally:
-            t.checking = False
-
-    def _abandon(self, svc: _Service, t: TeacherState) -> None:
-        """Give up the calls in flight at a hung teacher: their chunks are re-sent now."""
-        for task in list(self._calls.get(t, ())):
-            if not task.done():
-                self._abandoned.add(task)
-                task.cancel()
 
     def _hedge(self, svc: _Service, chunk: Chunk) -> None:
         """The chunk is late: if another teacher has a free slot, race it there."""
@@ -451,8 +378,7 @@ class Engine:
         """Account a call cancelled before or while it ran: it lost a hedge race, or we gave up on it."""
         if not task.cancelled():
             return
-        if task in self._abandoned:  # its teacher hung: re-send the chunk now
-            self._abandoned.discard(task)
+        if self._watch.was_abandoned(task):  # its teacher hung: re-send the chunk now
             svc.router.abandoned(t)
             if not self._closed:
                 self._retry(svc, chunk)
@@ -548,6 +474,11 @@ class Engine:
             svc.clear()
 
     # ---- stats, demand, close -----------------------------------------------------------------
+    @property
+    def hung_ejections(self) -> int:
+        """Teachers found hung by a late call's readiness probe."""
+        return self._watch.hung_ejections
+
     def stats(self) -> ReaderStats:
         return reader_stats(self._meter, {s: svc.router for s, svc in self._services.items()},
                             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
@@ -584,7 +515,7 @@ class Engine:
 
     async def close(self) -> None:
         """Cancel everything, withdraw demand, close channels and registries."""
-        self._closed = True
+        self._closed = self._watch.closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.remove_done_callback(self._task_done)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from distill.batches import FieldArray
 from distill.cache.errors import CacheError, NamespaceMismatchError, StoreNotFoundError
 from distill.cache.namespace import Namespace
 from distill.cache.store import TeacherOutputStore
@@ -230,6 +231,19 @@ class ReaderCache:
         found = self.store.lookup(keys)
         outputs = {name: found.tensor(name) for name in found.outputs} if found.n_hits else {}
         return CachedRows(keys, found.hit, outputs)
+
+    def rows_to_send(self, batch: Any, size: int, fields: dict[str, FieldArray]
+                     ) -> tuple[dict[str, FieldArray], CachedRows]:
+        """What of a batch still goes to a teacher: the inputs of the samples the store lacks (all
+        of them on a miss, none on a full hit), and the store's rows for the rest."""
+        cached = self.lookup(batch)
+        if len(cached.hit) != size:
+            raise ValueError(f"cache key {self.key!r} holds {len(cached.hit)} keys for a batch of {size} "
+                             "samples: key= must name a field with one key per sample")
+        if cached.hit.any():
+            miss = cached.miss_indices
+            fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype) for n, f in fields.items()}
+        return fields, cached
 
     def miss_error(self, rows: CachedRows, seq: int) -> CacheMissError:
         miss = rows.miss_indices
