@@ -120,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = distill.distill_options_from_args(args)
         except ValueError as e:
             parser.error(f"{e} (or pass --no_kd for the baseline)")
-        source = reader_source(top_k=args.top_k, output_dtype=args.output_dtype, **options)
+        # --distill_top_k / --distill_output_dtype, when given, win over this script's own flags.
+        top_k = options.pop("top_k", 0) or args.top_k
+        output_dtype = options.pop("output_dtype", None) or args.output_dtype
+        source = reader_source(top_k=top_k, output_dtype=output_dtype, **options)
     elif args.distill_teachers or args.distill_registry:
         parser.error("--no_kd trains without teachers; drop --distill_teachers / --distill_registry")
     label = "no KD" if source is None else (f"KD top-{args.top_k}" if args.top_k else "KD full logits")
