@@ -23,8 +23,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Two workers, one test file each at a time: most tests wait on real processes, not on the CPU.
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test: lint unit
 

@@ -222,21 +222,24 @@ def serve(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (
     registration = None
     if registry is not None and service is not None:
         registration = _registration(registry, service, ttl, dict(registry_options or {}))
-    return asyncio.run(_serve(TeacherServer(config, loaded), registration, ready_file))
+    return asyncio.run(run_until_signal(TeacherServer(config, loaded), registration, ready_file))
 
 
 def _write_ready_file(path: str | Path, server: TeacherServer) -> None:
     """Written once, atomically (write then rename): a reader never sees half a file."""
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps({"endpoint": server.endpoint, "port": server.port, "metrics_port": server.metrics_port,
-                               "pid": os.getpid(), "instance_id": server.instance_id}))
+                               "http_port": server.http_port, "pid": os.getpid(),
+                               "instance_id": server.instance_id}))
     tmp.replace(path)
 
 
-async def _serve(server: TeacherServer,
+async def run_until_signal(server: TeacherServer,
                  registration: Callable[[TeacherServer], AbstractAsyncContextManager[object]] | None,
                  ready_file: str | Path | None) -> int:
-    """The CLI's lifecycle: start, register, wait for a signal, refuse new work, deregister, drain."""
+    """The lifecycle `teacher-server` and `serve()` share: start, register, wait for SIGTERM/SIGINT,
+    refuse new work, deregister, drain. Returns the number of forward passes left running when the
+    drain grace ran out (0 after a clean drain)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from discovery.options import PASSWORD_ENV, add_registry_security_args, registry_security_options
+from teacher_server.api import run_until_signal
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
 from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads, default_instances
@@ -303,38 +303,7 @@ async def serve(config: ServerConfig, registration: RegistrationHook | None = No
                 ready_file: str | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain and return the number of forward passes left running
     when --drain-grace ran out (0 after a clean drain)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    server = TeacherServer(config)
-    try:
-        await server.start()
-        async with contextlib.AsyncExitStack() as stack:
-            if registration is not None:
-                await stack.enter_async_context(registration(server))
-            if ready_file:
-                _write_ready_file(ready_file, server)
-            await stop.wait()
-            log.info("signal received: draining")
-            await server.begin_drain()  # refuse new work first, then deregister (stack exit)
-        await server.stop()
-        if server.abandoned_batches:
-            log.warning("stopped with %d forward pass(es) still running after --drain-grace",
-                        server.abandoned_batches)
-        else:
-            log.info("stopped cleanly")
-        return server.abandoned_batches
-    finally:
-        await server.stop(0)
-
-
-def _write_ready_file(path: str, server: TeacherServer) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({"endpoint": server.endpoint, "port": server.port,
-                               "metrics_port": server.metrics_port, "pid": os.getpid(),
-                               "instance_id": server.instance_id}))
-    tmp.replace(path)
+    return await run_until_signal(TeacherServer(config), registration, ready_file)
 
 
 def run_async(coro: Coroutine[Any, Any, _T]) -> _T:

@@ -145,5 +145,7 @@ def test_elastic_student_trains_with_torchrun_two_ranks(cache: Path, tmp_path: P
     assert re.search(r"rank 0: distilling as student \S+-rank0", out.stdout), out.stdout
     assert 0.0 <= _mean(out.stdout, "KD (2 ranks)") <= 1.0
     assert '"world_size": 2' in (tmp_path / "elastic.json").read_text()
-    leftovers = subprocess.run(["pgrep", "-f", "examples.elastic.train"], capture_output=True, text=True, check=False)
+    # This run's workers carry its --json path: other torchrun jobs (another test, in parallel) do not match.
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "elastic.json")], capture_output=True, text=True,
+                               check=False)
     assert leftovers.stdout == "", f"torchrun left workers behind: {leftovers.stdout}"
