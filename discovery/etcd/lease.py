@@ -193,25 +193,11 @@ class LeaseSession:
         Raises :class:`LeaseLostError` when the lease is gone, or the etcd error (after marking
         the session unreachable and reporting it to the connection).
         """
-        lease = self._lease
-        if lease is None:
-            raise RegistryError(f"{self.name}: the lease session is not open")
-        if self._lost:
-            raise LeaseLostError(f"{self.name}: lease {lease:x} is lost")
-        client = self._conn.client()
         sent = time.monotonic()
-        try:
-            left = await self._conn.call(
-                self._conn.keepalive_once(client, lease, self._call_timeout), self._call_timeout
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            if is_lease_lost(e):
-                self._mark_lost()
-                raise LeaseLostError(f"{self.name}: lease {lease:x} is gone ({describe_error(e)})") from e
-            self.report_failure(client, e)
-            raise
+        left: int = await self._under_lease(
+            lambda client, lease: self._conn.keepalive_once(client, lease, self._call_timeout), open_only=False)
+        lease = self._lease
+        assert lease is not None
         if left <= 0:
             self._mark_lost()
             raise LeaseLostError(f"lease not found: lease {lease:x} expired or was revoked")
@@ -292,14 +278,20 @@ class LeaseSession:
         await self._write(txn)
 
     async def _write(self, make: Callable[[EtcdClient], Awaitable[Any]]) -> None:
+        await self._under_lease(lambda client, _lease: make(client), open_only=True)
+
+    async def _under_lease(self, make: Callable[[EtcdClient, int], Awaitable[Any]], *, open_only: bool) -> Any:
+        """One etcd exchange under this lease, with the call deadline. A lost lease raises
+        LeaseLostError (and marks the session lost); any other failure is reported (unreachable,
+        failover, retry in the background) and re-raised. ``open_only`` also refuses a closed session."""
         lease = self._lease
-        if lease is None or self._closed:
+        if lease is None or (open_only and self._closed):
             raise RegistryError(f"{self.name}: the lease session is not open")
         if self._lost:
             raise LeaseLostError(f"{self.name}: lease {lease:x} is lost")
         client = self._conn.client()
         try:
-            await self._conn.call(make(client), self._call_timeout)
+            return await self._conn.call(make(client, lease), self._call_timeout)
         except asyncio.CancelledError:
             raise
         except Exception as e:
