@@ -194,3 +194,19 @@ class TcpProxy:
 
     async def close(self) -> None:
         await self.cut()
+
+
+def enable_root_auth(server: LocalEtcd, password: str = "rootpw") -> None:
+    """Turn on etcd authentication with one user, root (role root), on a running LocalEtcd."""
+    import aetcd.rpc as etcd_rpc
+    import grpc
+
+    async def enable() -> None:
+        async with grpc.aio.insecure_channel(server.endpoint) as channel:
+            auth = etcd_rpc.AuthStub(channel)
+            await auth.UserAdd(etcd_rpc.AuthUserAddRequest(name="root", password=password), timeout=5)
+            await auth.RoleAdd(etcd_rpc.AuthRoleAddRequest(name="root"), timeout=5)
+            await auth.UserGrantRole(etcd_rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+            await auth.AuthEnable(etcd_rpc.AuthEnableRequest(), timeout=5)
+
+    arun(enable())

@@ -9,14 +9,12 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import aetcd.rpc as etcd_rpc
-import grpc
 import pytest
 
 from discovery import EtcdRegistry, RegistryUnavailableError
 from discovery.local_etcd import LocalEtcd
 from tests.certs import make_certs
-from tests.etcd_fixtures import arun, ids, next_matching, record, unique_service
+from tests.etcd_fixtures import arun, enable_root_auth, ids, next_matching, record, unique_service
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -62,16 +60,7 @@ def test_mutual_tls_registration_and_watch(tls_etcd: LocalEtcd, certs: Path) -> 
 def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
     # Tokens expire after 1 s idle, so the tests also cover getting a fresh one.
     with LocalEtcd(tmp_path_factory.mktemp("auth-etcd"), extra_args=["--auth-token-ttl", "1"]) as server:
-
-        async def enable_auth() -> None:
-            async with grpc.aio.insecure_channel(server.endpoint) as channel:
-                auth = etcd_rpc.AuthStub(channel)
-                await auth.UserAdd(etcd_rpc.AuthUserAddRequest(name="root", password="rootpw"), timeout=5)
-                await auth.RoleAdd(etcd_rpc.AuthRoleAddRequest(name="root"), timeout=5)
-                await auth.UserGrantRole(etcd_rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
-                await auth.AuthEnable(etcd_rpc.AuthEnableRequest(), timeout=5)
-
-        arun(enable_auth())
+        enable_root_auth(server)
         yield server
 
 

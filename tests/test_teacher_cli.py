@@ -15,8 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import aetcd.rpc as etcd_rpc
-import grpc
 import pytest
 import torch
 
@@ -24,7 +22,7 @@ from discovery.local_etcd import LocalEtcd
 from discovery.options import PASSWORD_ENV
 from teacher_server.launch import TeacherProcess
 from tests.certs import make_certs
-from tests.etcd_fixtures import arun
+from tests.etcd_fixtures import enable_root_auth
 from tests.servers import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,16 +105,7 @@ def test_tls_key_of_another_certificate_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
     with LocalEtcd(tmp_path_factory.mktemp("auth-etcd")) as server:
-
-        async def enable_auth() -> None:
-            async with grpc.aio.insecure_channel(server.endpoint) as channel:
-                auth = etcd_rpc.AuthStub(channel)
-                await auth.UserAdd(etcd_rpc.AuthUserAddRequest(name="root", password="rootpw"), timeout=5)
-                await auth.RoleAdd(etcd_rpc.AuthRoleAddRequest(name="root"), timeout=5)
-                await auth.UserGrantRole(etcd_rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
-                await auth.AuthEnable(etcd_rpc.AuthEnableRequest(), timeout=5)
-
-        arun(enable_auth())
+        enable_root_auth(server)
         yield server
 
 
