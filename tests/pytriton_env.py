@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from examples.common import cache_dir
+
 REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = Path(__file__).resolve().parent / "pytriton_server.py"
 
@@ -63,15 +65,6 @@ class PyTritonUnavailable(RuntimeError):
 
 class PyTritonError(RuntimeError):
     """Building the PyTriton venv or starting its server failed; the message carries the log's tail."""
-
-
-def cache_root() -> Path:
-    """Where the project caches things: the same place as the examples (`examples.common.cache_dir`)."""
-    explicit = os.environ.get("DISTILL_MESH_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "distill-mesh"
 
 
 def libpython_dir() -> Path:
@@ -107,7 +100,7 @@ def venv_path(requirements: Sequence[str] = REQUIREMENTS) -> Path:
     """The cached venv's path: one per requirement set and interpreter (a venv is bound to its Python)."""
     key = json.dumps({"requirements": list(requirements), "python": sys.version,
                       "base": getattr(sys, "_base_executable", sys.executable)}, sort_keys=True)
-    return cache_root() / f"pytriton-venv-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cache_dir() / f"pytriton-venv-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _python(venv: Path) -> Path:
