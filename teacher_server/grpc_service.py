@@ -150,6 +150,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         st.queue.ns = int(m.queue_duration_us * 1000)
         st.compute_infer.count = m.request_success
         st.compute_infer.ns = int(m.compute_infer_duration_us * 1000)
+        # The forward pass's time covers moving inputs in and outputs out, so their own durations
+        # are 0; their counts must still equal compute_infer's (perf_analyzer refuses them otherwise).
+        st.compute_input.count = m.request_success
+        st.compute_output.count = m.request_success
         return service_pb2.ModelStatisticsResponse(model_stats=[stats])
 
     async def RepositoryIndex(self, request: Any, context: Any) -> service_pb2.RepositoryIndexResponse:

@@ -190,7 +190,9 @@ class HTTPService:
                 "success": stat(m.request_success, m.request_duration_us),
                 "fail": stat(m.request_failure, 0.0),
                 "queue": stat(m.request_success, m.queue_duration_us),
+                "compute_input": stat(m.request_success, 0.0),  # inside compute_infer's time
                 "compute_infer": stat(m.request_success, m.compute_infer_duration_us),
+                "compute_output": stat(m.request_success, 0.0),
             },
         }]})
 
