@@ -18,12 +18,15 @@ What ``model`` may be:
   ``--model-path``; the working directory is on it already when Python was started with ``-m``
   or a script in that directory).
 
-Either way the model gets the CLI's checks before the port opens: one warm-up forward pass on
-zeros shaped like the declared inputs (outputs not declared are inferred from it), and the same
-validation of every option. ``preprocess`` and ``postprocess`` run per batch on the model
-instance's thread, around the model: ``preprocess(*inputs)`` returns the model's arguments (one
-tensor or a tuple), ``postprocess(output)`` what is sent back (for instance, picking one output
-or a softmax). Both see whole batches, so they must keep the batch dimension first.
+Either way the model gets the CLI's checks: every option is validated before anything loads,
+and the server runs one warm-up forward pass on zeros shaped like the declared inputs (outputs not
+declared are inferred from it) before it reports SERVING; a model that fails it is never served.
+``teacher-server`` is ``serve`` behind argparse, so the two cannot drift apart.
+
+``preprocess`` and ``postprocess`` run per batch on the model instance's thread, around the model:
+``preprocess(*inputs)`` returns the model's arguments (one tensor or a tuple), ``postprocess(output)``
+what is sent back (for instance, picking one output or a softmax). Both see whole batches, so they
+must keep the batch dimension first.
 
 Why a function and not a class to subclass (as LitServe does): a teacher is a model that is
 already written; wrapping it in a class would only move its ``forward``. The per-request hooks
@@ -37,30 +40,39 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
-from teacher_server.server import ServerConfig, TeacherServer, check_tls_files, default_instances
+from teacher_server.server import (
+    ServerConfig,
+    TeacherServer,
+    check_tls_files,
+    configure_torch_threads,
+    default_instances,
+)
 from teacher_server.spec import ModelFileConfig, ModelIO, SpecError, TensorSpec
 
-__all__ = ["prepare", "serve", "start"]
+__all__ = ["RegistryAccessError", "prepare", "serve", "server_config", "start"]
 
 log = logging.getLogger("teacher_server")
+_T = TypeVar("_T")
 
 TensorDecl = str | TensorSpec
 Hook = Callable[..., Any]
 
 # Keyword options of serve()/start() that configure batching rather than the ServerConfig itself.
-_BATCHING = {"max_queue_delay_us", "max_queue_size", "dynamic_batching"}
+_BATCHING = {"max_queue_delay_us", "max_queue_size", "max_batch_tokens", "dynamic_batching"}
 
 
 class _Pipeline(torch.nn.Module):
@@ -88,12 +100,17 @@ def _specs(decls: Sequence[TensorDecl], what: str) -> tuple[TensorSpec, ...]:
 
 
 def _declared_io(inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
-                 file_cfg: ModelFileConfig | None) -> ModelIO | None:
+                 file_cfg: ModelFileConfig | None, attention_mask: str | None) -> ModelIO | None:
     if inputs:
-        return ModelIO(_specs(inputs, "inputs"), _specs(outputs, "outputs"))
+        return ModelIO(_specs(inputs, "inputs"), _specs(outputs, "outputs"), attention_mask)
     if outputs:
         raise SpecError("outputs= needs inputs= too (declare the inputs the outputs come from)")
-    return file_cfg.io if file_cfg is not None else None
+    io = file_cfg.io if file_cfg is not None else None
+    if attention_mask is not None:
+        if io is None:
+            raise SpecError("attention_mask= needs the inputs declared (inputs= or model_config=)")
+        io = ModelIO(io.inputs, io.outputs, attention_mask)
+    return io
 
 
 def _add_model_path(model_path: str | Path | Sequence[str | Path] | None) -> None:
@@ -108,19 +125,19 @@ def _add_model_path(model_path: str | Path | Sequence[str | Path] | None) -> Non
             sys.path.insert(0, resolved)
 
 
-def prepare(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
-            outputs: Sequence[TensorDecl] = (), model_config: str | Path | None = None,
-            device: str | None = None, compute_dtype: str = "FP32", max_batch_size: int | None = None,
-            preprocess: Hook | None = None, postprocess: Hook | None = None,
-            model_path: str | Path | Sequence[str | Path] | None = None,
-            **options: Any) -> tuple[ServerConfig, LoadedModel]:
-    """Check every option, load the model and run its warm-up forward: what ``serve`` and ``start``
-    do before opening a port, returned so that a caller may build ``TeacherServer(config, model)``.
+def server_config(model: str, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
+                  outputs: Sequence[TensorDecl] = (), attention_mask: str | None = None,
+                  model_config: str | Path | None = None, device: str | None = None,
+                  compute_dtype: str = "FP32", max_batch_size: int | None = None,
+                  **options: Any) -> ServerConfig:
+    """Check every option and build the ``ServerConfig`` that ``serve``, ``start`` and
+    ``teacher-server`` run; loads nothing (a typo should not cost a model load).
 
-    ``options`` are ``ServerConfig``'s fields (``instances``, ``http_port``, ``metrics_port``,
-    ``top_k``, ``output_dtype``, ``drain_grace_s``, ``tls_cert``, ...) plus the batcher's
-    ``max_queue_delay_us``, ``max_queue_size`` and ``dynamic_batching`` (bool). Raises SpecError for
-    a bad option or declaration, ModelLoadError for a model that does not load or run.
+    ``model`` is what the config records as the model's source (a ``module:factory`` string, a
+    file, ``hf:DIR``). ``options`` are ``ServerConfig``'s fields (``instances``, ``http_port``,
+    ``metrics_port``, ``top_k``, ``output_dtype``, ``drain_grace_s``, ``model_args``, ``tls_cert``,
+    ...) plus the batcher's ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens`` and
+    ``dynamic_batching`` (bool). Raises SpecError naming the option and the fix.
     """
     unknown = set(options) - {f for f in ServerConfig.__dataclass_fields__ if f not in {"model", "io", "batching"}}
     unknown -= _BATCHING
@@ -130,35 +147,108 @@ def prepare(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] =
     if compute_dtype not in FLOAT_OUTPUT_DTYPES:
         raise SpecError(f"compute_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {compute_dtype!r}")
     file_cfg = ModelFileConfig.load(model_config) if model_config is not None else None
-    io = _declared_io(inputs, outputs, file_cfg)
+    io = _declared_io(inputs, outputs, file_cfg, attention_mask)
     if max_batch_size is None:
         max_batch_size = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size else 256
     batching = BatchingConfig(max_batch_size, options.pop("max_queue_delay_us", 500),
-                              options.pop("max_queue_size", 512), enabled=options.pop("dynamic_batching", True))
-    options.setdefault("instances", default_instances(device))
-    source = model if isinstance(model, str) else f"<python {type(model).__name__}>"
-    config = ServerConfig(model=source, name=name, device=device, io=io, batching=batching,
+                              options.pop("max_queue_size", 512), enabled=options.pop("dynamic_batching", True),
+                              max_batch_tokens=options.pop("max_batch_tokens", 0))
+    if not options.get("instances"):
+        options["instances"] = default_instances(device)
+    config = ServerConfig(model=model, name=name, device=device, io=io, batching=batching,
                           compute_dtype=compute_dtype, **options)
     check_tls_files(config)
+    return config
+
+
+def _build(model: Any, *, preprocess: Hook | None = None, postprocess: Hook | None = None,
+           model_path: str | Path | Sequence[str | Path] | None = None,
+           **kwargs: Any) -> tuple[ServerConfig, LoadedModel | None]:
+    """The config, and for a model object the LoadedModel that wraps it (not yet warmed up);
+    None for a model given by reference, which TeacherServer.start() loads as the CLI does."""
+    source = model if isinstance(model, str) else f"<python {type(model).__name__}>"
+    config = server_config(source, **kwargs)
     _add_model_path(model_path)
     if isinstance(model, str):
         if preprocess is not None or postprocess is not None:
             raise SpecError("preprocess= and postprocess= need the model itself, not a reference to load")
-        return config, load_model(model, device=device, io=io, compute_dtype=compute_dtype)
+        return config, None
     if not callable(model):
         raise SpecError(f"model must be an nn.Module, a callable or a 'module:factory' string, "
                         f"not {type(model).__name__}")
-    dev = resolve_device(device)
+    if config.model_args:
+        raise SpecError("model_args= configures a 'module:factory' string; call your factory yourself instead")
+    dev = resolve_device(config.device)
     if isinstance(model, torch.nn.Module):
         model = model.to(dev).eval()
-    declared = io or getattr(model, "io_spec", None)
+    declared = config.io or getattr(model, "io_spec", None)
     if declared is None or not declared.inputs:
         raise SpecError("the model declares no inputs: pass inputs=['NAME:DATATYPE:SHAPE', ...] (outputs= too, "
                         "or they are inferred), model_config=, or set an io_spec (teacher_server.ModelIO) on it")
     module = model if preprocess is None and postprocess is None else _Pipeline(model, preprocess, postprocess)
-    loaded = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype])
-    loaded.io = _probe(loaded)  # the CLI's warm-up: the port opens only for a model that runs
+    return config, LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[config.compute_dtype])
+
+
+def prepare(model: Any, **kwargs: Any) -> tuple[ServerConfig, LoadedModel]:
+    """Check every option, load the model and run its warm-up forward, returned so that a caller
+    may build ``TeacherServer(config, model)`` itself (whose ``start()`` warms it up once more:
+    a forward pass on a batch of two, the price of a server that never serves an unchecked model).
+
+    Takes ``server_config``'s arguments plus ``preprocess``, ``postprocess`` and ``model_path``.
+    Raises SpecError for a bad option or declaration, ModelLoadError for a model that does not
+    load or run.
+    """
+    config, loaded = _build(model, **kwargs)
+    if loaded is None:
+        return config, load_model(config.model, device=config.device, io=config.io,
+                                  compute_dtype=config.compute_dtype, model_args=config.model_args)
+    loaded.io = _probe(loaded)  # the warm-up: only a model that runs gets served
     return config, loaded
+
+
+class RegistryAccessError(Exception):
+    """etcd refused our credentials: registering would be retried forever while the teacher
+    serves unregistered, so the teacher refuses to start instead. ``user`` is the etcd user
+    that was refused (None: none was given and etcd requires one); ``said`` is etcd's reason."""
+
+    def __init__(self, registry: str, user: str | None, said: str) -> None:
+        self.registry, self.user, self.said = registry, user, said
+        fix = ("check the user name and its password" if user else
+               "give registry_options={'username': ..., 'password': ...}")
+        who = f"refused user {user}" if user else "requires authentication"
+        super().__init__(f"registry {registry}: etcd {who} ({said}); {fix}")
+
+
+# What etcd says when it refuses the user, the password or the permissions.
+_AUTH_REFUSALS = ("authentication failed", "invalid user id or password", "user name is empty",
+                  "permission denied", "unauthenticated")
+_REGISTRY_CHECK_S = 3.0
+
+
+async def check_registry_access(registry: str, service: str, options: dict[str, Any]) -> None:
+    """One read of the registry before the model loads: an authentication refusal is fatal
+    (RegistryAccessError); an etcd that is down is not (registration retries in the background,
+    as ever), it only earns a warning."""
+    from discovery import RegistryError, open_registry
+
+    reg = open_registry(registry, connect_timeout=_REGISTRY_CHECK_S, **options)
+    try:
+        async with reg:
+            await asyncio.wait_for(reg.teachers(service), 2 * _REGISTRY_CHECK_S)
+    except (RegistryError, OSError, TimeoutError) as e:
+        text = str(e) or type(e).__name__
+        if any(marker in text.lower() for marker in _AUTH_REFUSALS):
+            found = re.search(r"etcdserver: [^);]*", text)
+            raise RegistryAccessError(registry, options.get("username"),
+                                      found.group(0) if found else first_line(text)) from None
+        log.warning("registry %s not reachable yet (%s); serving, registration retries in the background",
+                    registry, first_line(text))
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The first line of an error text, cut at `limit` characters: what a one-line error shows."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _registration(registry: str, service: str, ttl: float,
@@ -180,7 +270,7 @@ def _check_registry(registry: str | None, service: str | None, ttl: float) -> No
         raise SpecError("service= needs registry='etcd://host:2379'")
     if registry is not None and not service:
         raise SpecError("registry= needs service='NAME' (the name students ask the registry for)")
-    if not ttl > 0:
+    if not (ttl > 0 and math.isfinite(ttl)):
         raise SpecError(f"ttl must be a positive number of seconds, got {ttl}")
 
 
@@ -188,10 +278,11 @@ async def start(model: Any, **kwargs: Any) -> TeacherServer:
     """Load, warm up and start a teacher from async code; returns the running ``TeacherServer``.
 
     Takes ``serve``'s arguments except registration (use ``discovery``'s ``register()`` with
-    ``server.record()`` for that) and ``ready_file``. Loading runs on a worker thread, so the event
-    loop keeps running meanwhile. Stop it with ``await server.stop()`` (drains first).
+    ``server.record()`` for that), ``ready_file`` and ``threads``. Loading and the warm-up run on
+    a worker thread, so the event loop keeps running meanwhile. Stop it with ``await server.stop()``
+    (drains first).
     """
-    config, loaded = await asyncio.to_thread(prepare, model, **kwargs)
+    config, loaded = await asyncio.to_thread(_build, model, **kwargs)
     server = TeacherServer(config, loaded)
     try:
         await server.start()
@@ -205,24 +296,41 @@ def serve(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (
           outputs: Sequence[TensorDecl] = (), port: int = 8001, host: str = "127.0.0.1",
           registry: str | None = None, service: str | None = None, ttl: float = 10.0,
           registry_options: dict[str, Any] | None = None, ready_file: str | Path | None = None,
-          **options: Any) -> int:
+          threads: int | None = None, **options: Any) -> int:
     """Serve ``model`` until SIGINT or SIGTERM, then drain; the blocking form (call it from the main
-    thread: it installs the signal handlers).
+    thread: it installs the signal handlers). ``teacher-server`` is this function behind argparse.
 
     ``inputs``/``outputs``: declarations ``"NAME:DATATYPE:D1,D2"`` (or ``TensorSpec``) in
     ``forward()`` order, batch dimension left out; outputs are inferred when not declared.
     ``registry``/``service``: register in etcd under a lease for as long as it serves
-    (``registry_options``: ``discovery.open_registry``'s TLS and credential options).
+    (``registry_options``: ``discovery.open_registry``'s TLS and credential options); credentials
+    etcd refuses stop it before the model loads (RegistryAccessError).
     ``ready_file``: written with ``{endpoint, port, pid, ...}`` as JSON once serving.
+    ``threads``: torch intra-op threads (default: the cores shared out between the instances).
     Everything else goes to ``prepare`` (device, max_batch_size, preprocess, instances, ...).
+    The port opens before the model loads and warms up (health NOT_SERVING meanwhile), so a
+    load failure is reported with the port already answering, as with the CLI.
     Returns the number of forward passes still running when the drain grace ran out (0: clean).
     """
     _check_registry(registry, service, ttl)
-    config, loaded = prepare(model, name=name, inputs=inputs, outputs=outputs, port=port, host=host, **options)
+    config, loaded = _build(model, name=name, inputs=inputs, outputs=outputs, port=port, host=host, **options)
     registration = None
     if registry is not None and service is not None:
-        registration = _registration(registry, service, ttl, dict(registry_options or {}))
-    return asyncio.run(run_until_signal(TeacherServer(config, loaded), registration, ready_file))
+        security = dict(registry_options or {})
+        registration = _registration(registry, service, ttl, security)
+        run_async(check_registry_access(registry, service, security))
+    configure_torch_threads(threads, config.instances)
+    return run_async(run_until_signal(TeacherServer(config, loaded), registration, ready_file))
+
+
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run on uvloop where it exists (Linux, macOS), else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.run(coro)
+    else:
+        return uvloop.run(coro)
 
 
 def _write_ready_file(path: str | Path, server: TeacherServer) -> None:

@@ -9,33 +9,25 @@ entry is revoked, in-flight requests finish (bounded by --drain-grace), and the 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
 import math
 import os
-import re
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from discovery.options import PASSWORD_ENV, add_registry_security_args, registry_security_options
-from teacher_server.api import run_until_signal
-from teacher_server.batcher import BatchingConfig
+from teacher_server import api
+from teacher_server.api import RegistryAccessError, first_line
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, ModelLoadError
-from teacher_server.server import ServerConfig, TeacherServer, configure_torch_threads, default_instances
-from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
+from teacher_server.server import ServerConfig
+from teacher_server.spec import SpecError
 
 log = logging.getLogger("teacher_server")
-_T = TypeVar("_T")
-
-# A registration hook: given the ready server, an async context manager that keeps it registered.
-RegistrationHook = Callable[[TeacherServer], AbstractAsyncContextManager[object]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +139,16 @@ def check_flags(args: argparse.Namespace) -> None:
         raise SpecError(f"--max-batch-tokens must be >= 0 (0: no cap), got {args.max_batch_tokens}")
     if args.model_config and not Path(args.model_config).is_file():
         raise SpecError(f"--model-config {args.model_config} does not exist")
+    if args.instances < 0:
+        raise SpecError(f"--instances must be >= 0 (0: one per core on CPU, 1 on GPU), got {args.instances}")
+    if args.attention_mask and not args.input and not args.model_config:
+        raise SpecError("--attention-mask needs the inputs declared (--input or --model-config)")
+    if args.output and not args.input:
+        raise SpecError("--output needs --input too (declare the inputs the outputs come from)")
+    if args.service and not args.registry:
+        raise SpecError("--service needs --registry etcd://host:2379")
+    if args.registry and not args.service:
+        raise SpecError("--registry needs --service NAME (the name students ask the registry for)")
 
 
 def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
@@ -201,145 +203,68 @@ def check_device(device: str | None) -> None:
         raise SpecError(f"--device {device}: teacher-server serves on cpu or cuda:N")
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    check_flags(args)
-    if args.instances < 0:
-        raise SpecError(f"--instances must be >= 0 (0: one per core on CPU, 1 on GPU), got {args.instances}")
-    file_cfg = ModelFileConfig.load(args.model_config) if args.model_config else None
-    io: ModelIO | None = ModelIO.parse(args.input, args.output, args.attention_mask) if args.input else None
-    if io is None and file_cfg is not None:
-        io = file_cfg.io
-        if args.attention_mask and io is not None:
-            io = ModelIO(io.inputs, io.outputs, args.attention_mask)
-    if args.attention_mask and io is None:
-        raise SpecError("--attention-mask needs the inputs declared (--input or --model-config)")
-    elif args.output and not args.input:
-        raise SpecError("--output needs --input too (declare the inputs the outputs come from)")
-    max_batch = args.max_batch_size
-    if max_batch is None:
-        max_batch = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size is not None else 256
-    return ServerConfig(
-        model=args.model, name=args.name, version=args.version, host=args.host, port=args.port,
-        device=args.device, io=io,
-        batching=BatchingConfig(max_batch, args.max_queue_delay_us, args.max_queue_size,
-                                enabled=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens),
-        instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
-        top_k=args.top_k,
-        logprobs=args.logprobs, temperature=args.temperature, topk_tail=args.topk_tail,
-        model_args=parse_model_args(args.model_arg),
-        compute_dtype=args.compute_dtype, metrics_port=args.metrics_port, http_port=args.http_port,
-        max_message_mb=args.max_message_mb,
-        drain_grace_s=args.drain_grace, instance_id=args.instance_id, advertise=args.advertise,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+def config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as `teacher_server.server_config`'s keyword arguments, one to one."""
+    return dict(
+        name=args.name, version=args.version, inputs=args.input, outputs=args.output,
+        attention_mask=args.attention_mask, model_config=args.model_config, device=args.device,
+        compute_dtype=args.compute_dtype, max_batch_size=args.max_batch_size,
+        max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size,
+        dynamic_batching=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens,
+        instances=args.instances, output_dtype=args.output_dtype, top_k=args.top_k, logprobs=args.logprobs,
+        temperature=args.temperature, topk_tail=args.topk_tail, model_args=parse_model_args(args.model_arg),
+        host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+        max_message_mb=args.max_message_mb, drain_grace_s=args.drain_grace, instance_id=args.instance_id,
+        advertise=args.advertise, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
     )
 
 
-def registration_from_args(args: argparse.Namespace) -> RegistrationHook | None:
-    """The registry hook for --registry/--service; None when the teacher runs unregistered."""
-    if not args.registry:
-        if args.service:
-            raise SpecError("--service needs --registry etcd://host:2379")
-        return None
-    if not args.service:
-        raise SpecError("--registry needs --service NAME (the name students ask the registry for)")
-    from discovery import open_registry
-
-    registry = open_registry(args.registry, **registry_security_options(args))
-
-    @contextlib.asynccontextmanager
-    async def register(server: TeacherServer) -> AsyncIterator[object]:
-        record = server.record()
-        async with registry, registry.register(args.service, record, ttl=args.ttl, load=server.load) as reg:
-            yield reg
-
-    return register
+def serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as `teacher_server.serve`'s keyword arguments (config, registry, ready file, threads)."""
+    registry = dict(registry=args.registry, service=args.service, ttl=args.ttl,
+                    registry_options=registry_security_options(args)) if args.registry else {}
+    return {**config_options(args), **registry, "ready_file": args.ready_file, "threads": args.threads or None}
 
 
-class RegistryAccessError(Exception):
-    """etcd refused our credentials: registering would be retried forever while the teacher
-    serves unregistered, so the teacher refuses to start instead."""
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig `teacher-server ARGS` serves (flags checked first)."""
+    check_flags(args)
+    return api.server_config(args.model, **config_options(args))
 
 
-# What etcd says when it refuses the user, the password or the permissions.
-_AUTH_REFUSALS = ("authentication failed", "invalid user id or password", "user name is empty",
-                  "permission denied", "unauthenticated")
-_REGISTRY_CHECK_S = 3.0
-
-
-async def check_registry_access(args: argparse.Namespace) -> None:
-    """One read of the registry before the model loads: an authentication refusal is fatal
-    (RegistryAccessError); an etcd that is down is not (registration retries in the background,
-    as ever), it only earns a warning."""
-    if not args.registry:
-        return
-    from discovery import RegistryError, open_registry
-
-    registry = open_registry(args.registry, connect_timeout=_REGISTRY_CHECK_S, **registry_security_options(args))
-    try:
-        async with registry:
-            await asyncio.wait_for(registry.teachers(args.service), 2 * _REGISTRY_CHECK_S)
-    except (RegistryError, OSError, TimeoutError) as e:
-        text = str(e) or type(e).__name__
-        if any(marker in text.lower() for marker in _AUTH_REFUSALS):
-            found = re.search(r"etcdserver: [^);]*", text)
-            said = found.group(0) if found else _first_line(text)
-            if args.registry_user:
-                raise RegistryAccessError(
-                    f"--registry {args.registry}: etcd refused user {args.registry_user} ({said}); check "
-                    f"--registry-user and the password in ${PASSWORD_ENV}") from None
-            raise RegistryAccessError(
-                f"--registry {args.registry}: etcd requires authentication ({said}); pass --registry-user "
-                f"and export its password in ${PASSWORD_ENV}") from None
-        log.warning("registry %s not reachable yet (%s); serving, registration retries in the background",
-                    args.registry, _first_line(text))
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
-async def serve(config: ServerConfig, registration: RegistrationHook | None = None,
-                ready_file: str | None = None) -> int:
-    """Run until SIGTERM/SIGINT, then drain and return the number of forward passes left running
-    when --drain-grace ran out (0 after a clean drain)."""
-    return await run_until_signal(TeacherServer(config), registration, ready_file)
-
-
-def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run on uvloop where it exists (Linux, macOS), else on asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(coro)
-    else:
-        return uvloop.run(coro)
+def _registry_refusal(e: RegistryAccessError) -> str:
+    """RegistryAccessError in the flags' words: which flag to fix and where the password goes."""
+    if e.user:
+        return (f"--registry {e.registry}: etcd refused user {e.user} ({e.said}); check --registry-user and the "
+                f"password in ${PASSWORD_ENV}")
+    return (f"--registry {e.registry}: etcd requires authentication ({e.said}); pass --registry-user and export "
+            f"its password in ${PASSWORD_ENV}")
 
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> int:
     """A refused flag or file: one line on stderr, exit status 2 (argparse's own, for usage errors)."""
-    print(f"{parser.prog}: error: {_first_line(message, 2000)}", file=sys.stderr)
+    print(f"{parser.prog}: error: {first_line(message, 2000)}", file=sys.stderr)
     return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the flags, check them, and hand them to `teacher_server.serve`; map its errors to an
+    exit status: 2 for a refused flag, file or model, 1 when the server cannot serve (a port)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
+        check_flags(args)
         apply_model_path(args)
-        config = config_from_args(args)
-        registration = registration_from_args(args)
-        run_async(check_registry_access(args))
-    except (SpecError, ValueError, RegistryAccessError) as e:
-        return _refuse(parser, str(e))
-    configure_torch_threads(args.threads or None, config.instances)
-    try:
-        abandoned = run_async(serve(config, registration, args.ready_file))
-    except (ModelLoadError, SpecError) as e:
+        abandoned = api.serve(args.model, **serve_options(args))
+    except RegistryAccessError as e:
+        return _refuse(parser, _registry_refusal(e))
+    except ModelLoadError as e:
         log.error("%s", e)
         return 2
+    except (SpecError, ValueError) as e:
+        return _refuse(parser, str(e))
     except OSError as e:
         log.error("cannot serve: %s", e)
         return 1

@@ -39,7 +39,7 @@ from teacher_server.http_service import HTTPFrontEnd, server_ssl_context
 from teacher_server.instance import ModelInstance
 from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
-from teacher_server.model import LoadedModel, load_model, resolve_device
+from teacher_server.model import LoadedModel, _probe, load_model, resolve_device
 from teacher_server.outputs import OutputDefaults
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
 
@@ -126,6 +126,9 @@ class TeacherServer:
     """
 
     def __init__(self, config: ServerConfig, model: LoadedModel | None = None) -> None:
+        """`model`: None loads `config.model` in start(); a LoadedModel is served as it is, after
+        the same warm-up forward in start() (a model that fails it raises ModelLoadError there and
+        is never served). `teacher_server.prepare()` builds both from one set of options."""
         self.config = config
         self._model = model
         self.device = model.device if model is not None else resolve_device(config.device)
@@ -253,6 +256,13 @@ class TeacherServer:
                     load_model, cfg.model, device=self.device, io=cfg.io, compute_dtype=cfg.compute_dtype,
                     model_args=cfg.model_args,
                 )
+            else:
+                # A model handed in (teacher_server.start/serve, or TeacherServer(config, LoadedModel(...))
+                # built by hand) gets the warm-up load_model gives a loaded one: one forward on zeros
+                # shaped like its inputs, which also infers outputs it does not declare.
+                log.info("warming up %s on %s", cfg.model, self.device)
+                model = self._model
+                model.io = await asyncio.to_thread(_probe, model)
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size) for i in range(cfg.instances)]
             self._batcher = DynamicBatcher(instances, cfg.batching)
             self._batcher.on_batch(self._on_batch)
