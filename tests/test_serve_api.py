@@ -23,11 +23,12 @@ from torch import nn
 import teacher_server
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
-from teacher_server.api import prepare
-from teacher_server.cli import apply_model_path
+from teacher_server.api import prepare, server_config
+from teacher_server.cli import apply_model_path, build_parser, config_from_args
 from teacher_server.launch import TeacherProcess
-from teacher_server.model import ModelLoadError, load_model
-from teacher_server.spec import ModelIO, SpecError
+from teacher_server.model import LoadedModel, ModelLoadError, load_model
+from teacher_server.server import ServerConfig, TeacherServer
+from teacher_server.spec import ModelIO, SpecError, TensorSpec
 from tests.etcd_fixtures import arun, unique_service
 from tests.models import Affine
 from tests.servers import REPO, teacher_process
@@ -194,3 +195,47 @@ def test_pt2_with_a_fixed_batch_says_how_to_export_it(tmp_path: Path) -> None:
     torch.export.save(torch.export.export(Affine(), (torch.zeros(4, 8),), dynamic_shapes={"x": {0: batch}}),
                       str(dynamic))
     assert load_model(str(dynamic), device="cpu", io=Affine.io_spec).io.outputs[0].shape == (4,)
+
+
+def test_a_hand_built_server_warms_its_model_up_before_serving() -> None:
+    """TeacherServer(ServerConfig(...), model=LoadedModel(...)) gets the warm-up a loaded model gets:
+    a model that fails on its declared inputs is refused in start(), and undeclared outputs are
+    inferred before the first request."""
+    cpu = torch.device("cpu")
+
+    async def main() -> np.ndarray:
+        wrong = LoadedModel(nn.Linear(8, 3), ModelIO.parse(["X:FP32:5"]), cpu)  # declared 5, needs 8
+        refused = TeacherServer(ServerConfig(model="<hand-built>", name="lin", port=0), wrong)
+        with pytest.raises(ModelLoadError, match="warm-up batch"):
+            await refused.start()
+        await refused.stop(0)
+        net = nn.Linear(8, 3).eval()
+        server = TeacherServer(ServerConfig(model="<hand-built>", name="lin", port=0),
+                               LoadedModel(net, ModelIO.parse(["X:FP32:8"]), cpu))
+        await server.start()
+        try:
+            assert server.io.outputs == (TensorSpec("OUTPUT0", "FP32", (3,)),), "inferred by the warm-up"
+            x = np.ones((2, 8), dtype=np.float32)
+            return (await asyncio.to_thread(_infer, server.endpoint, x, "lin"))["OUTPUT0"]
+        finally:
+            await server.stop()
+
+    y = arun(main(), 60)
+    assert y.shape == (2, 3)
+
+
+def test_the_cli_builds_the_config_serve_builds() -> None:
+    """`teacher-server FLAGS` and `serve(model, **options)` give one ServerConfig: the CLI only maps
+    flags onto the API's options (no second copy of the defaults or the batching setup)."""
+    flags = ["--model", "tests.models:affine", "--name", "aff", "--version", "3", "--device", "cpu",
+             "--input", "X:FP32:8", "--output", "Y:FP32:4", "--max-batch-size", "32", "--max-queue-delay-us",
+             "900", "--max-queue-size", "64", "--top-k", "2", "--temperature", "2.0", "--http-port", "0",
+             "--drain-grace", "5", "--model-arg", "seed=3", "--port", "0"]
+    from_cli = config_from_args(build_parser().parse_args(flags))
+    from_api = server_config("tests.models:affine", name="aff", version="3", device="cpu", inputs=["X:FP32:8"],
+                             outputs=["Y:FP32:4"], max_batch_size=32, max_queue_delay_us=900, max_queue_size=64,
+                             top_k=2, temperature=2.0, http_port=0, drain_grace_s=5.0, model_args={"seed": 3})
+    assert from_cli == from_api
+    defaults = config_from_args(build_parser().parse_args(["--model", "tests.models:affine", "--device", "cpu"]))
+    assert defaults == server_config("tests.models:affine", device="cpu", port=8001)  # serve()'s port, too
+    assert defaults.instances >= 1 and defaults.batching.max_batch_size == 256
