@@ -19,7 +19,7 @@ NAME="${NAME:-ref_teacher}"
 BATCH="${BATCH:-8}"
 CONCURRENCY="${CONCURRENCY:-4}"
 WINDOW_MS="${WINDOW_MS:-3000}"
-INSTANCES="${INSTANCES:-1}"
+INSTANCES="${INSTANCES:-0}"  # 0: the server's default (one per core on CPU)
 MODES="${MODES:-sync async streaming http}"
 
 # ---- perf_analyzer's private virtualenv (idempotent) ------------------------------------------

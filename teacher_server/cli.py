@@ -4,6 +4,10 @@
 
 SIGTERM or SIGINT drains: health goes NOT_SERVING, new requests get UNAVAILABLE, the registry
 entry is revoked, in-flight requests finish (bounded by --drain-grace), and the process exits 0.
+
+A thin layer over `teacher_server.serve`: this module parses the flags, refuses bad values in the
+flags' own words, and maps each flag onto one of serve()'s keywords; building the config, loading,
+the warm-up, registration and the drain are the API's, so the CLI and Python serving cannot drift.
 """
 
 from __future__ import annotations
