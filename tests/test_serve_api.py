@@ -23,13 +23,13 @@ from torch import nn
 import teacher_server
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
-from teacher_server.api import prepare, server_config
+from teacher_server.api import RegistryAccessError, prepare, server_config
 from teacher_server.cli import apply_model_path, build_parser, config_from_args
 from teacher_server.launch import TeacherProcess
 from teacher_server.model import LoadedModel, ModelLoadError, load_model
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.spec import ModelIO, SpecError, TensorSpec
-from tests.etcd_fixtures import arun, unique_service
+from tests.etcd_fixtures import arun, enable_root_auth, unique_service
 from tests.models import Affine
 from tests.servers import REPO, teacher_process
 
@@ -239,3 +239,23 @@ def test_the_cli_builds_the_config_serve_builds() -> None:
     defaults = config_from_args(build_parser().parse_args(["--model", "tests.models:affine", "--device", "cpu"]))
     assert defaults == server_config("tests.models:affine", device="cpu", port=8001)  # serve()'s port, too
     assert defaults.instances >= 1 and defaults.batching.max_batch_size == 256
+
+
+def test_serve_refuses_credentials_etcd_refuses_before_serving(tmp_path: Path) -> None:
+    """serve() makes the CLI's registry check: a refused etcd user stops it with RegistryAccessError
+    (not a teacher serving unregistered while registration retries forever); the model is never
+    warmed up, let alone served."""
+    warmed: list[int] = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        warmed.append(len(x))
+        return x * 2
+
+    with LocalEtcd(tmp_path / "auth-etcd") as auth_etcd:
+        enable_root_auth(auth_etcd)
+        with pytest.raises(RegistryAccessError, match="refused user root") as e:
+            teacher_server.serve(model, inputs=["X:FP32:4"], port=0, device="cpu", instances=1,
+                                 registry=auth_etcd.address, service=unique_service("auth"),
+                                 registry_options={"username": "root", "password": "wrong"})
+    assert e.value.user == "root" and "authentication failed" in e.value.said
+    assert warmed == [], "refused before the warm-up"
