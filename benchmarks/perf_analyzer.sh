@@ -4,6 +4,7 @@
 #
 #   benchmarks/perf_analyzer.sh                 # RefTeacher (examples.refteacher), batch 8, concurrency 4
 #   BATCH=1 CONCURRENCY=8 WINDOW_MS=5000 benchmarks/perf_analyzer.sh
+#   benchmarks/perf_analyzer.sh --setup         # only install perf_analyzer (the test suite does this)
 #
 # perf_analyzer ships as bin/perf_analyzer in the tritonclient 2.48 wheel. It is installed into its
 # own virtualenv outside the repository (created once, then reused), never into the project's: it
@@ -39,6 +40,10 @@ if ! ldconfig -p | grep -q 'libb64\.so\.0d'; then
     fi
 fi
 PA="$PA_VENV/bin/perf_analyzer"
+if [ "${1:-}" = "--setup" ]; then
+    echo "$PA"
+    exit 0
+fi
 
 # ---- a teacher on free ports, stopped on exit ---------------------------------------------------
 WORK="$(mktemp -d)"

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
-import re
-import subprocess
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -28,7 +23,7 @@ from examples.refteacher import build as build_ref
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
 from tests.models import TwoHeads, affine
-from tests.servers import ServerThread, teacher_process
+from tests.servers import ServerThread
 
 REF = "examples.refteacher:build"
 
@@ -570,44 +565,3 @@ def test_field_bomb_does_not_stall_the_event_loop() -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed ModelInferRequest" in details, (name, details)
     got = torch.frombuffer(bytearray(ok.raw_output_contents[0]), dtype=torch.float32).reshape(2, 4)
     assert torch.allclose(got, affine()(torch.from_numpy(x)).detach(), atol=1e-5)
-
-
-# ---- Triton's perf_analyzer (issue #12) ------------------------------------------------------------
-PA_VENV = Path(os.environ.get("PA_VENV", Path.home() / ".cache" / "distill-mesh" / "perf-analyzer-venv"))
-PERF_ANALYZER = PA_VENV / "bin" / "perf_analyzer"
-
-
-def _perf_analyzer_env() -> dict[str, str] | None:
-    """perf_analyzer's environment (the CUDA runtime wheel on LD_LIBRARY_PATH); None when it is not
-    installed (benchmarks/perf_analyzer.sh installs it, outside the project's virtualenv)."""
-    cudart = sorted(PA_VENV.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"))
-    if not PERF_ANALYZER.exists() or not cudart:
-        return None
-    return {**os.environ, "LD_LIBRARY_PATH": str(cudart[0])}
-
-
-@pytest.fixture(scope="module")
-def affine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1",
-            "--port", "0", "--http-port", "0"]
-    with teacher_process(args, tmp_path_factory.mktemp("perf-analyzer")) as (_proc, info):
-        yield info
-
-
-@pytest.mark.skipif(_perf_analyzer_env() is None,
-                    reason=f"perf_analyzer not installed in {PA_VENV}: run benchmarks/perf_analyzer.sh once")
-@pytest.mark.parametrize("mode", ["sync", "async", "streaming", "http"])
-def test_perf_analyzer_measures_the_teacher(mode: str, affine_process: dict[str, Any]) -> None:
-    """Every perf_analyzer mode gets through its metadata, config and statistics reads and its
-    inferences against a real teacher-server process, and reports a throughput."""
-    url = f"127.0.0.1:{affine_process['http_port']}" if mode == "http" else affine_process["endpoint"]
-    flags = {"sync": ["-i", "grpc"], "async": ["-i", "grpc", "-a"], "streaming": ["-i", "grpc", "--streaming"],
-             "http": ["-i", "http"]}[mode]
-    run = subprocess.run(
-        [str(PERF_ANALYZER), "-m", "affine", "-u", url, *flags, "-b", "4", "--measurement-mode", "count_windows",
-         "--measurement-request-count", "30", "-s", "1000", "--max-trials", "3"],
-        capture_output=True, text=True, timeout=120, check=False, env=_perf_analyzer_env())
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
-    assert re.search(r"Throughput: [0-9.]+ infer/sec", out), out
-    assert "Successful request count" in out, out
