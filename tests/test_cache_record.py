@@ -17,10 +17,12 @@ import torch
 
 pytest.importorskip("pyarrow")
 
+from discovery.local_etcd import LocalEtcd
 from distill import DistillReader
 from distill.cache import LoaderContractError, TeacherOutputStore, record
 from distill.cache.recording import loader_from_module
 from protos.kserve import service_pb2, service_pb2_grpc
+from tests.etcd_fixtures import unique_service
 from tests.faults.helpers import assert_delivered_once_in_order
 from tests.models import Affine
 from tests.servers import REPO, teacher_process
@@ -85,8 +87,8 @@ def _env(tmp_path: Path) -> dict[str, str]:
             "HOME": os.environ.get("HOME", str(tmp_path))}
 
 
-def _record_cmd(teacher: str, cache: Path, tail: list[str]) -> list[str]:
-    return [sys.executable, "-m", "distill.cli", "record", "--teachers", teacher, "--cache", str(cache),
+def _record_cmd(teacher: str, cache: Path, tail: list[str], where: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "distill.cli", "record", *(where or ["--teachers", teacher]), "--cache", str(cache),
             "--inputs", "X", "--outputs", "Y", "--key", "index", "--no-progress", *tail]
 
 
@@ -212,3 +214,19 @@ def test_the_python_entry_point_records_and_resumes(teacher: str, tmp_path: Path
     assert (second.samples, second.new_samples, second.already_stored) == (60, 20, 40)
     assert _inference_count(teacher) - before == 20
     _check_store(cache, 6)
+
+
+def test_record_finds_its_teachers_in_the_registry(tmp_path: Path) -> None:
+    """The issue's form: distill record --registry ... --service ... --cache PATH -- python -m MODULE."""
+    (tmp_path / "kd_data.py").write_text(DATA_MODULE)
+    service = unique_service("record")
+    cache = tmp_path / "kd"
+    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1"]
+    with LocalEtcd() as etcd, teacher_process([*args, "--registry", etcd.address, "--service", service],
+                                              tmp_path) as (_, info):
+        where = ["--registry", etcd.address, "--service", service]
+        done = _run(_record_cmd("", cache, ["--", "python", "-m", "kd_data", "--batches", "3"], where), tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "recorded 30 new samples" in done.stdout, done.stdout
+        assert _inference_count(f"127.0.0.1:{info['port']}") == 30
+    _check_store(cache, 3)
