@@ -375,6 +375,7 @@ def test_per_position_outputs_of_other_lengths_merge_into_the_batchs_padded_shap
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == n // 2
         assert store.output_specs["LOGITS_TOPK_VALUES"].variable, "per-position outputs were stored padded"
+        assert store.output_specs["LOGITS_TOPK_INDICES"].dtype == "int16", "ids of a 50-token vocabulary"
 
     shuffled = [5, 0, 7, 2, 9, 4, 11, 6, 1, 8, 3, 10]  # batches mixing stored and new samples, other widths
     data = _seq_batches(shuffled, rows=4)

@@ -28,6 +28,7 @@ import torch
 
 from distill.batches import FieldArray
 from distill.cache.errors import CacheError, NamespaceMismatchError, SchemaMismatchError, StoreNotFoundError
+from distill.cache.format import id_dtype
 from distill.cache.namespace import Namespace
 from distill.cache.store import TeacherOutputStore
 from distill.cache.values import Ragged
@@ -183,7 +184,8 @@ class ReaderCache:
 
     def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, *, queue_batches: int = 64,
                  create: tuple[str, Namespace] | None = None, variable: frozenset[str] = frozenset(),
-                 seq_inputs: tuple[str, ...] | None = None) -> None:
+                 seq_inputs: tuple[str, ...] | None = None, id_dtypes: Mapping[str, torch.dtype] | None = None
+                 ) -> None:
         if mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
         if (store is None) == (create is None):
@@ -198,6 +200,7 @@ class ReaderCache:
         # answered at; and the inputs whose padded width is the batch's T (None: any 2-D+ input).
         self.variable = variable
         self.seq_inputs = seq_inputs
+        self.id_dtypes = dict(id_dtypes or {})  # top-k ids stored narrower than the teacher's int32
         self.hit_samples = 0  # counters for reader.stats(), written by the loader thread
         self.miss_samples = 0
         self.refresh_s = 1.0  # list the store's shards at most this often while reading
@@ -234,12 +237,14 @@ class ReaderCache:
         if meta is not None:
             ns = reader_namespace(options, meta)
             variable, seq_inputs = _per_position(ns, meta)
+            ids = _id_dtypes(ns, meta)
             key_type = _key_type_of(path)
             if key_type is None and mode != "read":
-                return cls(None, mode, key, create=(path, ns), variable=variable, seq_inputs=seq_inputs)
+                return cls(None, mode, key, create=(path, ns), variable=variable, seq_inputs=seq_inputs,
+                           id_dtypes=ids)
             store = TeacherOutputStore.open(path, ns, mode="r" if mode == "read" else "a",
                                             key_type=key_type or "int64")
-            return cls(store, mode, key, variable=variable, seq_inputs=seq_inputs)
+            return cls(store, mode, key, variable=variable, seq_inputs=seq_inputs, id_dtypes=ids)
         else:
             try:
                 store = TeacherOutputStore.open(path, mode="r")
@@ -280,9 +285,12 @@ class ReaderCache:
             for name, value in found.outputs.items():
                 if isinstance(value, Ragged):
                     padded = value.padded()
-                    outputs[name] = padded if width is None else fit_width(padded, width)
+                    t = padded if width is None else fit_width(padded, width)
                 else:
-                    outputs[name] = value
+                    t = value
+                if name.endswith(_IDS) and t.dtype in (torch.int16, torch.uint16):
+                    t = t.to(torch.int32)  # stored narrow (id_dtype): the teacher's dtype again
+                outputs[name] = t
         return CachedRows(keys, found.hit, outputs, frozenset(variable))
 
     def _width(self, fields: Mapping[str, FieldArray]) -> int | None:
@@ -363,7 +371,22 @@ class ReaderCache:
         with self._sealed:
             return self._sealed.wait_for(lambda: self._seals_done >= asked or self._thread is None, timeout)
 
+    def _narrowed(self, outputs: Mapping[str, Any], narrow: Mapping[str, torch.dtype]) -> dict[str, Any]:
+        """Top-k ids in the smallest dtype their vocabulary fits (on the writer thread, off the loop)."""
+        out = dict(outputs)
+        for name, dtype in narrow.items():
+            value = out.get(name)
+            if isinstance(value, Ragged):
+                out[name] = Ragged(value.values.to(dtype), value.lengths)
+            elif isinstance(value, torch.Tensor):
+                out[name] = value.to(dtype)
+        return out
+
     def _write_loop(self) -> None:
+        # Narrow ids only where the store holds none yet, or holds them narrow already: a store
+        # recorded with int32 ids keeps them (appends must match its schema).
+        stored = self.store.output_specs
+        narrow = {n: d for n, d in self.id_dtypes.items() if n not in stored or stored[n].torch_dtype == d}
         try:
             with self.store.writer() as writer:
                 while True:
@@ -379,7 +402,7 @@ class ReaderCache:
                         continue
                     keys, outputs = item
                     try:
-                        writer.append(keys, outputs)
+                        writer.append(keys, self._narrowed(outputs, narrow) if narrow else outputs)
                         self.written_samples += len(keys)
                     except CacheError as e:  # e.g. outputs whose shape changed: stop storing, keep training
                         self.write_error = e
@@ -430,6 +453,26 @@ def _per_position(ns: Namespace, meta: TeacherMetadata) -> tuple[frozenset[str],
             if out is not None and out.shape[:1] == (-1,):
                 variable.add(stored)
     return frozenset(variable), seq_inputs
+
+
+_IDS = "_TOPK_INDICES"
+
+
+def _id_dtypes(ns: Namespace, meta: TeacherMetadata) -> dict[str, torch.dtype]:
+    """The stored dtype of each top-k ids output whose vocabulary (the last dimension of the
+    teacher's full output) fits int16 or uint16: 2 bytes an id instead of the 4 the teacher sends,
+    a third of a top-k store. Read back as int32, so stored and live ids look alike."""
+    if ns.top_k is None:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name in ns.outputs:
+        stored = name if name.endswith(_IDS) else f"{name}{_IDS}"
+        full = meta.outputs.get(stored[: -len(_IDS)])
+        if full is not None and full.shape and full.shape[-1] > 0:
+            dtype = id_dtype(full.shape[-1])
+            if dtype in (torch.int16, torch.uint16):
+                out[stored] = dtype
+    return out
 
 
 def _key_type_of(path: str) -> Any:
