@@ -201,6 +201,7 @@ class ReaderCache:
         self.variable = variable
         self.seq_inputs = seq_inputs
         self.id_dtypes = dict(id_dtypes or {})  # top-k ids stored narrower than the teacher's int32
+        self._variable_all: frozenset[str] | None = None
         self.hit_samples = 0  # counters for reader.stats(), written by the loader thread
         self.miss_samples = 0
         self.refresh_s = 1.0  # list the store's shards at most this often while reading
@@ -280,7 +281,7 @@ class ReaderCache:
             self._refreshed = now
         found = self.store.lookup(keys)
         outputs: dict[str, torch.Tensor] = {}
-        variable = self.variable | {n for n, spec in self.store.output_specs.items() if spec.variable}
+        variable = self._variable_stored()
         if found.n_hits:
             for name, value in found.outputs.items():
                 if isinstance(value, Ragged):
@@ -292,6 +293,16 @@ class ReaderCache:
                     t = t.to(torch.int32)  # stored narrow (id_dtype): the teacher's dtype again
                 outputs[name] = t
         return CachedRows(keys, found.hit, outputs, frozenset(variable))
+
+    def _variable_stored(self) -> frozenset[str]:
+        """Per-position outputs: the teacher's, and those the store holds ragged (known once a shard is read)."""
+        if self._variable_all is None:
+            specs = self.store.output_specs
+            stored = frozenset(n for n, spec in specs.items() if spec.variable)
+            if not specs:
+                return self.variable | stored
+            self._variable_all = self.variable | stored
+        return self._variable_all
 
     def _width(self, fields: Mapping[str, FieldArray]) -> int | None:
         """The batch's padded length: the second dimension its sequence inputs share (None: no such
@@ -311,7 +322,9 @@ class ReaderCache:
         hits = int(cached.hit.sum())
         self.hit_samples += hits
         self.miss_samples += size - hits
-        if hits:
+        if hits == size:
+            fields = {}  # nothing goes to a teacher
+        elif hits:
             miss = cached.miss_indices
             fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype) for n, f in fields.items()}
         return fields, cached
