@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from distill.cache.errors import SchemaMismatchError
 from distill.errors import BatchRejectedError
 from distill.teacher_client import MalformedAnswerError
 from protos.kserve import DATATYPES, datatype_of
@@ -301,14 +300,7 @@ class Delivery:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)
                 if rows is not None:  # a partial hit: the stored rows go in their places in the batch
                     assert cached is not None
-                    stored = cached.outputs.get(name)
-                    if stored is None or stored.shape[1:] != value.shape[1:] or stored.dtype != value.dtype:
-                        raise SchemaMismatchError(
-                            f"output {name!r} came from the teacher as {value.dtype} {list(value.shape[1:])} per "
-                            f"sample; the teacher-output store holds "
-                            f"{None if stored is None else (stored.dtype, list(stored.shape[1:]))}: the teacher "
-                            "changed without its name or version changing; use another cache path")
-                    buf[torch.from_numpy(cached.hit_indices)] = stored
+                    buf[torch.from_numpy(cached.hit_indices)] = cached.fit(name, value)
                 dest[name] = buf
             if rows is None:
                 buf[chunk.start:chunk.stop].copy_(value)

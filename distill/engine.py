@@ -44,6 +44,7 @@ import grpc
 
 from discovery import Registry, open_registry
 from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
+from distill.cache.errors import require_store
 from distill.liveness import CallWatch
 from distill.pool import Connect, TeacherPool
 from distill.router import TeacherState
@@ -141,6 +142,9 @@ class Engine:
     async def start(self) -> None:
         """Find teachers, check they serve what was asked, start dispatching; raises on mismatch."""
         opts = self.opts
+        if opts.cache is not None and opts.cache_mode == "read":  # nothing to read: say so before finding teachers
+            await self._loader.submit(asyncio.get_running_loop(), functools.partial(
+                require_store, os.fspath(opts.cache)))
         for svc in self._services.values():
             registry = self._registry_for(svc.name)
             # Membership only: routing uses the reader's own latency figures, and a drain shows as the
@@ -482,7 +486,8 @@ class Engine:
     def stats(self) -> ReaderStats:
         return reader_stats(self._meter, {s: svc.router for s, svc in self._services.items()},
                             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
-                            rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections)
+                            rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
+                            **(self.cache.counters() if self.cache is not None else {}))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """An owned task on the data path (reading, dispatch, a chunk), cancelled on close; its

@@ -37,6 +37,11 @@ class ReaderStats:
     teachers: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     rejected_batches: int = 0  # batches the teachers refused (BatchRejectedError, or hard labels)
     hung_ejections: int = 0  # teachers ejected because a chunk was late and a readiness probe failed
+    # With a teacher-output store (cache=PATH): samples its lookups found (served without a teacher),
+    # samples it lacked (sent to a teacher when there is one), and teacher samples written to it.
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_written: int = 0
 
 
 class ConsumptionMeter:

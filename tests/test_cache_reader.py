@@ -14,10 +14,11 @@ import torch
 pytest.importorskip("pyarrow")
 
 from distill import DistillReader, add_distill_args
-from distill.cache import NamespaceMismatchError, TeacherOutputStore
+from distill.cache import NamespaceMismatchError, StoreNotFoundError, TeacherOutputStore
 from distill.cache.reader_side import CacheMissError
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ServerConfig
+from tests import seq_models
 from tests.faults.helpers import assert_delivered_once_in_order
 from tests.models import Affine
 from tests.servers import REPO, ServerThread
@@ -144,6 +145,29 @@ def test_partial_hit_sends_only_the_missing_samples(teacher: ServerThread, tmp_p
         assert len(store) == len(data) * ROWS, "the teacher's rows were not written back"
 
 
+def test_stats_count_hits_misses_and_written_samples(teacher: ServerThread, tmp_path: Path) -> None:
+    data = _batches(4)
+    cache = tmp_path / "kd"
+    evens = [{k: v[::2] for k, v in b.items()} for b in data]
+    with _reader(evens, teacher, cache, "write") as reader:
+        _epoch(reader, len(evens))
+        assert reader._engine is not None and reader._engine.cache is not None
+        assert reader._engine.cache.wait_sealed(30), "the pass's shard was not sealed"
+        stats = reader.stats()
+    assert (stats.cache_hits, stats.cache_misses, stats.cache_written) == (0, 4 * ROWS // 2, 4 * ROWS // 2)
+
+    with _reader(data, teacher, cache, "read_write") as reader:
+        _epoch(reader, len(data))
+        assert reader._engine is not None and reader._engine.cache is not None
+        assert reader._engine.cache.wait_sealed(30), "the pass's shard was not sealed"
+        stats = reader.stats()
+        assert (stats.cache_hits, stats.cache_misses, stats.cache_written) == (4 * ROWS // 2,) * 3
+        _epoch(reader, len(data))  # the second pass: every sample is stored now
+        stats = reader.stats()
+    assert (stats.cache_hits, stats.cache_misses, stats.cache_written) == (4 * ROWS * 3 // 2, 4 * ROWS // 2,
+                                                                           4 * ROWS // 2)
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 def test_stored_batches_overtaking_teacher_batches_keep_exactly_once_delivery(
         teacher: ServerThread, tmp_path: Path, ordered: bool) -> None:
@@ -200,6 +224,18 @@ def test_read_mode_with_a_teacher_asks_it_for_misses_and_stores_nothing(
     assert _inference_count(teacher.url) - before == 2 * ROWS
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == ROWS
+
+
+def test_read_mode_with_teachers_and_no_store_fails_at_start(tmp_path: Path) -> None:
+    """Nothing listens at the teacher's address: a reader that waited for a teacher before looking
+    for the store would fail with NoTeacherError after no_teacher_timeout instead."""
+    reader = DistillReader(_batches(1), teachers="127.0.0.1:1", inputs=["X"], cache=str(tmp_path / "none"),
+                           cache_mode="read", key="index", no_teacher_timeout=120.0)
+    with pytest.raises(StoreNotFoundError, match=r"no teacher-output store at .*record it first") as err:
+        reader.start()
+    assert "read_write" in str(err.value)
+    reader.close()
+    assert not (tmp_path / "none").exists(), "a read-only reader made a store"
 
 
 def test_a_store_of_other_settings_is_refused(teacher: ServerThread, tmp_path: Path) -> None:
@@ -278,3 +314,80 @@ def test_record_fills_the_store_and_resumes(teacher: ServerThread, tmp_path: Pat
     data = _batches(5)
     with _reader(data, None, cache, "read") as reader:  # what record stored is what the teacher computes
         _epoch(reader, 5)
+
+
+# ---- per-position outputs of a sequence teacher, padded per batch -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seq_teacher() -> Iterator[ServerThread]:
+    cfg = ServerConfig(model="tests.seq_models:causal_conv_lm", name="seq", device="cpu", instances=1,
+                       batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000))
+    with ServerThread(cfg) as srv:
+        yield srv
+
+
+SEQ_LENGTHS = [3, 11, 5, 8, 2, 12, 7, 4, 9, 6, 10, 5]
+
+
+def _seq_batches(order: list[int], rows: int) -> list[dict[str, torch.Tensor]]:
+    """Samples `order` in batches of `rows`, each right-padded to its batch's longest sample."""
+    out = []
+    for start in range(0, len(order), rows):
+        idx = order[start:start + rows]
+        width = max(SEQ_LENGTHS[i] for i in idx)
+        tokens = torch.zeros((len(idx), width), dtype=torch.int64)
+        mask = torch.zeros((len(idx), width), dtype=torch.int64)
+        for r, i in enumerate(idx):
+            g = torch.Generator().manual_seed(100 + i)
+            tokens[r, :SEQ_LENGTHS[i]] = torch.randint(1, seq_models.VOCAB, (SEQ_LENGTHS[i],), generator=g)
+            mask[r, :SEQ_LENGTHS[i]] = 1
+        out.append({"TOKENS": tokens, "MASK": mask, "index": torch.tensor(idx)})
+    return out
+
+
+def _seq_pass(data: list[dict[str, torch.Tensor]], url: str, **kw: object) -> list[dict[str, torch.Tensor]]:
+    with DistillReader(data, teachers=url, inputs=["TOKENS", "MASK"], outputs=["LOGITS"], top_k=5,
+                       no_teacher_timeout=5.0, **kw) as reader:
+        got = [(batch, out) for batch, out in reader]
+    assert [b["index"].tolist() for b, _ in got] == [b["index"].tolist() for b in data]
+    return [out for _, out in got]
+
+
+def _same_on_real_positions(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                            batch: dict[str, torch.Tensor]) -> None:
+    real = batch["MASK"].bool()
+    for name in ("LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES"):
+        assert got[name].shape == want[name].shape, f"{name}: {list(got[name].shape)} != {list(want[name].shape)}"
+        assert got[name].dtype == want[name].dtype
+        assert torch.allclose(got[name][real].double(), want[name][real].double(), atol=1e-5), name
+
+
+def test_per_position_outputs_of_other_lengths_merge_into_the_batchs_padded_shape(
+        seq_teacher: ServerThread, tmp_path: Path) -> None:
+    """Samples stored from batches of one padded width come back in batches of another: a partial
+    hit merges stored rows of several lengths with the teacher's padded answer, and a full hit
+    yields the batch's own width; on every real position both equal a reader without a store."""
+    cache = tmp_path / "kd"
+    n = len(SEQ_LENGTHS)
+    recorded = _seq_batches(list(range(0, n, 2)), rows=3)  # the even samples, widths of their batches
+    _seq_pass(recorded, seq_teacher.url, cache=str(cache), cache_mode="write", key="index")
+    with TeacherOutputStore.open(cache) as store:
+        assert len(store) == n // 2
+        assert store.output_specs["LOGITS_TOPK_VALUES"].variable, "per-position outputs were stored padded"
+        assert store.output_specs["LOGITS_TOPK_INDICES"].dtype == "int16", "ids of a 50-token vocabulary"
+
+    shuffled = [5, 0, 7, 2, 9, 4, 11, 6, 1, 8, 3, 10]  # batches mixing stored and new samples, other widths
+    data = _seq_batches(shuffled, rows=4)
+    plain = _seq_pass(data, seq_teacher.url)
+    merged = _seq_pass(data, seq_teacher.url, cache=str(cache), cache_mode="read_write", key="index")
+    for got, want, batch in zip(merged, plain, data, strict=True):
+        _same_on_real_positions(got, want, batch)
+    with TeacherOutputStore.open(cache) as store:
+        assert len(store) == n, "the teacher's rows were not written back"
+
+    regrouped = _seq_batches(list(range(n)), rows=6)  # every sample stored: full hits, new widths
+    plain = _seq_pass(regrouped, seq_teacher.url)
+    stored = _seq_pass(regrouped, seq_teacher.url, cache=str(cache), cache_mode="read", key="index")
+    for got, want, batch in zip(stored, plain, regrouped, strict=True):
+        _same_on_real_positions(got, want, batch)

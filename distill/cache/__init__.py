@@ -14,6 +14,9 @@ outputs of different teachers or settings never mix::
     found = TeacherOutputStore.open("/data/kd-cache", ns).lookup(batch["index"])
     found.hit, found.outputs["VALUES"]      # mask, and the hits' outputs as torch tensors
 
+    from distill.cache import record        # fill a store from a loader through the teachers (resumable)
+    record(loader, cache="/data/kd-cache", teachers="10.0.0.7:8001", inputs=["X"], key="index")
+
 Shards are Arrow IPC files, memory-mapped on read (see docs/cache.md). ``pyarrow`` comes with the
 ``cache`` extra: ``pip install 'distill-mesh[cache]'``.
 """
@@ -41,6 +44,9 @@ _EXPORTS = {
     "TeacherOutputStore": "distill.cache.store",
     "UnsealedFile": "distill.cache.values",
     "id_dtype": "distill.cache.format",
+    "LoaderContractError": "distill.cache.recording",
+    "RecordResult": "distill.cache.recording",
+    "record": "distill.cache.recording",
 }
 
 if TYPE_CHECKING:
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
     from distill.cache.format import OutputSpec, id_dtype
     from distill.cache.namespace import Namespace
     from distill.cache.reader_side import CacheMissError
+    from distill.cache.recording import LoaderContractError, RecordResult, record
     from distill.cache.store import TeacherOutputStore
     from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile
     from distill.cache.writer import ShardWriter
@@ -78,11 +85,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CacheError",
     "CacheMissError",
+    "LoaderContractError",
     "Lookup",
     "Namespace",
     "NamespaceMismatchError",
     "OutputSpec",
     "Ragged",
+    "RecordResult",
     "SchemaMismatchError",
     "ShardWriter",
     "StoreClosedError",
@@ -91,4 +100,5 @@ __all__ = [
     "TeacherOutputStore",
     "UnsealedFile",
     "id_dtype",
+    "record",
 ]

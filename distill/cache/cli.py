@@ -4,6 +4,7 @@
     distill cache info PATH --json     # the same as JSON, for scripts
     distill cache info PATH --remove-torn   # also delete shards torn by writers that died on this host
     distill record --teachers HOST:PORT --cache PATH --loader my_data:loader --inputs X --key index
+    distill record --registry etcd://HOST:2379 --service NAME --cache PATH --inputs X -- python -m my_data [ARGS]
                                        # fill a store from a loader at full teacher throughput (resumable)
 
 This module imports pyarrow and torch only when a subcommand runs, so ``distill --help`` and
@@ -45,9 +46,12 @@ _RECORD_DESCRIPTION = (
     "Drive a loader through the teachers and store their outputs, keyed by each sample's key, so that training "
     "runs read them instead of asking a teacher (DistillReader(..., cache=PATH)). Resumable: batches whose "
     "samples are all stored are skipped, and of the others only the missing samples go to a teacher. "
-    "--loader names a Python callable, module:function, that returns the loader (an iterable of batches); "
-    "its batches are dicts (or tuples) holding the teacher inputs and the key field. The store's namespace is "
-    "the teacher's model name and version and the output settings given here: train with the same settings."
+    "The loader is either --loader MODULE:FUNCTION, a callable returning it, or, after --, `python -m MODULE "
+    "[ARGS...]`: MODULE is imported in this process with sys.argv = [MODULE, *ARGS] (its __main__ block does not "
+    "run) and must define loader(), a function of no arguments returning the iterable of batches. Batches are "
+    "dicts (or tuples) holding the teacher inputs and the key field. The store's namespace is the teacher's "
+    "model name and version and the output settings given here: train with the same settings. Python code can "
+    "call distill.cache.record(loader, cache=..., teachers=... or registry=..., inputs=..., key=...) instead."
 )
 
 
@@ -58,8 +62,8 @@ def add_record_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     where.add_argument("--registry", metavar="etcd://HOST:2379", help="find teachers in this registry")
     p.add_argument("--service", metavar="NAME", help="the service the teachers register under (with --registry)")
     p.add_argument("--cache", required=True, metavar="PATH", help="the store's directory (created if needed)")
-    p.add_argument("--loader", required=True, metavar="MODULE:FUNCTION",
-                   help="a callable returning the loader, e.g. my_dataset:train_loader")
+    p.add_argument("--loader", metavar="MODULE:FUNCTION",
+                   help="a callable returning the loader, e.g. my_dataset:train_loader (or: -- python -m MODULE)")
     p.add_argument("--key", default="index", metavar="FIELD",
                    help="the batch field holding each sample's key (a dict key, or a tuple position as a "
                    "number) (default: %(default)s)")
@@ -73,6 +77,8 @@ def add_record_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=16, help="batches in flight (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("loader_command", nargs=argparse.REMAINDER, metavar="-- python -m MODULE [ARGS...]",
+                   help="a module whose loader() returns the loader, imported with sys.argv = [MODULE, *ARGS]")
     return p
 
 
@@ -81,77 +87,33 @@ def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
     return add_record_arguments(subparsers.add_parser("record", help=_RECORD_HELP, description=_RECORD_DESCRIPTION))
 
 
-def _load_callable(spec: str) -> Any:
-    import importlib
-
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"--loader {spec!r}: expected MODULE:FUNCTION, e.g. my_dataset:train_loader")
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    return fn() if callable(fn) else fn
-
-
-def _stored(path: str) -> int:
-    from distill.cache.errors import StoreNotFoundError
-    from distill.cache.store import TeacherOutputStore
-
-    try:
-        with TeacherOutputStore.open(path, mode="r") as store:
-            return len(store)
-    except StoreNotFoundError:
-        return 0
-
-
 def record(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
-    """Run ``distill record``: the loader through a DistillReader in ``read_write`` mode, so stored
-    samples are skipped and the rest are asked of the teachers and stored. Returns the exit status."""
-    import time
-
+    """Run ``distill record`` (:func:`distill.cache.recording.record` on the loader the flags name).
+    Returns the exit status: 1 with a message on stderr when the loader or the teachers fail."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
+    from distill.cache.recording import loader_from_callable, loader_from_module
+    from distill.cache.recording import record as run_record
     from distill.errors import DistillError
-    from distill.reader import DistillReader
 
+    command = args.loader_command[1:] if args.loader_command[:1] == ["--"] else args.loader_command
+    if bool(args.loader) == bool(command):
+        print("distill record: name the loader once: --loader MODULE:FUNCTION, or -- python -m MODULE [ARGS...] "
+              "at the end", file=err)
+        return 2
     key: str | int = int(args.key) if args.key.lstrip("-").isdigit() else args.key
     try:
-        loader = _load_callable(args.loader)
-        before = _stored(args.cache)
-        reader = DistillReader(
-            loader, teachers=args.teachers, registry=args.registry, service=args.service,
-            inputs=args.inputs.split(","), outputs=args.outputs.split(",") if args.outputs else None,
+        loader = loader_from_callable(args.loader) if args.loader else loader_from_module(command)
+        result = run_record(
+            loader, cache=args.cache, teachers=args.teachers, registry=args.registry, service=args.service,
+            inputs=args.inputs.split(","), outputs=args.outputs.split(",") if args.outputs else None, key=key,
             model=args.model, model_version=args.model_version, top_k=args.top_k, output_dtype=args.output_dtype,
-            prefetch=args.prefetch, timeout=args.timeout, cache=args.cache, cache_mode="read_write", key=key,
-        )
+            prefetch=args.prefetch, timeout=args.timeout, progress=not args.no_progress, progress_file=err)
     except (ValueError, TypeError, ImportError, AttributeError, DistillError) as e:
         print(f"distill record: {e}", file=err)
         return 1
-    from tqdm import tqdm
-
-    total = len(loader) if hasattr(loader, "__len__") else None
-    started = time.perf_counter()
-    samples = 0
-    try:
-        with reader, tqdm(total=total, unit="batch", disable=args.no_progress, file=err) as bar:
-            for batch, _ in reader:
-                samples += len(_keys_of(batch, key))
-                bar.update(1)
-    except DistillError as e:
-        print(f"distill record: {e}", file=err)
-        return 1
-    elapsed = time.perf_counter() - started
-    after = _stored(args.cache)
-    print(f"recorded {after - before:,} new samples ({samples - (after - before):,} of {samples:,} already "
-          f"stored) into {args.cache} in {elapsed:.1f} s: {samples / max(elapsed, 1e-9):,.1f} samples/s; the store "
-          f"holds {after:,}", file=out)
+    print(result.summary(args.cache), file=out)
     return 0
-
-
-def _keys_of(batch: Any, key: str | int) -> Any:
-    from distill.cache.reader_side import batch_keys
-
-    return batch_keys(batch, key)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from distill.errors import DistillError
 
 
@@ -31,3 +33,17 @@ class SchemaMismatchError(CacheError):
 
 class StoreClosedError(CacheError):
     """The store or writer was used after ``close()``."""
+
+
+def require_store(path: str) -> None:
+    """Raise :class:`StoreNotFoundError` unless ``path`` holds a store (its ``store.json``).
+
+    A reader in ``cache_mode="read"`` never writes, so without a store every sample would go to a
+    teacher and nothing would be kept: that is a wrong path or a forgotten recording, and it is
+    said at start rather than found out as a slow epoch. Blocking (a stat): call it off the event loop.
+    """
+    if not os.path.isfile(os.path.join(path, "store.json")):
+        raise StoreNotFoundError(
+            f"no teacher-output store at {path} (no store.json), and cache_mode='read' only reads one: record it "
+            "first (`distill record --cache PATH ...`), or, with teachers, use cache_mode='read_write' to fill it "
+            "while training; or fix the path")

@@ -27,9 +27,11 @@ import numpy as np
 import torch
 
 from distill.batches import FieldArray
-from distill.cache.errors import CacheError, NamespaceMismatchError, StoreNotFoundError
+from distill.cache.errors import CacheError, NamespaceMismatchError, SchemaMismatchError, StoreNotFoundError
+from distill.cache.format import id_dtype
 from distill.cache.namespace import Namespace
 from distill.cache.store import TeacherOutputStore
+from distill.cache.values import Ragged
 from distill.reader import CACHE_MODES
 
 if TYPE_CHECKING:
@@ -108,13 +110,33 @@ def batch_keys(batch: Any, key: str | int) -> Any:
     return list(value)
 
 
+def fit_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-position output ``[n, S, ...]`` at the batch's padded width: cut to ``width`` when
+    it was stored wider, padded with zeros when narrower. Stored rows hold every real position of
+    their sample (a sample's tokens all fit in any batch it comes in), so only padding changes."""
+    stored = t.shape[1]
+    if stored == width:
+        return t
+    if stored > width:
+        return t[:, :width].contiguous()
+    out = torch.zeros((t.shape[0], width, *t.shape[2:]), dtype=t.dtype)
+    out[:, :stored] = t
+    return out
+
+
 @dataclass
 class CachedRows:
-    """What the store had for one batch: its keys, the hit mask, and the hits' outputs."""
+    """What the store had for one batch: its keys, the hit mask, and the hits' outputs.
+
+    ``variable`` names the per-position outputs (``[T, ...]`` per sample): their stored rows are
+    already at the batch's padded width when the inputs tell it, and are fitted to the teacher's
+    width on a partial hit (:meth:`fit`).
+    """
 
     keys: Any
     hit: np.ndarray
     outputs: dict[str, torch.Tensor]
+    variable: frozenset[str] = frozenset()
 
     @property
     def all_hit(self) -> bool:
@@ -138,6 +160,20 @@ class CachedRows:
             return self.keys[miss]
         return [self.keys[i] for i in miss]
 
+    def fit(self, name: str, answer: torch.Tensor) -> torch.Tensor:
+        """The stored rows of output ``name`` shaped like the teacher's ``answer`` for the other rows
+        of the batch, to be merged with it; SchemaMismatchError when they cannot be (the teacher
+        changed without its name or version changing)."""
+        stored = self.outputs.get(name)
+        if stored is not None and name in self.variable and stored.ndim == answer.ndim >= 2:
+            stored = fit_width(stored, answer.shape[1])
+        if stored is None or stored.shape[1:] != answer.shape[1:] or stored.dtype != answer.dtype:
+            raise SchemaMismatchError(
+                f"output {name!r} came from the teacher as {answer.dtype} {list(answer.shape[1:])} per sample; the "
+                f"teacher-output store holds {None if stored is None else (stored.dtype, list(stored.shape[1:]))}: "
+                "the teacher changed without its name or version changing; use another cache path")
+        return stored
+
 
 _STOP = object()
 _SEAL = object()
@@ -146,8 +182,10 @@ _SEAL = object()
 class ReaderCache:
     """The store, opened for one reader, and its writer thread (see the module docstring)."""
 
-    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, queue_batches: int = 64,
-                 create: tuple[str, Namespace] | None = None) -> None:
+    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, *, queue_batches: int = 64,
+                 create: tuple[str, Namespace] | None = None, variable: frozenset[str] = frozenset(),
+                 seq_inputs: tuple[str, ...] | None = None, id_dtypes: Mapping[str, torch.dtype] | None = None
+                 ) -> None:
         if mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {mode!r}")
         if (store is None) == (create is None):
@@ -158,6 +196,14 @@ class ReaderCache:
         self.mode = mode
         self.key = key
         self.dropped_batches = 0
+        # Per-position outputs (the teacher's [T, ...] per sample), stored ragged at the width they were
+        # answered at; and the inputs whose padded width is the batch's T (None: any 2-D+ input).
+        self.variable = variable
+        self.seq_inputs = seq_inputs
+        self.id_dtypes = dict(id_dtypes or {})  # top-k ids stored narrower than the teacher's int32
+        self._variable_all: frozenset[str] | None = None
+        self.hit_samples = 0  # counters for reader.stats(), written by the loader thread
+        self.miss_samples = 0
         self.refresh_s = 1.0  # list the store's shards at most this often while reading
         self._refreshed = time.monotonic()
         self._stale = threading.Event()  # our writer sealed a shard: read it at the next lookup
@@ -191,11 +237,15 @@ class ReaderCache:
         key: str | int = options.key
         if meta is not None:
             ns = reader_namespace(options, meta)
+            variable, seq_inputs = _per_position(ns, meta)
+            ids = _id_dtypes(ns, meta)
             key_type = _key_type_of(path)
             if key_type is None and mode != "read":
-                return cls(None, mode, key, create=(path, ns))
+                return cls(None, mode, key, create=(path, ns), variable=variable, seq_inputs=seq_inputs,
+                           id_dtypes=ids)
             store = TeacherOutputStore.open(path, ns, mode="r" if mode == "read" else "a",
                                             key_type=key_type or "int64")
+            return cls(store, mode, key, variable=variable, seq_inputs=seq_inputs, id_dtypes=ids)
         else:
             try:
                 store = TeacherOutputStore.open(path, mode="r")
@@ -210,8 +260,9 @@ class ReaderCache:
         return cls(store, mode, key)
 
     # ---- reading (loader thread) -------------------------------------------------------------
-    def lookup(self, batch: Any) -> CachedRows:
-        """The batch's keys and what the store holds of them (nothing is read in `write` mode)."""
+    def lookup(self, batch: Any, width: int | None = None) -> CachedRows:
+        """The batch's keys and what the store holds of them (nothing is read in `write` mode).
+        Per-position outputs come at the padded ``width`` (default: the longest stored row)."""
         keys = batch_keys(batch, self.key)
         if self._create is not None:  # a new store: keyed by int64 for integer keys, else by bytes
             path, ns = self._create
@@ -222,25 +273,58 @@ class ReaderCache:
             self._start_writer()
         if self.mode == "write":
             n = len(keys)
-            return CachedRows(keys, np.zeros(n, dtype=bool), {})
+            return CachedRows(keys, np.zeros(n, dtype=bool), {}, self.variable)
         now = time.monotonic()
         if self._stale.is_set() or now - self._refreshed >= self.refresh_s:  # shards sealed meanwhile
             self._stale.clear()
             self.store.refresh()
             self._refreshed = now
         found = self.store.lookup(keys)
-        outputs = {name: found.tensor(name) for name in found.outputs} if found.n_hits else {}
-        return CachedRows(keys, found.hit, outputs)
+        outputs: dict[str, torch.Tensor] = {}
+        variable = self._variable_stored()
+        if found.n_hits:
+            for name, value in found.outputs.items():
+                if isinstance(value, Ragged):
+                    padded = value.padded()
+                    t = padded if width is None else fit_width(padded, width)
+                else:
+                    t = value
+                if name.endswith(_IDS) and t.dtype in (torch.int16, torch.uint16):
+                    t = t.to(torch.int32)  # stored narrow (id_dtype): the teacher's dtype again
+                outputs[name] = t
+        return CachedRows(keys, found.hit, outputs, frozenset(variable))
+
+    def _variable_stored(self) -> frozenset[str]:
+        """Per-position outputs: the teacher's, and those the store holds ragged (known once a shard is read)."""
+        if self._variable_all is None:
+            specs = self.store.output_specs
+            stored = frozenset(n for n, spec in specs.items() if spec.variable)
+            if not specs:
+                return self.variable | stored
+            self._variable_all = self.variable | stored
+        return self._variable_all
+
+    def _width(self, fields: Mapping[str, FieldArray]) -> int | None:
+        """The batch's padded length: the second dimension its sequence inputs share (None: no such
+        inputs, or they disagree)."""
+        names = self.seq_inputs if self.seq_inputs is not None else tuple(fields)
+        widths = {fields[n].array.shape[1] for n in names if n in fields and fields[n].array.ndim >= 2}
+        return widths.pop() if len(widths) == 1 else None
 
     def rows_to_send(self, batch: Any, size: int, fields: dict[str, FieldArray]
                      ) -> tuple[dict[str, FieldArray], CachedRows]:
         """What of a batch still goes to a teacher: the inputs of the samples the store lacks (all
         of them on a miss, none on a full hit), and the store's rows for the rest."""
-        cached = self.lookup(batch)
+        cached = self.lookup(batch, self._width(fields) if self.variable or self.seq_inputs is None else None)
         if len(cached.hit) != size:
             raise ValueError(f"cache key {self.key!r} holds {len(cached.hit)} keys for a batch of {size} "
                              "samples: key= must name a field with one key per sample")
-        if cached.hit.any():
+        hits = int(cached.hit.sum())
+        self.hit_samples += hits
+        self.miss_samples += size - hits
+        if hits == size:
+            fields = {}  # nothing goes to a teacher
+        elif hits:
             miss = cached.miss_indices
             fields = {n: FieldArray(np.ascontiguousarray(f.array[miss]), f.datatype) for n, f in fields.items()}
         return fields, cached
@@ -254,13 +338,28 @@ class ReaderCache:
             "teacher to ask: record the data set first (`distill record`), give the reader teachers, or pass "
             "fallback='hard_labels' to train such batches on labels alone", key)
 
+    def counters(self) -> dict[str, int]:
+        """What `reader.stats()` shows of the store: samples served from it, samples it lacked, and
+        teacher samples written to it."""
+        return {"cache_hits": self.hit_samples, "cache_misses": self.miss_samples,
+                "cache_written": self.written_samples}
+
     # ---- writing (event loop -> writer thread) ---------------------------------------------
     def write_back(self, keys: Any, outputs: Mapping[str, torch.Tensor]) -> None:
-        """Queue the teacher's rows for the store; never blocks (a full queue drops them, with a warning)."""
+        """Queue the teacher's rows for the store; never blocks (a full queue drops them, with a warning).
+        Per-position outputs go as ragged rows at the width the teacher answered them at, so batches
+        of other lengths share one store."""
         if self._thread is None or len(keys) == 0:
             return
+        rows: dict[str, Any] = {}
+        for name, t in outputs.items():
+            if name in self.variable and t.ndim >= 2:
+                n, width = t.shape[0], t.shape[1]
+                rows[name] = Ragged(t.reshape(n * width, *t.shape[2:]), torch.full((n,), width, dtype=torch.int64))
+            else:
+                rows[name] = t
         try:
-            self._queue.put_nowait((keys, dict(outputs)))
+            self._queue.put_nowait((keys, rows))
         except queue.Full:
             self.dropped_batches += 1
             if self.dropped_batches == 1 or self.dropped_batches % 100 == 0:
@@ -285,7 +384,22 @@ class ReaderCache:
         with self._sealed:
             return self._sealed.wait_for(lambda: self._seals_done >= asked or self._thread is None, timeout)
 
+    def _narrowed(self, outputs: Mapping[str, Any], narrow: Mapping[str, torch.dtype]) -> dict[str, Any]:
+        """Top-k ids in the smallest dtype their vocabulary fits (on the writer thread, off the loop)."""
+        out = dict(outputs)
+        for name, dtype in narrow.items():
+            value = out.get(name)
+            if isinstance(value, Ragged):
+                out[name] = Ragged(value.values.to(dtype), value.lengths)
+            elif isinstance(value, torch.Tensor):
+                out[name] = value.to(dtype)
+        return out
+
     def _write_loop(self) -> None:
+        # Narrow ids only where the store holds none yet, or holds them narrow already: a store
+        # recorded with int32 ids keeps them (appends must match its schema).
+        stored = self.store.output_specs
+        narrow = {n: d for n, d in self.id_dtypes.items() if n not in stored or stored[n].torch_dtype == d}
         try:
             with self.store.writer() as writer:
                 while True:
@@ -301,7 +415,7 @@ class ReaderCache:
                         continue
                     keys, outputs = item
                     try:
-                        writer.append(keys, outputs)
+                        writer.append(keys, self._narrowed(outputs, narrow) if narrow else outputs)
                         self.written_samples += len(keys)
                     except CacheError as e:  # e.g. outputs whose shape changed: stop storing, keep training
                         self.write_error = e
@@ -334,6 +448,44 @@ class ReaderCache:
             self._thread = None
         if self._store is not None:
             self._store.close()
+
+
+def _per_position(ns: Namespace, meta: TeacherMetadata) -> tuple[frozenset[str], tuple[str, ...] | None]:
+    """(outputs with a length per sample, inputs that carry that length) from the teacher's
+    metadata: a teacher with inputs of open length ([-1, ...] per sample) pads them per batch, and
+    its outputs of open length ([-1, ...]) follow the inputs' positions. A top-k output
+    (<OUT>_TOPK_VALUES) is per-position when <OUT> is."""
+    seq_inputs = tuple(n for n, t in meta.inputs.items() if t.shape[:1] == (-1,))
+    if not seq_inputs:
+        return frozenset(), None
+    variable = set()
+    for name in ns.outputs:
+        for stored in (name, f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES"):
+            base = stored.rsplit("_TOPK_", 1)[0]
+            out = meta.outputs.get(base)
+            if out is not None and out.shape[:1] == (-1,):
+                variable.add(stored)
+    return frozenset(variable), seq_inputs
+
+
+_IDS = "_TOPK_INDICES"
+
+
+def _id_dtypes(ns: Namespace, meta: TeacherMetadata) -> dict[str, torch.dtype]:
+    """The stored dtype of each top-k ids output whose vocabulary (the last dimension of the
+    teacher's full output) fits int16 or uint16: 2 bytes an id instead of the 4 the teacher sends,
+    a third of a top-k store. Read back as int32, so stored and live ids look alike."""
+    if ns.top_k is None:
+        return {}
+    out: dict[str, torch.dtype] = {}
+    for name in ns.outputs:
+        stored = name if name.endswith(_IDS) else f"{name}{_IDS}"
+        full = meta.outputs.get(stored[: -len(_IDS)])
+        if full is not None and full.shape and full.shape[-1] > 0:
+            dtype = id_dtype(full.shape[-1])
+            if dtype in (torch.int16, torch.uint16):
+                out[stored] = dtype
+    return out
 
 
 def _key_type_of(path: str) -> Any:

@@ -136,6 +136,16 @@ def gather(segs: Sequence[_Segment], spec: OutputSpec, seg_ids: np.ndarray, rows
     if n == 0:
         empty = torch.empty((0, *spec.item_shape), dtype=spec.torch_dtype)
         return Ragged(empty, torch.zeros(0, dtype=torch.int64)) if spec.variable else empty.view(0, *spec.shape)
+    s0 = int(seg_ids[0])
+    if n == 1 or (int(seg_ids[-1]) == s0 and bool((seg_ids == s0).all()) and bool((np.diff(rows) == 1).all())):
+        # Consecutive rows of one segment (a data set read in the order it was recorded): a view of
+        # the mapped file, found without grouping (the common case, on the loader thread per batch).
+        r0, r1 = int(rows[0]), int(rows[-1]) + 1
+        if not spec.variable:
+            return segs[s0].fixed[spec.name][r0:r1]
+        off = segs[s0].offsets[spec.name]
+        lengths = torch.from_numpy(np.diff(off[r0 : r1 + 1]))
+        return Ragged(segs[s0].items[spec.name][int(off[r0]) : int(off[r1])], lengths)
     # One stable sort groups the hits by segment; each group is then one vectorised index.
     order = np.argsort(seg_ids, kind="stable")
     cuts = np.flatnonzero(np.diff(seg_ids[order])) + 1

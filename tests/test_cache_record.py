@@ -1,0 +1,232 @@
+"""`distill record` and `distill.cache.record`: a real teacher process, real `distill record` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+pytest.importorskip("pyarrow")
+
+from discovery.local_etcd import LocalEtcd
+from distill import DistillReader
+from distill.cache import LoaderContractError, TeacherOutputStore, record
+from distill.cache.recording import loader_from_module
+from protos.kserve import service_pb2, service_pb2_grpc
+from tests.etcd_fixtures import unique_service
+from tests.faults.helpers import assert_delivered_once_in_order
+from tests.models import Affine
+from tests.servers import REPO, teacher_process
+
+ROWS = 10
+
+# A data set module in the `python -m MODULE [ARGS]` form: loader() reads its flags from sys.argv.
+# With --hold-after N it writes READY_FILE after yielding N batches and then waits (bounded) for
+# a file that never comes, so a test can kill the recording with batches in its store's writer.
+DATA_MODULE = '''
+import argparse, os, time
+import torch
+
+def loader():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, required=True)
+    p.add_argument("--hold-after", type=int, default=-1)
+    p.add_argument("--ready-file", default="")
+    args = p.parse_args()
+    def batches():
+        for i in range(args.batches):
+            if i == args.hold_after:
+                open(args.ready_file, "w").close()
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+            idx = torch.arange(i * 10, (i + 1) * 10)
+            x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(k))) for k in idx])
+            yield {"X": x, "index": idx, "tag": torch.full((10,), i)}
+    return batches()
+'''
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    """What DATA_MODULE's loader yields, built in this process."""
+    out = []
+    for i in range(n):
+        idx = torch.arange(i * ROWS, (i + 1) * ROWS)
+        x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(k))) for k in idx])
+        out.append({"X": x, "index": idx, "tag": torch.full((ROWS,), i)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `python -m teacher_server` process serving tests.models:affine; yields HOST:PORT."""
+    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1"]
+    with teacher_process(args, tmp_path_factory.mktemp("teacher")) as (_, info):
+        yield f"127.0.0.1:{info['port']}"
+
+
+def _inference_count(url: str) -> int:
+    """Samples the teacher itself says it inferred (KServe ModelStatistics)."""
+    with grpc.insecure_channel(url) as channel:
+        stats = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+            service_pb2.ModelStatisticsRequest(), timeout=10)
+    return int(stats.model_stats[0].inference_count)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", str(tmp_path))}
+
+
+def _record_cmd(teacher: str, cache: Path, tail: list[str], where: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "distill.cli", "record", *(where or ["--teachers", teacher]), "--cache", str(cache),
+            "--inputs", "X", "--outputs", "Y", "--key", "index", "--no-progress", *tail]
+
+
+def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env=_env(tmp_path),
+                          check=False)
+
+
+def _check_store(cache: Path, n: int) -> None:
+    """Offline, the store alone yields every batch once, in order, with what the teacher computes."""
+    affine = Affine()
+    data = _batches(n)
+    seen = []
+    with DistillReader(data, inputs=["X"], outputs=["Y"], cache=str(cache), cache_mode="read", key="index") as r:
+        for batch, out in r:
+            seen.append(int(batch["tag"][0]))
+            with torch.inference_mode():
+                assert torch.allclose(out["Y"], affine(batch["X"]), atol=1e-5), f"batch {seen[-1]}"
+    assert_delivered_once_in_order(seen, n)
+
+
+def test_record_a_module_loader_then_resume_and_extend(teacher: str, tmp_path: Path) -> None:
+    (tmp_path / "kd_data.py").write_text(DATA_MODULE)
+    cache = tmp_path / "kd"
+    before = _inference_count(teacher)
+    first = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "5"]), tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "recorded 50 new samples (0 of 50 already stored)" in first.stdout, first.stdout
+    assert _inference_count(teacher) - before == 50
+    _check_store(cache, 5)
+
+    before = _inference_count(teacher)
+    again = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "5"]), tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "recorded 0 new samples (50 of 50 already stored)" in again.stdout, again.stdout
+    assert _inference_count(teacher) == before, "a resumed recording asked a teacher for stored samples"
+
+    before = _inference_count(teacher)
+    more = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "8"]), tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert "recorded 30 new samples (50 of 80 already stored)" in more.stdout, more.stdout
+    assert _inference_count(teacher) - before == 30
+    _check_store(cache, 8)
+
+
+def test_a_recording_killed_mid_write_leaves_a_readable_store_and_a_rerun_completes(
+        teacher: str, tmp_path: Path) -> None:
+    (tmp_path / "kd_data.py").write_text(DATA_MODULE)
+    cache = tmp_path / "kd"
+    ready = tmp_path / "ready"
+    _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "2"]), tmp_path)
+    proc = subprocess.Popen(
+        _record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "6", "--hold-after", "4",
+                                     "--ready-file", str(ready)]),
+        cwd=REPO, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the recording never reached its fifth batch"
+        # Batches 2 and 3 go to the teacher; kill once the store's writer has opened a shard for them.
+        deadline = time.monotonic() + 60
+        while not list(cache.glob("tmp/*.partial")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(cache.glob("tmp/*.partial")), "the recording's writer never started a shard"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+    with TeacherOutputStore.open(cache) as store:  # readable: the sealed part, the torn shard ignored
+        assert len(store) == 20
+        info = store.info()
+    assert info.unsealed and all(u.state == "torn" for u in info.unsealed), info.unsealed
+    _check_store(cache, 2)
+
+    before = _inference_count(teacher)
+    rerun = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "6"]), tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "recorded 40 new samples (20 of 60 already stored)" in rerun.stdout, rerun.stdout
+    assert _inference_count(teacher) - before == 40
+    _check_store(cache, 6)
+
+
+def test_the_module_contract_is_explained(teacher: str, tmp_path: Path) -> None:
+    (tmp_path / "no_loader.py").write_text("LOADER = []\n")
+    bad = _run(_record_cmd(teacher, tmp_path / "kd", ["--", "python", "-m", "no_loader"]), tmp_path)
+    assert bad.returncode == 1
+    assert "module 'no_loader'" in bad.stderr and "defines no loader()" in bad.stderr, bad.stderr
+
+    script = _run(_record_cmd(teacher, tmp_path / "kd", ["--", "python", "train.py"]), tmp_path)
+    assert script.returncode == 1 and "python -m MODULE" in script.stderr, script.stderr
+
+    neither = _run(_record_cmd(teacher, tmp_path / "kd", []), tmp_path)
+    both = _run(_record_cmd(teacher, tmp_path / "kd", ["--loader", "a:b", "--", "python", "-m", "m"]), tmp_path)
+    for r in (neither, both):
+        assert r.returncode == 2 and "name the loader once" in r.stderr, r.stderr
+    assert not (tmp_path / "kd").exists(), "a refused recording made a store"
+
+
+def test_loader_from_module_sets_argv_only_while_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "argv_loader.py").write_text("import sys\nSEEN = list(sys.argv)\ndef loader():\n"
+                                             "    return [list(sys.argv)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = list(sys.argv)
+    got: Any = loader_from_module(["--", "python3", "-m", "argv_loader", "--split", "train"])
+    assert got == [["argv_loader", "--split", "train"]]
+    assert sys.modules["argv_loader"].SEEN == ["argv_loader", "--split", "train"]
+    assert sys.argv == saved
+    with pytest.raises(LoaderContractError, match="python -m MODULE"):
+        loader_from_module(["python"])
+
+
+def test_the_python_entry_point_records_and_resumes(teacher: str, tmp_path: Path) -> None:
+    cache = tmp_path / "kd"
+    before = _inference_count(teacher)
+    first = record(_batches(4), cache=cache, teachers=teacher, inputs=["X"], outputs=["Y"], key="index",
+                   progress=False)
+    assert (first.samples, first.new_samples, first.stored_before, first.stored_after) == (40, 40, 0, 40)
+    assert _inference_count(teacher) - before == 40
+    before = _inference_count(teacher)
+    second = record(_batches(6), cache=cache, teachers=teacher, inputs=["X"], outputs=["Y"], key="index",
+                    progress=False)
+    assert (second.samples, second.new_samples, second.already_stored) == (60, 20, 40)
+    assert _inference_count(teacher) - before == 20
+    _check_store(cache, 6)
+
+
+def test_record_finds_its_teachers_in_the_registry(tmp_path: Path) -> None:
+    """The issue's form: distill record --registry ... --service ... --cache PATH -- python -m MODULE."""
+    (tmp_path / "kd_data.py").write_text(DATA_MODULE)
+    service = unique_service("record")
+    cache = tmp_path / "kd"
+    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1"]
+    with LocalEtcd() as etcd, teacher_process([*args, "--registry", etcd.address, "--service", service],
+                                              tmp_path) as (_, info):
+        where = ["--registry", etcd.address, "--service", service]
+        done = _run(_record_cmd("", cache, ["--", "python", "-m", "kd_data", "--batches", "3"], where), tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "recorded 30 new samples" in done.stdout, done.stdout
+        assert _inference_count(f"127.0.0.1:{info['port']}") == 30
+    _check_store(cache, 3)
