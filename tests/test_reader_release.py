@@ -118,12 +118,13 @@ def test_a_closed_reader_frees_its_channels_engine_and_threads(teachers: str) ->
     with _no_cyclic_gc():
         before = set(threading.enumerate())
         reader = DistillReader(data, teachers=teachers, inputs=["X"], outputs=["Y"], hedge_after=0.02)
-        reader.start()
-        refs = _watch(reader)
-        seen = [int(batch["idx"][0]) for batch, _ in reader]
-        seen += [int(batch["idx"][0]) for batch, _ in reader]  # a second epoch
-        assert seen == list(range(12)) * 2
-        reader.close()
+        try:
+            refs = _watch(reader.start())
+            seen = [int(batch["idx"][0]) for batch, _ in reader]
+            seen += [int(batch["idx"][0]) for batch, _ in reader]  # a second epoch
+            assert seen == list(range(12)) * 2
+        finally:
+            reader.close()
         _assert_released(refs, before)
 
 
@@ -132,11 +133,12 @@ def test_an_iterator_abandoned_mid_epoch_pins_no_channel(teachers: str) -> None:
     with _no_cyclic_gc():
         before = set(threading.enumerate())
         reader = DistillReader(data, teachers=teachers, inputs=["X"], outputs=["Y"], prefetch=8, hedge_after=0.02)
-        reader.start()
-        refs = _watch(reader)
-        it = iter(reader)
-        assert _take(it, 5) == list(range(5))  # then the loop breaks out, with chunks in flight
-        reader.close()
+        try:
+            refs = _watch(reader.start())
+            it = iter(reader)
+            assert _take(it, 5) == list(range(5))  # then the loop breaks out, with chunks in flight
+        finally:
+            reader.close()
         # Even while the training loop still holds its iterator, nothing gRPC-related is left...
         alive = _alive(refs, ("client ", "channel ", "teacher "))
         assert not alive, f"a kept iterator pins these after close(): {alive}"
@@ -158,19 +160,20 @@ def test_a_teacher_killed_mid_epoch_leaves_nothing_behind_close(tmp_path: Path) 
             before = set(threading.enumerate())
             reader = DistillReader(data, teachers=endpoints, inputs=["X"], outputs=["Y"], timeout=5.0,
                                    hedge_after=0.05, router=RouterConfig(backoff_max_s=0.2, probe_timeout_s=0.2))
-            reader.start()
-            refs = _watch(reader)
-            it = iter(reader)
-            seen = _take(it, 10)
-            killed.send_signal(signal.SIGKILL)
-            stopped.send_signal(signal.SIGSTOP)
-            seen += _take(it, 30)
-            assert seen == list(range(40))
-            deadline = time.monotonic() + 30  # bounded: give the liveness check time to find the hung one
-            while reader.stats().hung_ejections == 0 and len(seen) < 150 and time.monotonic() < deadline:
-                seen += _take(it, 1)
-            ejected = {e: s["ejections"] for e, s in reader.stats().teachers["teachers"].items()}
-            del it
-            reader.close()
+            try:
+                refs = _watch(reader.start())
+                it = iter(reader)
+                seen = _take(it, 10)
+                killed.send_signal(signal.SIGKILL)
+                stopped.send_signal(signal.SIGSTOP)
+                seen += _take(it, 30)
+                assert seen == list(range(40))
+                deadline = time.monotonic() + 30  # bounded: give the liveness check time to find the hung one
+                while reader.stats().hung_ejections == 0 and len(seen) < 150 and time.monotonic() < deadline:
+                    seen += _take(it, 1)
+                ejected = {e: s["ejections"] for e, s in reader.stats().teachers["teachers"].items()}
+                del it
+            finally:
+                reader.close()
             _assert_released(refs, before)
         assert ejected[procs[0][1]["endpoint"]] > 0, f"the killed teacher was ejected: {ejected}"
