@@ -527,6 +527,10 @@ class Engine:
             task.remove_done_callback(self._aux_done)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A cancelled task keeps its CancelledError, whose traceback holds the task's frames and so
+        # the engine: a cycle through `_epoch_task` unless it is dropped too.
+        self._tasks.clear()
+        self._epoch_task = None
         for cm in reversed(self._closing):
             with contextlib.suppress(Exception):
                 await cm.__aexit__(None, None, None)
@@ -540,3 +544,6 @@ class Engine:
             self._delivery.cache = None
             await asyncio.get_running_loop().run_in_executor(None, cache.close)
         self._loader.close()
+        # Last, the references from the engine's parts back to it and to the teachers (see
+        # CallWatch.close): the engine and the teachers' channels then go by reference counting.
+        self._watch.close()

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from distill.pool import TeacherPool
+from distill.pool import TeacherPool, spawn_closed
 from distill.router import TeacherState
 from distill.teacher_client import TeacherCallError, TeacherGoneError
 
@@ -78,6 +78,16 @@ class CallWatch:
             pool.probe_if_ejected(t)
         finally:
             t.checking = False
+
+    def close(self) -> None:
+        """Stop acting and drop the call map, after the engine cancelled the calls. The map keys are
+        teacher states, which hold the clients and their gRPC channels; and `_spawn_aux` is the
+        engine's own method, a reference cycle: cleared here, both go the moment the engine does,
+        not at some later garbage collection."""
+        self.closed = True
+        self._calls.clear()
+        self._abandoned.clear()
+        self._spawn_aux = spawn_closed
 
     def abandon(self, t: TeacherState) -> None:
         """Give up the calls in flight at a hung teacher: their chunks are re-sent now."""

@@ -42,6 +42,17 @@ Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 """Starts an auxiliary task owned (and cancelled on close) by the engine."""
 
 
+CLIENT_CLOSE_TIMEOUT_S = 5.0
+"""How long closing one teacher's channel may take (it cancels that channel's calls at once)."""
+
+
+def spawn_closed(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    """The `Spawn` of a closed engine's parts: it starts nothing. Put in place of the engine's own
+    method at close, so that the parts no longer hold the engine (a reference cycle)."""
+    coro.close()
+    raise RuntimeError(f"task {name!r} started after the reader's engine closed")
+
+
 class TeacherPool:
     """The teachers of one service; lives on the engine's event loop."""
 
@@ -100,13 +111,16 @@ class TeacherPool:
         deadline = time.monotonic() + self.opts.timeout + 1
         while t.in_flight > 0 and (remaining := deadline - time.monotonic()) > 0:
             await self.router.wait_change(remaining)
-        await t.client.close()
+        await asyncio.wait_for(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
 
     async def close(self) -> None:
-        """Close every member's client (the engine has cancelled their calls already)."""
+        """Close every member's client (the engine has cancelled their calls already), then drop the
+        references that would keep the clients and their gRPC channels alive past close: the members,
+        and `_spawn`, the engine's own method (a reference cycle through the engine)."""
+        self._spawn = spawn_closed
         for t in list(self.router.teachers.values()):
-            with contextlib.suppress(Exception):
-                await t.client.close()
+            with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
+                await asyncio.wait_for(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
         self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
     # ---- metadata ---------------------------------------------------------------------------
