@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-tokens", type=int, default=0,
                    help="models with padded inputs: cap on batch size x padded length (default: no cap; "
                    "a larger single request still runs alone)")
+    b.add_argument("--no-length-buckets", action="store_true",
+                   help="models with padded inputs: pad requests of any length together (default: by length bucket)")
 
     o = p.add_argument_group("outputs")
     o.add_argument("--output-dtype", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES), default=None,
@@ -222,7 +224,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model, name=args.name, version=args.version, host=args.host, port=args.port,
         device=args.device, io=io,
         batching=BatchingConfig(max_batch, args.max_queue_delay_us, args.max_queue_size,
-                                enabled=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens),
+                                enabled=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens,
+                                length_buckets=not args.no_length_buckets),
         instances=args.instances or default_instances(args.device), output_dtype=args.output_dtype,
         top_k=args.top_k,
         logprobs=args.logprobs, temperature=args.temperature, topk_tail=args.topk_tail,
