@@ -201,8 +201,8 @@ class DynamicBatcher:
 
         Oldest first, from batch[0]'s length bucket. When the queued requests of a padded model
         are more than one batch holds, the batch instead takes the run of them, in length order
-        and across buckets, that fills it with the least padding (`_closest_lengths`): batches as
-        full as oldest-first makes them, padded far less."""
+        and across buckets, that fills it with the least padding (`_closest_lengths`): full batches,
+        padded far less than oldest-first pads them."""
         first = batch[0].work
         size = sum(p.work.batch_size for p in batch)
         if size >= self._config.max_batch_size:
