@@ -72,7 +72,7 @@ TensorDecl = str | TensorSpec
 Hook = Callable[..., Any]
 
 # Keyword options of serve()/start() that configure batching rather than the ServerConfig itself.
-_BATCHING = {"max_queue_delay_us", "max_queue_size", "max_batch_tokens", "dynamic_batching"}
+_BATCHING = {"max_queue_delay_us", "max_queue_size", "max_batch_tokens", "length_buckets", "dynamic_batching"}
 
 
 class _Pipeline(torch.nn.Module):
@@ -136,8 +136,8 @@ def server_config(model: str, *, name: str = "teacher", inputs: Sequence[TensorD
     ``model`` is what the config records as the model's source (a ``module:factory`` string, a
     file, ``hf:DIR``). ``options`` are ``ServerConfig``'s fields (``instances``, ``http_port``,
     ``metrics_port``, ``top_k``, ``output_dtype``, ``drain_grace_s``, ``model_args``, ``tls_cert``,
-    ...) plus the batcher's ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens`` and
-    ``dynamic_batching`` (bool). Raises SpecError naming the option and the fix.
+    ...) plus the batcher's ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens``,
+    ``length_buckets`` (bool) and ``dynamic_batching`` (bool). Raises SpecError naming the option and the fix.
     """
     unknown = set(options) - {f for f in ServerConfig.__dataclass_fields__ if f not in {"model", "io", "batching"}}
     unknown -= _BATCHING
@@ -152,7 +152,8 @@ def server_config(model: str, *, name: str = "teacher", inputs: Sequence[TensorD
         max_batch_size = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size else 256
     batching = BatchingConfig(max_batch_size, options.pop("max_queue_delay_us", 500),
                               options.pop("max_queue_size", 512), enabled=options.pop("dynamic_batching", True),
-                              max_batch_tokens=options.pop("max_batch_tokens", 0))
+                              max_batch_tokens=options.pop("max_batch_tokens", 0),
+                              length_buckets=options.pop("length_buckets", True))
     if not options.get("instances"):
         options["instances"] = default_instances(device)
     config = ServerConfig(model=model, name=name, device=device, io=io, batching=batching,

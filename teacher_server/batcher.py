@@ -12,8 +12,11 @@ agree, so concatenation cannot fail because of another client's request. A model
 padded sequence inputs (`spec.TensorSpec.pad_value`) lets requests of different lengths share a
 batch; they are padded to the longest (`work.batch_input`), so to keep that waste small a batch
 takes only requests in the oldest request's power-of-two length bucket (lengths 9..16 together,
-17..32 together, ...), and `max_batch_tokens` caps samples x padded length. Requests are still
-taken oldest first, so none waits behind younger ones of another shape for more than one batch.
+17..32 together, ...), and when more requests are queued than one batch holds, it takes those of
+the closest lengths instead (any bucket). `max_batch_tokens` caps samples x padded length.
+`length_buckets=False` turns both length rules off (any lengths, oldest first): the baseline
+that shows what they save. Every batch starts with the oldest request, so none waits behind
+younger ones for more than the batches ahead of it.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class BatchingConfig:
     max_queue_size: int = 512
     enabled: bool = True
     max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0 = no cap
-
+    length_buckets: bool = True  # padded models: batch only requests of one length bucket
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -87,8 +90,10 @@ def _bucket(length: int | None) -> int:
     return (length - 1).bit_length() if length else 0
 
 
-def _compatible(first: Work, other: Work) -> bool:
-    return other.shape_key == first.shape_key and _bucket(other.length) == _bucket(first.length)
+def _compatible(first: Work, other: Work, buckets: bool = True) -> bool:
+    if other.shape_key != first.shape_key:
+        return False
+    return not buckets or _bucket(other.length) == _bucket(first.length)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -190,36 +195,89 @@ class DynamicBatcher:
         return batch
 
     def _take_compatible(self, batch: list[_Pending]) -> bool:
-        """Move queued requests compatible with batch[0] into the batch, oldest first, while they
-        fit; drop the dead ones. True when the batch is full (the next compatible request does
-        not fit), so waiting for more is pointless."""
+        """Move queued requests compatible with batch[0] into the batch while they fit; drop the
+        dead ones. True when the batch is full (the next compatible request does not fit), so
+        waiting for more is pointless.
+
+        Oldest first, from batch[0]'s length bucket. When the queued requests of a padded model
+        are more than one batch holds, the batch instead takes the run of them, in length order
+        and across buckets, that fills it with the least padding (`_closest_lengths`): full batches,
+        padded far less than oldest-first pads them."""
         first = batch[0].work
         size = sum(p.work.batch_size for p in batch)
-        longest = max(p.work.length or 0 for p in batch)
-        limit, cap = self._config.max_batch_size, self._config.max_batch_tokens
-        if size >= limit:
+        if size >= self._config.max_batch_size:
             return True
         if not self._queue:
             return False
-        keep: collections.deque[_Pending] = collections.deque()
-        full = False
-        for p in self._queue:
-            if p.future.done():
-                continue
+        buckets = self._config.length_buckets
+        live = collections.deque(p for p in self._queue if not p.future.done())
+        pool = [p for p in live if p.work.shape_key == first.shape_key]
+        taken, full = self._oldest_first(batch, [p for p in pool if _compatible(first, p.work, buckets)])
+        if buckets and first.length is not None and len(pool) > len(taken) and self._oldest_first(batch, pool)[1]:
+            closest = self._closest_lengths(batch, pool)
+            if closest:
+                taken, full = closest, True
+        chosen = set(map(id, taken))
+        batch.extend(taken)
+        self._queue = collections.deque(p for p in live if id(p) not in chosen)
+        return full or size + sum(p.work.batch_size for p in taken) >= self._config.max_batch_size
+
+    def _fits(self, samples: int, padded_len: int | None) -> bool:
+        cap = self._config.max_batch_tokens
+        return samples <= self._config.max_batch_size and not (cap and padded_len is not None and
+                                                               samples * padded_len > cap)
+
+    def _oldest_first(self, batch: list[_Pending], candidates: list[_Pending]) -> tuple[list[_Pending], bool]:
+        """Candidates in queue order while they fit; (taken, whether one did not fit)."""
+        size = sum(p.work.batch_size for p in batch)
+        longest = max(p.work.length or 0 for p in batch)
+        taken: list[_Pending] = []
+        for p in candidates:
             w = p.work
-            if full or not _compatible(first, w):
-                keep.append(p)
-                continue
-            grown = size + w.batch_size
             padded_len = max(longest, w.length or 0)
-            if grown > limit or (cap and w.length is not None and grown * padded_len > cap):
-                full = True
-                keep.append(p)
-                continue
-            batch.append(p)
-            size, longest = grown, padded_len
-        self._queue = keep
-        return full or size >= limit
+            if not self._fits(size + w.batch_size, padded_len if w.length is not None else None):
+                return taken, True
+            taken.append(p)
+            size, longest = size + w.batch_size, padded_len
+        return taken, False
+
+    def _closest_lengths(self, batch: list[_Pending], candidates: list[_Pending]) -> list[_Pending]:
+        """The run of candidates, consecutive in length order, that fills the batch (the next one
+        would not fit): the most samples, then the highest useful / computed positions; [] when
+        no run fills it.
+
+        Oldest-first mixes short and long requests and pads them all to the longest; a run of
+        neighbouring lengths pads far less. The oldest request is batch[0] whatever is chosen,
+        so no request waits for more than the batches ahead of it. Two pointers over the
+        sorted candidates: the runs' ends only move forward.
+        """
+        order = sorted(candidates, key=lambda p: p.work.length or 0)
+        n = len(order)
+        base_size = sum(p.work.batch_size for p in batch)
+        base_longest = max(p.work.length or 0 for p in batch)
+        base_useful = sum(p.work.tokens for p in batch)
+        sizes, useful = [0], [0]
+        for p in order:
+            sizes.append(sizes[-1] + p.work.batch_size)
+            useful.append(useful[-1] + p.work.tokens)
+        best: tuple[int, float, int, int] | None = None  # (samples, efficiency, start, end)
+        j = 0
+        for i in range(n):
+            j = max(j, i)
+            while j < n and self._fits(base_size + sizes[j + 1] - sizes[i],
+                                       max(base_longest, order[j].work.length or 0)):
+                j += 1
+            total = base_size + sizes[j] - sizes[i]
+            if j == i or (j == n and total < self._config.max_batch_size):
+                continue  # empty, or ran out of candidates before the batch was full
+            computed = total * max(base_longest, order[j - 1].work.length or 0)
+            efficiency = (base_useful + useful[j] - useful[i]) / computed
+            if best is None or (total, efficiency) > best[:2]:
+                best = (total, efficiency, i, j)
+        if best is None:
+            return []
+        picked = set(map(id, order[best[2] : best[3]]))
+        return [p for p in candidates if id(p) in picked]  # queue order
 
     async def _worker(self, inst: ModelInstance) -> None:
         loop = asyncio.get_running_loop()

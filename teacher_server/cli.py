@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-tokens", type=int, default=0,
                    help="models with padded inputs: cap on batch size x padded length (default: no cap; "
                    "a larger single request still runs alone)")
+    b.add_argument("--no-length-buckets", action="store_true",
+                   help="models with padded inputs: pad requests of any length together (default: by length bucket)")
 
     o = p.add_argument_group("outputs")
     o.add_argument("--output-dtype", type=str.upper, choices=list(FLOAT_OUTPUT_DTYPES), default=None,
@@ -215,6 +217,7 @@ def config_options(args: argparse.Namespace) -> dict[str, Any]:
         compute_dtype=args.compute_dtype, max_batch_size=args.max_batch_size,
         max_queue_delay_us=args.max_queue_delay_us, max_queue_size=args.max_queue_size,
         dynamic_batching=not args.no_dynamic_batching, max_batch_tokens=args.max_batch_tokens,
+        length_buckets=not args.no_length_buckets,
         instances=args.instances, output_dtype=args.output_dtype, top_k=args.top_k, logprobs=args.logprobs,
         temperature=args.temperature, topk_tail=args.topk_tail, model_args=parse_model_args(args.model_arg),
         host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,

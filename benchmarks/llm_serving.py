@@ -1,0 +1,554 @@
+"""W6 LLM teacher serving (DESIGN.md, "Reference workloads" and "Sequence and LLM teachers").
+
+    .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR]
+
+The teacher is the LLM example's causal LM (examples/llm; the trained one in the cache, else the
+smoke one, trained here in seconds; or `--teacher DIR`), served with `--model hf:DIR`. The
+sequences are drawn from the corpus's held-out split with a fixed seed: a random held-out piece,
+cut to a length drawn uniformly from [--min-len, the model's context], so lengths are mixed.
+
+Per repetition, interleaved, each variant processes the same sequences once:
+  * in-process: `model(input_ids=..., attention_mask=...)` over batches of --batch sequences in
+    the drawn order, padded per batch, plus the server's output work on the result (log-softmax,
+    top-k values in fp16 and int32 ids, the tail mass): what a user running the teacher does;
+  * server, length buckets on / off: one sequence per request from --clients concurrent clients
+    over raw gRPC, top-k log-probs in fp16 with the tail asked for by request parameters; the
+    batcher forms the batches (--max-batch-size = --batch).
+Headlines: server / in-process useful tokens per second (goal >= 0.90), padding efficiency
+(useful / computed positions, from the server's `teacher_useful_tokens_total` and
+`teacher_padded_tokens_total` metrics) with buckets (goal >= 0.85) and without, and bytes per token
+on the wire from the responses' raw output contents (goal <= 130), beside the full-vocabulary fp32
+figure measured from one request that asks for the raw logits.
+
+The same CPU budget on both sides: the server runs --instances instances x --threads torch threads
+(teacher-server's CPU default: one instance per core, one thread each) and the in-process baseline
+runs the same number of model loops on their own threads with the same torch thread count, pulling
+batches from one shared list. The quiet gate, redo and "quiet pairs" rules are those of
+benchmarks/serving.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from benchmarks.common import (
+    REPO_ROOT,
+    ainterleave,
+    format_table,
+    machine_info,
+    median,
+    paired_ratios,
+    sigterm_raises,
+    write_results,
+)
+from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
+from teacher_server.launch import TeacherProcess
+
+MODEL_NAME = "llm_teacher"
+RATIO_GOAL = 0.90
+PADDING_GOAL = 0.85
+BYTES_GOAL = 130.0
+MIN_QUIET_PAIRS = 5
+MAX_MESSAGE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's knobs; recorded verbatim in the JSON so a result can be reproduced."""
+
+    reps: int = 5
+    sequences: int = 1024
+    batch: int = 16
+    min_len: int = 8
+    seed: int = 0
+    top_k: int = 20
+    clients: int = 0  # 0: eight times --batch
+    delay_us: int = 2000
+    threads: int = 0  # 0: cores / instances
+    instances: int = 0  # 0: one per core
+    teacher: str = ""
+    tiny: bool = False
+    quick: bool = False
+    max_foreign_cores: float = 0.15
+    gate_budget_s: float = 60.0
+    max_redos: int = 6
+    out: str = "llm_serving"
+
+    @property
+    def server_instances(self) -> int:
+        return self.instances or (os.cpu_count() or 1)
+
+    @property
+    def server_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.server_instances)
+
+    @property
+    def concurrency(self) -> int:
+        return self.clients or 8 * self.batch
+
+
+@dataclass
+class Measurement:
+    """One variant over all the sequences once."""
+
+    tokens_per_s: float
+    useful_tokens: int
+    seconds: float
+    cpu: CpuUsage | None = None
+    computed_tokens: int | None = None  # positions computed, padding included
+    wire_bytes: int | None = None  # raw output contents of all responses
+    executions: int | None = None  # model executions on the server
+
+    @property
+    def padding_efficiency(self) -> float | None:
+        return self.useful_tokens / self.computed_tokens if self.computed_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["seconds"] = round(self.seconds, 4)
+        d["cpu"] = self.cpu.as_dict() if self.cpu else None
+        eff = self.padding_efficiency
+        d["padding_efficiency"] = round(eff, 4) if eff is not None else None
+        return d
+
+
+# ---- the teacher and the sequences ----------------------------------------------------------
+def teacher_directory(s: Settings) -> Path:
+    """--teacher, else the trained teacher in the cache, else the smoke teacher (trained if missing)."""
+    from examples.llm import models
+
+    if s.teacher:
+        path = Path(s.teacher).expanduser()
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--teacher {path}: no config.json there; pass a save_pretrained directory")
+        return path
+    trained = models.teacher_dir()
+    if not s.tiny and (trained / "config.json").is_file():
+        return trained
+    smoke = models.teacher_dir(smoke=True)
+    if not (smoke / "config.json").is_file():
+        from examples.llm import train_teacher
+
+        print(f"no trained teacher at {trained}: training the smoke teacher into {smoke}", flush=True)
+        if train_teacher.main(["--smoke"]) != 0:
+            raise SystemExit("training the smoke teacher failed")
+    return smoke
+
+
+def draw_sequences(directory: Path, s: Settings, max_len: int) -> tuple[list[list[int]], int]:
+    """Held-out sequences of mixed lengths (fixed seed) and the tokenizer's pad id."""
+    from examples.llm.common import SMOKE_FILES
+    from examples.llm.data import encode_files, load_corpus
+    from examples.llm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(directory)
+    smoke = s.tiny or json.loads((directory / "config.json").read_text(encoding="utf-8")).get("vocab_size", 0) < 1024
+    corpus = load_corpus(max_files=SMOKE_FILES if smoke else 0)
+    pieces = [p for p in encode_files(tok, list(corpus.texts("held_out")), max_len) if len(p) >= s.min_len]
+    if not pieces:
+        raise SystemExit(f"no held-out sequence of at least --min-len {s.min_len} tokens")
+    rng = random.Random(s.seed)
+    out = []
+    for _ in range(s.sequences):
+        piece = rng.choice(pieces)
+        out.append(piece[: rng.randint(s.min_len, len(piece))])
+    return out, int(tok.pad_token_id)
+
+
+def padded_batches(seqs: Sequence[list[int]], batch: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(input_ids, attention_mask, useful tokens) per batch, in order, padded per batch."""
+    out = []
+    for i in range(0, len(seqs), batch):
+        rows = seqs[i : i + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[j, : len(r)] = 1
+        out.append((ids, mask, sum(len(r) for r in rows)))
+    return out
+
+
+def output_work(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the server does to LOGITS for these requests: log-softmax, top-k, fp16 values, int32
+    ids, the probability mass outside the top-k."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(logp, k, dim=-1, sorted=True)
+    tail = (1.0 - values.exp().sum(dim=-1)).clamp_(min=0.0)
+    return values.half(), indices.int(), tail.half()
+
+
+# ---- in-process ------------------------------------------------------------------------------
+def measure_inprocess(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor, int]], k: int,
+                      workers: int, server_pids: Sequence[int]) -> Measurement:
+    """All batches once, `workers` loops pulling from one list (the twin of the server's instances)."""
+    lock = threading.Lock()
+    next_i = [0]
+
+    def loop() -> int:
+        done = 0
+        with torch.inference_mode():
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= len(batches):
+                    return done
+                ids, mask, useful = batches[i]
+                output_work(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, k)
+                done += useful
+
+    meter = CpuMeter(server_pids)
+    with ThreadPoolExecutor(workers, thread_name_prefix="inprocess") as pool:
+        meter.start()
+        t0 = time.perf_counter()
+        useful = sum(f.result() for f in [pool.submit(loop) for _ in range(workers)])
+        elapsed = time.perf_counter() - t0
+        cpu = meter.stop()
+    computed = sum(ids.numel() for ids, _, _ in batches)
+    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed)
+
+
+# ---- server ----------------------------------------------------------------------------------
+def make_request(seq: list[int], *, top_k: int, logprobs: bool = True, dtype: str = "FP16",
+                 tail: bool = True) -> service_pb2.ModelInferRequest:
+    """One sequence as a [1, L] request with its mask; the output transforms as request parameters."""
+    ids = np.asarray([seq], dtype=np.int64)
+    req = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    req.inputs.add(name="INPUT_IDS", datatype="INT64", shape=list(ids.shape))
+    req.inputs.add(name="ATTENTION_MASK", datatype="INT64", shape=list(ids.shape))
+    req.raw_input_contents.append(ids.tobytes())
+    req.raw_input_contents.append(np.ones_like(ids).tobytes())
+    req.parameters["top_k"].int64_param = top_k
+    req.parameters["logprobs"].bool_param = logprobs
+    req.parameters["output_dtype"].string_param = dtype
+    req.parameters["topk_tail"].bool_param = tail and top_k > 0
+    return req
+
+
+def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: bool) -> list[str]:
+    args = [
+        "--model", f"hf:{directory}", "--name", MODEL_NAME, "--device", "cpu",
+        "--input", f"INPUT_IDS:INT64:-1:pad={pad_id}", "--input", "ATTENTION_MASK:INT64:-1:mask",
+        "--output", f"LOGITS:FP32:-1,{vocab}:per_position",
+        "--max-batch-size", str(s.batch), "--max-queue-delay-us", str(s.delay_us),
+        "--instances", str(s.server_instances), "--threads", str(s.server_threads),
+        "--metrics-port", "0", "--log-level", "WARNING",
+    ]
+    return args if buckets else [*args, "--no-length-buckets"]
+
+
+def scrape_tokens(metrics_port: int) -> tuple[int, int]:
+    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode("utf-8")
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith(("teacher_useful_tokens_total", "teacher_padded_tokens_total")):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = int(float(line.rsplit(" ", 1)[1]))
+    return values.get("teacher_useful_tokens_total", 0), values.get("teacher_padded_tokens_total", 0)
+
+
+async def executions(stub: Any) -> int:
+    resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL_NAME), timeout=10)
+    return int(resp.model_stats[0].execution_count)
+
+
+async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest], lengths: list[int], *,
+                         clients: int, metrics_port: int, server_pids: Sequence[int]) -> Measurement:
+    """Every request once from `clients` concurrent clients; tokens/s over the whole pass."""
+    next_i = 0
+    wire = 0
+
+    async def client() -> None:
+        nonlocal next_i, wire
+        while next_i < len(requests):
+            i = next_i
+            next_i += 1
+            resp = await stub.ModelInfer(requests[i], timeout=60)
+            wire += sum(len(c) for c in resp.raw_output_contents)
+
+    useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    exec0 = await executions(stub)
+    meter = CpuMeter(server_pids)
+    meter.start()
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(client()) for _ in range(clients)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = time.perf_counter() - t0
+    cpu = meter.stop()
+    useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    useful = sum(lengths)
+    if useful1 - useful0 != useful:
+        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
+    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
+                       wire_bytes=wire, executions=await executions(stub) - exec0)
+
+
+async def check_outputs(stub: Any, model: torch.nn.Module, seq: list[int], k: int) -> float:
+    """The server's top-k log-probs must be the in-process model's; returns the max |diff|."""
+    resp = await stub.ModelInfer(make_request(seq, top_k=k), timeout=60)
+    got = {o.name: raw for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
+    values = np.frombuffer(got["LOGITS_TOPK_VALUES"], dtype=np.float16).reshape(len(seq), k)
+    with torch.inference_mode():
+        ids = torch.tensor([seq])
+        want, _, _ = output_work(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, k)
+    diff = float(np.abs(values.astype(np.float32) - want[0].float().numpy()).max())
+    if diff > 2e-2:
+        raise AssertionError(f"server top-{k} log-probs differ from the in-process model by up to {diff}")
+    return diff
+
+
+async def full_vocab_bytes(stub: Any, seq: list[int]) -> float:
+    """Bytes per token of the raw fp32 logits (no transform), measured from one response."""
+    resp = await stub.ModelInfer(make_request(seq, top_k=0, logprobs=False, dtype="FP32", tail=False), timeout=60)
+    return sum(len(c) for c in resp.raw_output_contents) / len(seq)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+async def run(s: Settings) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = teacher_directory(s)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    max_len, vocab = int(config.max_position_embeddings), int(config.vocab_size)
+    seqs, pad_id = draw_sequences(directory, s, max_len)
+    lengths = [len(q) for q in seqs]
+    print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
+          f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
+    torch.set_num_threads(s.server_threads)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True).eval()
+    batches = padded_batches(seqs, s.batch, pad_id)
+    requests = [make_request(q, top_k=s.top_k) for q in seqs]
+
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(TeacherProcess(server_args(s, directory, pad_id, vocab, buckets), label=name,
+                                                     cwd=REPO_ROOT, stop_grace=20.0))
+            for name, buckets in (("server_buckets", True), ("server_no_buckets", False))
+        }
+        pids = [p.pid for p in servers.values()]
+        chans = {k: grpc.aio.insecure_channel(p.endpoint, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.use_local_subchannel_pool", 1)]) for k, p in servers.items()}
+        try:
+            stubs = {k: service_pb2_grpc.GRPCInferenceServiceStub(c) for k, c in chans.items()}
+            longest = max(seqs, key=len)
+            for k in servers:
+                diff = await check_outputs(stubs[k], model, longest, s.top_k)
+                print(f"{k}: top-{s.top_k} log-probs match the in-process model (max |diff| {diff:.1e})", flush=True)
+            full_bytes = await full_vocab_bytes(stubs["server_buckets"], longest)
+            # Warm-up: a few batches each, so no variant pays first-call costs inside a repetition.
+            warm = min(len(seqs), 4 * s.batch)
+            measure_inprocess(model, batches[: max(1, warm // s.batch)], s.top_k, s.server_instances, pids)
+            for k, p in servers.items():
+                await measure_server(stubs[k], requests[:warm], lengths[:warm], clients=s.concurrency,
+                                     metrics_port=int(p.ready["metrics_port"]), server_pids=pids)
+
+            async def inprocess() -> Measurement:
+                # Blocks the event loop on purpose: nothing else may run while the baseline does.
+                return measure_inprocess(model, batches, s.top_k, s.server_instances, pids)
+
+            def served(k: str) -> Callable[[], Awaitable[Measurement]]:
+                port = int(servers[k].ready["metrics_port"])
+                return lambda: measure_server(stubs[k], requests, lengths, clients=s.concurrency, metrics_port=port,
+                                              server_pids=pids)
+
+            variants: dict[str, Callable[[], Awaitable[Measurement]]] = {
+                "inprocess": inprocess, "server_buckets": served("server_buckets"),
+                "server_no_buckets": served("server_no_buckets")}
+            gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
+            redos_left = s.max_redos
+
+            def contaminated(m: Measurement) -> bool:
+                nonlocal redos_left
+                if m.cpu is None or m.cpu.foreign_cores <= s.max_foreign_cores or redos_left <= 0:
+                    return False
+                redos_left -= 1
+                print(f"  (foreign load {m.cpu.foreign_cores:.2f} cores: measuring again)", flush=True)
+                return True
+
+            discarded: dict[str, list[Measurement]] = {}
+            per_rep = await ainterleave(s.reps, variants, print_rep,
+                                        before=gate.wait if s.max_foreign_cores > 0 else None,
+                                        redo_if=contaminated, discarded=discarded)
+        finally:
+            for c in chans.values():
+                await c.close()
+        exit_codes = {k: p.stop() for k, p in servers.items()}
+
+    doc = summarise(s, per_rep, exit_codes, full_bytes)
+    doc["teacher"] = {"directory": str(directory), "vocab_size": vocab, "context": max_len,
+                      "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
+    doc["sequences"] = {"count": len(seqs), "tokens": sum(lengths), "min_len": min(lengths),
+                        "max_len": max(lengths), "mean_len": round(sum(lengths) / len(lengths), 2)}
+    doc["quiet_gate"] = gate.as_dict()
+    doc["discarded"] = {k: [m.as_dict() for m in v] for k, v in discarded.items()}
+    return doc
+
+
+def print_rep(rep: int, name: str, m: Measurement) -> None:
+    line = f"  rep {rep + 1} {name:<18} {m.tokens_per_s:9,.0f} tokens/s"
+    if m.padding_efficiency is not None:
+        line += f"  padding efficiency {m.padding_efficiency:.3f}"
+    if m.executions:
+        line += f"  {m.executions} batches"
+    if m.cpu:
+        line += (f"  cores: client {m.cpu.client_cores:.2f} server {m.cpu.server_cores:.2f} "
+                 f"foreign {m.cpu.foreign_cores:.2f}")
+    print(line, flush=True)
+
+
+def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: dict[str, int | None],
+              full_bytes: float) -> dict[str, Any]:
+    """Medians, paired ratios (quiet pairs when there are enough), padding and wire figures."""
+    limit = s.max_foreign_cores if s.max_foreign_cores > 0 else float("inf")
+
+    def quiet(m: Measurement) -> bool:
+        return m.cpu is None or m.cpu.foreign_cores <= limit
+
+    def med(k: str) -> float:
+        q = [m.tokens_per_s for m in per_rep[k] if quiet(m)]
+        return median(q) if len(q) >= MIN_QUIET_PAIRS else median([m.tokens_per_s for m in per_rep[k]])
+
+    def ratio_of(num: str, den: str, goal: float) -> dict[str, Any]:
+        paired = paired_ratios([m.tokens_per_s for m in per_rep[num]], [m.tokens_per_s for m in per_rep[den]])
+        clean = [r for r, a, b in zip(paired, per_rep[num], per_rep[den], strict=True) if quiet(a) and quiet(b)]
+        trusted = len(clean) >= MIN_QUIET_PAIRS
+        headline = median(clean) if trusted else median(paired)
+        return {"headline": headline, "quiet_pairs": len(clean), "pairs": len(paired), "trusted": trusted,
+                "per_rep": [round(r, 4) for r in paired], "goal": goal,
+                "verdict": ("PASS" if headline >= goal else "below goal") if trusted else (
+                    "smoke test only" if s.quick else f"noisy: fewer than {MIN_QUIET_PAIRS} quiet pairs")}
+
+    def padding(k: str) -> float:
+        return median([m.padding_efficiency for m in per_rep[k] if m.padding_efficiency is not None])
+
+    useful = per_rep["server_buckets"][0].useful_tokens
+    wire = median([m.wire_bytes / m.useful_tokens for m in per_rep["server_buckets"] if m.wire_bytes])
+    pad_buckets = padding("server_buckets")
+    return {
+        "benchmark": "llm_serving (W6)",
+        "machine": machine_info(s.server_threads) | {
+            "inprocess_loops": s.server_instances, "server_instances": s.server_instances,
+            "server_torch_threads": s.server_threads},
+        "settings": asdict(s) | {"clients": s.concurrency},
+        "medians_tokens_per_s": {k: round(med(k), 1) for k in per_rep},
+        "ratios": {
+            "server_buckets_over_inprocess": ratio_of("server_buckets", "inprocess", RATIO_GOAL),
+            "server_no_buckets_over_inprocess": ratio_of("server_no_buckets", "inprocess", 0.0),
+            "buckets_over_no_buckets": ratio_of("server_buckets", "server_no_buckets", 0.0),
+        },
+        "padding_efficiency": {
+            "inprocess": padding("inprocess"), "server_buckets": pad_buckets,
+            "server_no_buckets": padding("server_no_buckets"), "goal": PADDING_GOAL,
+            "verdict": "PASS" if pad_buckets >= PADDING_GOAL else "below goal"},
+        "wire_bytes_per_token": {
+            f"top{s.top_k}_fp16_tail": round(wire, 2), "full_vocab_fp32": round(full_bytes, 2), "goal": BYTES_GOAL,
+            "verdict": "PASS" if wire <= BYTES_GOAL else "above goal", "useful_tokens_per_pass": useful},
+        "quiet_reps": {k: sum(quiet(m) for m in v) for k, v in per_rep.items()},
+        "per_rep": {k: [m.as_dict() | {"quiet": quiet(m)} for m in v] for k, v in per_rep.items()},
+        "server_exit_codes": exit_codes,
+    }
+
+
+def report(doc: dict[str, Any]) -> str:
+    med, pad, r = doc["medians_tokens_per_s"], doc["padding_efficiency"], doc["ratios"]
+    labels = {"inprocess": "in-process model(**batch) + top-k", "server_buckets": "server, length buckets on",
+              "server_no_buckets": "server, length buckets off"}
+    rows = [[label, med[k], pad[k], ", ".join(f"{m['tokens_per_s']:,.0f}{'' if m['quiet'] else '*'}"
+                                               for m in doc["per_rep"][k])] for k, label in labels.items()]
+    out = [format_table(["variant", "tokens/s", "padding eff.", "per repetition (* = disturbed)"], rows), ""]
+    rrows = [[k, v["headline"], v["goal"] or "", f"{v['quiet_pairs']}/{v['pairs']}", v["verdict"] if v["goal"] else ""]
+             for k, v in r.items()]
+    out.append(format_table(["ratio", "median", "goal", "quiet pairs", "verdict"], rrows))
+    w = doc["wire_bytes_per_token"]
+    k = doc["settings"]["top_k"]
+    out += ["", f"padding efficiency with buckets {pad['server_buckets']:.3f} (goal {PADDING_GOAL}): {pad['verdict']}",
+            f"wire bytes per token: top-{k} fp16 + tail {w[f'top{k}_fp16_tail']:.1f} (goal <= {BYTES_GOAL:.0f}: "
+            f"{w['verdict']}); full vocabulary fp32 {w['full_vocab_fp32']:,.0f}"]
+    m = doc["machine"]
+    out.append(f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs; layout: server {m['server_instances']} instance(s) "
+               f"x {m['server_torch_threads']} thread(s), in-process {m['inprocess_loops']} loop(s) x the same threads")
+    return "\n".join(out)
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llm_serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 2 with --quick)")
+    p.add_argument("--quick", action="store_true", help="few sequences and repetitions: a smoke test")
+    p.add_argument("--tiny", action="store_true", help="the smoke teacher (trained here if missing) and corpus")
+    p.add_argument("--teacher", default="", help="a save_pretrained causal LM directory (default: the cache's)")
+    p.add_argument("--sequences", type=int, default=None, help="sequences per pass (default 1024; 96 with --quick)")
+    p.add_argument("--batch", type=int, default=16, help="in-process batch and server --max-batch-size (default 16)")
+    p.add_argument("--min-len", type=int, default=8, help="shortest sequence drawn (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--clients", type=int, default=0, help="concurrent requests (default: 8 x --batch)")
+    p.add_argument("--delay-us", type=int, default=2000, help="server --max-queue-delay-us (default 2000)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per side (default: cores / instances)")
+    p.add_argument("--instances", type=int, default=0, help="server instances = in-process loops (default: cores)")
+    p.add_argument("--max-foreign-cores", type=float, default=Settings.max_foreign_cores,
+                   help="wait for, and re-measure past, this much CPU used by other processes (0: off)")
+    p.add_argument("--gate-budget", type=float, default=None, help="seconds the run may wait for quiet (60; 5 quick)")
+    p.add_argument("--out", default="llm_serving", help="results file benchmarks/results/<OUT>.json")
+    a = p.parse_args(argv)
+    reps = a.reps if a.reps is not None else (2 if a.quick else Settings.reps)
+    sequences = a.sequences if a.sequences is not None else (96 if a.quick else Settings.sequences)
+    if reps < 1 or sequences < 1 or a.batch < 1 or a.min_len < 2 or a.top_k < 1:
+        p.error("--reps, --sequences, --batch, --top-k must be >= 1 and --min-len >= 2")
+    return Settings(
+        reps=reps, sequences=sequences, batch=a.batch, min_len=a.min_len, seed=a.seed, top_k=a.top_k,
+        clients=a.clients, delay_us=a.delay_us, threads=a.threads, instances=a.instances, teacher=a.teacher,
+        tiny=a.tiny, quick=a.quick, max_foreign_cores=a.max_foreign_cores,
+        gate_budget_s=a.gate_budget if a.gate_budget is not None else (5.0 if a.quick else Settings.gate_budget_s),
+        max_redos=0 if a.quick else Settings.max_redos, out=a.out,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    s = parse_args(argv)
+    started = time.perf_counter()
+    try:
+        with sigterm_raises():
+            doc = asyncio.run(run(s))
+    except KeyboardInterrupt:
+        print("\ninterrupted: servers stopped, no results written", file=sys.stderr)
+        return 130
+    doc["total_wall_s"] = round(time.perf_counter() - started, 1)
+    path = write_results(s.out, doc)
+    print()
+    print(report(doc))
+    print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""W6 (benchmarks/llm_serving.py) and the batcher choices it measures.
+
+The batcher tests queue requests behind a held model instance (the `_Queued` helper of the padded
+batching tests) and check which batches run: with more requests of a length bucket queued than
+one batch holds, the batch takes the closest lengths; with length buckets off, any lengths share
+a batch. The benchmark runs end to end in its smallest mode (the smoke teacher, trained into a
+private cache) and its JSON must hold sane figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from examples.common import CACHE_ENV
+from teacher_server import BatchingConfig, ServerConfig
+from tests import seq_models
+from tests.servers import ServerThread
+from tests.test_padded_batching import PADDED, _check, _ok, _open_gate, _Queued, reference
+
+__all__ = ["_open_gate", "reference"]  # fixtures used by name
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _server(max_batch_size: int, length_buckets: bool = True) -> ServerThread:
+    return ServerThread(ServerConfig(
+        model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
+        batching=BatchingConfig(max_batch_size=max_batch_size, max_queue_delay_us=20000,
+                                length_buckets=length_buckets),
+    ))
+
+
+def test_a_full_bucket_batches_the_closest_lengths(reference: seq_models.CausalConvLM) -> None:
+    with _server(max_batch_size=3) as s:
+        q = _Queued(s, first=20)
+        for length in (33, 60, 35, 62, 34, 61):
+            q.add(length)
+        results = q.release()
+        batches = list(seq_models.BATCHES)
+    for tokens, r in zip(q.sent, results, strict=True):
+        _check(reference, tokens, _ok(r))
+    # Oldest first would run 33, 60, 35 padded to 60; the oldest (33) takes its neighbours 35, 34.
+    assert batches == [(1, 20), (3, 35), (3, 62)]
+
+
+def test_without_length_buckets_any_lengths_share_a_batch(reference: seq_models.CausalConvLM) -> None:
+    with _server(max_batch_size=64, length_buckets=False) as s:
+        q = _Queued(s, first=20)
+        for length in (5, 30, 9):
+            q.add(length)
+        results = q.release()
+        batches = list(seq_models.BATCHES)
+    for tokens, r in zip(q.sent, results, strict=True):
+        _check(reference, tokens, _ok(r))
+    assert batches == [(1, 20), (3, 30)]
+
+
+def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
+    env[CACHE_ENV] = str(tmp_path / "cache")
+    env.pop("DISTILL_LLM_TEACHER", None)
+    cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--quick", "--tiny", "--reps", "1", "--sequences", "24",
+           "--batch", "4", "--max-foreign-cores", "0", "--out", "w6"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "w6.json").read_text())
+    assert doc["sequences"]["count"] == 24
+    assert doc["sequences"]["min_len"] >= 8
+    assert set(doc["medians_tokens_per_s"]) == {"inprocess", "server_buckets", "server_no_buckets"}
+    assert all(v > 0 for v in doc["medians_tokens_per_s"].values())
+    pad = doc["padding_efficiency"]
+    for k in ("inprocess", "server_buckets", "server_no_buckets"):
+        assert 0 < pad[k] <= 1
+    wire = doc["wire_bytes_per_token"]
+    # top-20 fp16 values (40 B) + int32 ids (80 B) + an fp16 tail (2 B) per token; fp32 logits: 4 B x vocab.
+    assert wire["top20_fp16_tail"] == 122.0
+    assert wire["full_vocab_fp32"] == 4 * doc["teacher"]["vocab_size"]
+    assert doc["ratios"]["server_buckets_over_inprocess"]["headline"] > 0
+    assert doc["server_exit_codes"] == {"server_buckets": 0, "server_no_buckets": 0}
