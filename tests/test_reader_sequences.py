@@ -181,3 +181,46 @@ def test_two_teachers_one_killed_mid_epoch(reference: seq_models.CausalConvLM, t
 def test_a_tail_needs_top_k() -> None:
     with pytest.raises(ValueError, match="ask for top_k=K too"):
         DistillReader([], inputs=INPUTS, teachers="127.0.0.1:1", topk_tail=True)
+
+
+def test_the_value_transforms_name_the_store(reference: seq_models.CausalConvLM, tmp_path: Path) -> None:
+    from distill.cache import NamespaceMismatchError, TeacherOutputStore
+
+    class Keyed(SequenceLoader):
+        """Fixed-width batches (one shape per sample, as a store needs) with a per-sample key."""
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            for i, seqs in enumerate(self.data):
+                batch = collate([*seqs, torch.ones(24, dtype=torch.int64)], i)  # a full-length row pads all to 24
+                batch["key"] = torch.arange(len(seqs) + 1) + 100 * i
+                yield batch
+
+    loader = Keyed(4, seed=3)
+    store = tmp_path / "store"
+    stated = {"logprobs": True, "temperature": 2.0, "topk_tail": True, "output_dtype": "FP16"}
+    with _server() as s:
+        with _reader(loader, s.url, cache=str(store), cache_mode="read_write", key="key", **stated) as reader:
+            for batch, teacher in reader:
+                check_batch(reference, batch, teacher, logprobs=True, temperature=2.0, tail=True,
+                            dtype=torch.float16)
+        with TeacherOutputStore.open(store, mode="r") as opened:
+            ns = opened.namespace
+        assert (ns.values, ns.temperature, dict(ns.extra), ns.dtype) == ("logprobs", 2.0, {"topk_tail": "true"},
+                                                                         "float16")
+        # A second student with another temperature on the same server and store: refused, not mixed.
+        other = _reader(loader, s.url, cache=str(store), cache_mode="read_write", key="key",
+                        **{**stated, "temperature": 1.0})
+        with pytest.raises(NamespaceMismatchError, match="temperature"):
+            other.start()
+        other.close()
+    # Offline, the stated transforms must match the store's as well; the same ones read it back.
+    offline = {"inputs": INPUTS, "outputs": ["LOGITS"], "top_k": K, "device": DEVICE, "cache": str(store),
+               "cache_mode": "read", "key": "key"}
+    with pytest.raises(NamespaceMismatchError, match="values"):
+        DistillReader(loader, **offline, **{**stated, "logprobs": False}).start()
+    seen = []
+    with DistillReader(loader, **offline, **stated) as reader:
+        for batch, teacher in reader:
+            check_batch(reference, batch, teacher, logprobs=True, temperature=2.0, tail=True, dtype=torch.float16)
+            seen.append(int(batch["idx"][0]))
+    assert_delivered_once_in_order(seen, len(loader))
