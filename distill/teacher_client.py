@@ -207,7 +207,8 @@ class ChunkRequest:
         return self.stop - self.start
 
     def wanted(self) -> list[str]:
-        """The output names the answer must carry (top-k outputs come as values and indices)."""
+        """The output names the answer must carry (top-k outputs come as values and indices, and the
+        tail mass when asked for; a tail a server sends by default, unasked, is dropped)."""
         if self.top_k:
             parts = ("VALUES", "INDICES", "TAIL") if self.topk_tail else ("VALUES", "INDICES")
             return [f"{n}_TOPK_{part}" for n in self.outputs for part in parts]
