@@ -213,6 +213,17 @@ def test_the_store_holds_what_the_students_saw(student_runs: dict[str, dict[str,
     assert ns.temperature == result["temperature"] and dict(ns.extra) == {"topk_tail": "true"}
 
 
+def test_a_recorded_store_trains_with_no_teacher(student_runs: dict[str, dict[str, Any]], cache: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    out = cache / "student-store-again.json"
+    assert llm_student.main(["--smoke", "--teacher-source", "store", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no teacher needed" in printed and "teacher server:" not in printed
+    again = json.loads(out.read_text())
+    assert _kd(again)["perplexity"] == _kd(student_runs["store"])["perplexity"]  # the same stored targets
+
+
 def test_hf_trainer_smoke(smoke_teacher: Path, cache: Path) -> None:
     import accelerate  # noqa: F401 - the Trainer needs it; it is in the llm and dev extras
 

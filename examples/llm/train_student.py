@@ -107,14 +107,31 @@ def train_batches(splits: Splits, pad_id: int, *, batch_size: int, seed: int, st
                         steps=steps)
 
 
-def record_store(splits: Splits, pad_id: int, store: Path, *, teachers: str, seeds: Sequence[int], steps: int,
+def needed_indices(splits: Splits, pad_id: int, *, seeds: Sequence[int], steps: int, batch_size: int) -> list[int]:
+    """Every training sequence the seeds' runs will draw, sorted: what a store must hold for them."""
+    return sorted({i for seed in seeds for b in train_batches(splits, pad_id, batch_size=batch_size, seed=seed,
+                                                               steps=steps).plan() for i in b})
+
+
+def store_holds(store: Path, indices: Sequence[int]) -> bool:
+    """Whether ``store`` exists and holds every one of ``indices`` (then no teacher is needed at all)."""
+    import numpy as np
+
+    from distill.cache import StoreNotFoundError, TeacherOutputStore
+
+    try:
+        with TeacherOutputStore.open(store, mode="r") as opened:
+            return bool(opened.lookup(np.asarray(indices, dtype=np.int64), outputs=[]).hit.all())
+    except StoreNotFoundError:
+        return False
+
+
+def record_store(splits: Splits, pad_id: int, store: Path, indices: Sequence[int], *, teachers: str,
                  batch_size: int, k: int, temperature: float) -> None:
-    """Record every sequence the seeds' runs will see into ``store``, once, through ``teachers``."""
-    needed = sorted({i for seed in seeds for b in train_batches(splits, pad_id, batch_size=batch_size, seed=seed,
-                                                                 steps=steps).plan() for i in b})
-    loader = IndexBatches(splits.train, Collator(pad_id, pad_to=splits.seq_len), needed, batch_size=batch_size)
+    """Record the sequences ``indices`` into ``store`` through ``teachers`` (stored ones are skipped)."""
+    loader = IndexBatches(splits.train, Collator(pad_id, pad_to=splits.seq_len), indices, batch_size=batch_size)
     batches, seconds = mesh.record(loader, store, teachers=teachers, k=k, temperature=temperature)
-    print(f"store: {len(needed):,} sequences ({batches} batches) recorded or found in {store} in {seconds:.1f} s",
+    print(f"store: {len(indices):,} sequences ({batches} batches) recorded into {store} in {seconds:.1f} s",
           flush=True)
 
 
@@ -176,7 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[RunResult] = []
     with contextlib.ExitStack() as stack:
         teachers = args.teachers
-        if args.teacher_source != "inprocess" and teachers is None:
+        needed: list[int] = []
+        if args.teacher_source == "store":
+            needed = needed_indices(splits, pad_id, seeds=seeds, steps=steps, batch_size=batch_size)
+            if store_holds(store, needed):
+                print(f"store: {store} holds all {len(needed):,} sequences the runs draw; no teacher needed",
+                      flush=True)
+                needed = []
+        if teachers is None and (args.teacher_source == "mesh" or needed):
             teachers = stack.enter_context(mesh.serve_teacher(
                 teacher_path, k=args.k, temperature=args.temperature, max_batch_size=batch_size, threads=threads))
             print(f"teacher server: {teachers} serving hf:{teacher_path} (version {version})", flush=True)
@@ -188,9 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             kd_source = ReaderTeacher("mesh", mesh.reader_options(k=args.k, temperature=args.temperature,
                                                                   teachers=teachers))
         else:
-            assert teachers is not None
-            record_store(splits, pad_id, store, teachers=teachers, seeds=seeds, steps=steps, batch_size=batch_size,
-                         k=args.k, temperature=args.temperature)
+            if needed:
+                assert teachers is not None
+                record_store(splits, pad_id, store, needed, teachers=teachers, batch_size=batch_size, k=args.k,
+                             temperature=args.temperature)
             stack.close()  # the students train from the store alone: no teacher server from here on
             kd_source = ReaderTeacher("store", mesh.reader_options(k=args.k, temperature=args.temperature,
                                                                    store=store, version=version))
