@@ -375,7 +375,8 @@ class Engine:
             model_name=t.meta.model_name, model_version=self.opts.model_version,
             request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
             stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), top_k=self.opts.top_k,
-            output_dtype=self.opts.output_dtype, declared=t.meta.outputs,
+            output_dtype=self.opts.output_dtype, logprobs=self.opts.logprobs, temperature=self.opts.temperature,
+            topk_tail=self.opts.topk_tail, declared=t.meta.outputs,
         )
 
     def _call_cancelled(self, svc: _Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:

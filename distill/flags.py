@@ -44,6 +44,7 @@ __all__ = [
     "fallback_choice",
     "header_env_var",
     "headers_map",
+    "maybe_bool",
     "model_name",
     "non_negative_float",
     "non_negative_int",
@@ -173,6 +174,13 @@ def output_dtype_choice(text: str) -> str:
     if not isinstance(text, str) or text.upper() not in OUTPUT_DTYPES:
         raise ValueError(f"must be one of {', '.join(OUTPUT_DTYPES)}, got {text!r}")
     return text.upper()
+
+
+def maybe_bool(value: object) -> bool | None:
+    """A tri-state switch: True, False, or None for "the teacher server's default"."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"must be True, False or None (the server's default), got {value!r}")
 
 
 def model_name(text: str) -> str:
@@ -397,6 +405,27 @@ def add_distill_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "(default: the model's own)",
     )
     g.add_argument(
+        "--distill_logprobs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask the teachers for log_softmax(x / T) of floating outputs (computed over the full last dimension "
+        "on the teacher, before top-k), or with --no-distill_logprobs for raw values (default: the server's)",
+    )
+    g.add_argument(
+        "--distill_temperature",
+        type=_argtype(positive_float, "temperature"),
+        default=None,
+        metavar="T",
+        help="ask the teachers to divide floating outputs by T before log-softmax and top-k (default: the server's)",
+    )
+    g.add_argument(
+        "--distill_topk_tail",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --distill_top_k, also fetch OUT_TOPK_TAIL, the probability mass outside the top K per position "
+        "(--no-distill_topk_tail: never; default: the server's, and the reader keeps it only when asked)",
+    )
+    g.add_argument(
         "--distill_header",
         type=_argtype(HeaderArg.parse, "header"),
         action="append",
@@ -447,7 +476,8 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     (``"etcd://..."`` or None), ``service``, ``model`` (None: what each teacher serves), ``timeout``,
     ``fallback``, ``no_teacher_timeout``, ``max_teachers``, ``prefetch``, ``teacher_batch_size``
     (0 = the teacher's max), ``hedge_after`` (seconds; "auto" when the flag is absent; None when it
-    is 0: off), ``top_k``, ``output_dtype``, ``headers`` ({name: value}, values from the environment
+    is 0: off), ``top_k``, ``output_dtype``, ``logprobs``, ``temperature`` and ``topk_tail`` (None: the
+    teacher server's default), ``headers`` ({name: value}, values from the environment
     where the flag gave none), the TLS files and ``registry_options``. Raises ``ValueError`` naming
     the flag to pass or fix.
     """
@@ -495,6 +525,7 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # Read with defaults: a namespace built by hand for an older flag set still works.
     model = getattr(args, "distill_model", None)
     output_dtype = getattr(args, "distill_output_dtype", None)
+    temperature = getattr(args, "distill_temperature", None)
     headers: dict[str, str] = {}
     for arg in getattr(args, "distill_header", None) or ():
         header = arg if isinstance(arg, HeaderArg) else checked(HeaderArg.parse, "--distill_header", arg)
@@ -524,6 +555,10 @@ def distill_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": checked(non_negative_int, "--distill_top_k", getattr(args, "distill_top_k", 0)),
         "output_dtype": None if output_dtype is None else checked(output_dtype_choice, "--distill_output_dtype",
                                                                   output_dtype),
+        "logprobs": checked(maybe_bool, "--distill_logprobs", getattr(args, "distill_logprobs", None)),
+        "temperature": None if temperature is None else checked(positive_float, "--distill_temperature",
+                                                                temperature),
+        "topk_tail": checked(maybe_bool, "--distill_topk_tail", getattr(args, "distill_topk_tail", None)),
         "headers": headers,
         "tls_ca": getattr(args, "distill_tls_ca", None),
         "tls_cert": getattr(args, "distill_tls_cert", None),

@@ -41,6 +41,7 @@ from distill.flags import (
     distill_options_from_args,
     fallback_choice,
     headers_map,
+    maybe_bool,
     non_negative_int,
     positive_float,
     positive_int,
@@ -95,6 +96,13 @@ class ReaderOptions:
         device: put teacher outputs on this device (via pinned memory on CUDA).
         top_k: ask teachers for top-k outputs (<OUT>_TOPK_VALUES / _TOPK_INDICES) instead of full tensors.
         output_dtype: ask for FP16 / BF16 outputs to halve the bytes on the wire.
+        logprobs: ask for log_softmax(x / temperature) of floating outputs instead of raw values (True), or
+            raw values (False); None (default): the teacher server's default. Every setting that changes
+            the numbers is stated per request, so a server's defaults never leak into a student that set it.
+        temperature: ask teachers to divide floating outputs by this before log-softmax and top-k, on the
+            full last dimension (the only place a temperature is exact under top-k); None: the server's.
+        topk_tail: with `top_k`, also fetch <OUT>_TOPK_TAIL, the probability mass outside the top-k per
+            position (True), or never (False); None: the server's default, and the tail is not returned.
         student_id: identity in the registry (default: host-pid[-rankN]).
         registry_options: passed to the etcd client (TLS files, user, password).
         tls_ca, tls_cert, tls_key: TLS towards the teachers: the CA that signed their certificates,
@@ -133,6 +141,9 @@ class ReaderOptions:
     device: str | torch.device | None = None
     top_k: int = 0
     output_dtype: str | None = None
+    logprobs: bool | None = None
+    temperature: float | None = None
+    topk_tail: bool | None = None
     student_id: str = ""  # "": host-pid[-rankN]
     registry_options: Mapping[str, Any] = field(default_factory=dict)
     tls_ca: str | None = None
@@ -193,6 +204,11 @@ class ReaderOptions:
         dtype = self.output_dtype
         if dtype is not None and dtype.upper() not in _FLOAT_DTYPES:
             raise ValueError(f"output_dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
+        checked(maybe_bool, "logprobs", self.logprobs)
+        checked(maybe_bool, "topk_tail", self.topk_tail)
+        if self.topk_tail and not numbers["top_k"]:
+            raise ValueError("topk_tail=True is the probability mass outside the top-k: ask for top_k=K too")
+        temperature = None if self.temperature is None else checked(positive_float, "temperature", self.temperature)
         tls = (ClientTLS(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
                if any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)) else None)
         normalised: dict[str, Any] = {
@@ -201,6 +217,7 @@ class ReaderOptions:
             "outputs": tuple(self.outputs) if self.outputs else None,
             "device": torch.device(self.device) if self.device is not None else None,
             "output_dtype": dtype.upper() if dtype else None,
+            "temperature": temperature,
             "student_id": self.student_id or default_student_id(),
             "registry_options": dict(self.registry_options or {}),
             "router": self.router or RouterConfig(),

@@ -196,6 +196,9 @@ class ChunkRequest:
     outputs: tuple[str, ...]
     top_k: int = 0
     output_dtype: str | None = None
+    logprobs: bool | None = None  # None: the teacher's default (not sent)
+    temperature: float | None = None
+    topk_tail: bool | None = None
     # The teacher's declared outputs (its metadata): every answer is checked against them.
     declared: Mapping[str, TensorMeta] = field(default_factory=dict)
 
@@ -204,9 +207,11 @@ class ChunkRequest:
         return self.stop - self.start
 
     def wanted(self) -> list[str]:
-        """The output names the answer must carry (top-k outputs come as values and indices)."""
+        """The output names the answer must carry (top-k outputs come as values and indices, and the
+        tail mass when asked for; a tail a server sends by default, unasked, is dropped)."""
         if self.top_k:
-            return [f"{n}_TOPK_{part}" for n in self.outputs for part in ("VALUES", "INDICES")]
+            parts = ("VALUES", "INDICES", "TAIL") if self.topk_tail else ("VALUES", "INDICES")
+            return [f"{n}_TOPK_{part}" for n in self.outputs for part in parts]
         return list(self.outputs)
 
 
@@ -225,6 +230,13 @@ def encode_request(req: ChunkRequest) -> bytes:
     header.parameters["top_k"].int64_param = req.top_k
     if req.output_dtype:
         header.parameters["output_dtype"].string_param = req.output_dtype
+    # The value transforms, when this reader states them (None leaves the teacher's default).
+    if req.logprobs is not None:
+        header.parameters["logprobs"].bool_param = req.logprobs
+    if req.temperature is not None:
+        header.parameters["temperature"].double_param = req.temperature
+    if req.topk_tail is not None:
+        header.parameters["topk_tail"].bool_param = req.topk_tail
     return serialize_infer_request(header, raws)
 
 
@@ -264,10 +276,12 @@ def _declared_shape(req: ChunkRequest, name: str) -> tuple[int, ...] | None:
     if not req.top_k:
         meta = req.declared.get(name)
         return None if meta is None else meta.shape
-    base = name.rsplit("_TOPK_", 1)[0]
+    base, _, part = name.rpartition("_TOPK_")
     meta = req.declared.get(base)
     if meta is None or not meta.shape:
         return None
+    if part == "TAIL":  # one mass per position: the class dimension is gone
+        return tuple(meta.shape[:-1])
     return (*meta.shape[:-1], req.top_k)
 
 

@@ -18,6 +18,9 @@ KEYS = {
     "model",
     "top_k",
     "output_dtype",
+    "logprobs",
+    "temperature",
+    "topk_tail",
     "headers",
     "timeout",
     "fallback",
@@ -64,6 +67,9 @@ def test_static_teachers_with_defaults() -> None:
         "hedge_after": "auto",
         "top_k": 0,
         "output_dtype": None,
+        "logprobs": None,
+        "temperature": None,
+        "topk_tail": None,
         "headers": {},
         "tls_ca": None,
         "tls_cert": None,
@@ -87,6 +93,9 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_model", "resnet50_trt",
             "--distill_top_k", "20",
             "--distill_output_dtype", "bf16",
+            "--distill_logprobs",
+            "--distill_temperature", "2",
+            "--no-distill_topk_tail",
             "--distill_header", "Triton-GRPC-Protocol-Triton-Access-Token=s3cret-token",
         ]
     )  # fmt: skip
@@ -104,6 +113,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["model"] == "resnet50_trt"
     assert opts["top_k"] == 20
     assert opts["output_dtype"] == "BF16"
+    assert opts["logprobs"] is True and opts["temperature"] == 2.0 and opts["topk_tail"] is False
     assert opts["headers"] == {"triton-grpc-protocol-triton-access-token": "s3cret-token"}  # name lower-cased
 
 
@@ -135,6 +145,11 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_model",
         "--distill_top_k",
         "--distill_output_dtype",
+        "--distill_logprobs",
+        "--no-distill_logprobs",
+        "--distill_temperature",
+        "--distill_topk_tail",
+        "--no-distill_topk_tail",
         "--distill_header",
         "--distill_tls_ca",
         "--distill_tls_cert",
@@ -289,6 +304,9 @@ def test_bad_service(value: str, message: str, capsys: pytest.CaptureFixture[str
         ("--distill_top_k", "-1", "must be an integer >= 0"),
         ("--distill_top_k", "many", "expected an integer"),
         ("--distill_output_dtype", "FP8", "must be one of FP32, FP16, BF16"),
+        ("--distill_temperature", "0", "must be > 0"),
+        ("--distill_temperature", "inf", "finite"),
+        ("--distill_temperature", "warm", "expected a number"),
         ("--distill_model", "", "must be a model name"),
         ("--distill_model", " m", "surrounding spaces"),
     ],
@@ -381,3 +399,41 @@ def test_reader_options_check_and_lower_case_headers() -> None:
         ReaderOptions(inputs=["X"], teachers="a:1", headers=pairs)
     assert headers_map(None) == {}
     assert repr(HeaderArg.parse("K=v")) == "HeaderArg('k', <hidden>)"
+
+
+def test_value_transforms_reach_the_reader_options() -> None:
+    args = parse(["--distill_teachers", "a:1", "--distill_top_k", "8", "--distill_logprobs",
+                  "--distill_temperature", "2.5", "--distill_topk_tail"])
+    opts = ReaderOptions.from_args(args, inputs=["INPUT"])
+    assert (opts.logprobs, opts.temperature, opts.topk_tail) == (True, 2.5, True)
+    off = ReaderOptions.from_args(parse(["--distill_teachers", "a:1", "--no-distill_logprobs",
+                                         "--no-distill_topk_tail"]), inputs=["INPUT"])
+    assert (off.logprobs, off.temperature, off.topk_tail) == (False, None, False)
+    unset = ReaderOptions.from_args(parse(["--distill_teachers", "a:1"]), inputs=["INPUT"])
+    assert (unset.logprobs, unset.temperature, unset.topk_tail) == (None, None, None)  # the server's defaults
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logprobs": "yes"}, "logprobs: must be True, False or None"),
+        ({"topk_tail": 1}, "topk_tail: must be True, False or None"),
+        ({"temperature": 0}, "temperature: must be > 0"),
+        ({"temperature": float("nan")}, "temperature: expected a finite number"),
+        ({"topk_tail": True}, "ask for top_k=K too"),
+    ],
+)
+def test_reader_options_check_value_transforms(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReaderOptions(inputs=["INPUT"], teachers="a:1", **kwargs)
+
+
+def test_hand_built_namespace_value_transforms_are_checked() -> None:
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_temperature = -1.0
+    with pytest.raises(ValueError, match="--distill_temperature: must be > 0"):
+        distill_options_from_args(args)
+    args.distill_temperature = None
+    args.distill_logprobs = "on"
+    with pytest.raises(ValueError, match="--distill_logprobs: must be True, False or None"):
+        distill_options_from_args(args)

@@ -2,7 +2,10 @@
 
 Real runs, small: the tokenizer is trained on a few standard-library files, the smoke teacher and
 student are tiny Llama models trained for a few dozen steps, all into a temporary cache. The
-assertions are on what the runs produced (round trips, losses that fall, finite KD losses).
+student runs once per teacher source: through a real teacher server and DistillReader (mesh), from
+a store recorded through one and then read with no teacher (store), and in process. The assertions
+are on what the runs produced (round trips, losses that fall, finite KD losses, the same KD result
+from every source).
 """
 
 from __future__ import annotations
@@ -11,16 +14,27 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from distill.cache import TeacherOutputStore
 from distill.losses import TokenKDLoss
 from examples.common import CACHE_ENV
 from examples.llm import models
 from examples.llm import train_student as llm_student
 from examples.llm import train_teacher as llm_teacher
-from examples.llm.data import IGNORE_INDEX, Batches, Collator, encode_files, is_held_out, load_corpus
+from examples.llm.data import (
+    IGNORE_INDEX,
+    Batches,
+    Collator,
+    IndexBatches,
+    TrainBatches,
+    encode_files,
+    is_held_out,
+    load_corpus,
+)
 from examples.llm.student import InProcessTeacher, bytes_per_token, kd_loss
 from examples.llm.tokenizer import get_tokenizer, load_tokenizer, tokenizer_dir
 
@@ -73,6 +87,30 @@ def test_batches_same_seed_same_order() -> None:
     assert sorted(row for b in first for row in b) == seqs
 
 
+def test_collator_pads_to_a_fixed_width() -> None:
+    batch = Collator(pad_id=0, pad_to=4)([[1, 2], [3]])
+    assert batch["input_ids"].tolist() == [[1, 2, 0, 0], [3, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="does not fit pad_to=1"):
+        Collator(pad_id=0, pad_to=1)([[1, 2]])
+
+
+def test_train_batches_are_the_seeds_passes_with_their_indices() -> None:
+    seqs = [[i, i + 1] for i in range(10)]
+    # 7 steps of 4 over 10 sequences: two passes of 3 batches, and one batch of a third pass.
+    loader = TrainBatches(seqs, Collator(0), batch_size=4, seed=3, steps=7)
+    got = list(loader)
+    assert len(got) == len(loader) == 7
+    passes = Batches(seqs, Collator(0), batch_size=4, seed=3)
+    want = [b["input_ids"].tolist() for _ in range(3) for b in passes][:7]
+    assert [b["input_ids"].tolist() for b in got] == want  # the order the loop had before
+    assert [b["index"].tolist() for b in got] == loader.plan()
+    for b in got:
+        assert b["input_ids"].tolist() == [seqs[i] for i in b["index"].tolist()]
+    again = IndexBatches(seqs, Collator(0), [9, 0, 4], batch_size=2)
+    assert [b["index"].tolist() for b in again] == [[9, 0], [4]] and len(again) == 2
+
+
 def test_tokenizer_round_trips_and_reloads(cache: Path) -> None:
     tok = get_tokenizer(512, smoke=True)
     assert len(tok) == 512 and tok.eos_token_id is not None and tok.pad_token_id is not None
@@ -122,10 +160,21 @@ def test_bytes_per_token() -> None:
     assert bytes_per_token(4096, 16) == {"full_fp32": 16384, "topk_fp16_int32": 16 * 6 + 2}
 
 
-def test_student_smoke_kd_and_baseline(smoke_teacher: Path, cache: Path) -> None:
-    out = cache / "student.json"
-    assert llm_student.main(["--smoke", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def student_runs(smoke_teacher: Path, cache: Path) -> dict[str, dict[str, Any]]:
+    """The smoke student run once per teacher source: {source: results JSON}."""
+    results = {}
+    for source in llm_student.SOURCES:
+        out = cache / f"student-{source}.json"
+        assert llm_student.main(["--smoke", "--teacher-source", source, "--out", str(out)]) == 0
+        results[source] = json.loads(out.read_text())
+    return results
+
+
+@pytest.mark.parametrize("source", llm_student.SOURCES)
+def test_student_smoke_kd_and_baseline(student_runs: dict[str, dict[str, Any]], source: str) -> None:
+    result = student_runs[source]
+    assert result["teacher_source"] == source
     runs = {r["kd"]: r for r in result["runs"]}
     assert set(runs) == {False, True} and runs[False]["seed"] == runs[True]["seed"]
     for r in runs.values():
@@ -133,6 +182,46 @@ def test_student_smoke_kd_and_baseline(smoke_teacher: Path, cache: Path) -> None
         assert r["last_loss"] < r["first_loss"]
         assert math.isfinite(r["perplexity"]) and 0 <= r["accuracy"] <= 1
     assert result["bytes_per_token"]["topk_fp16_int32"] < result["bytes_per_token"]["full_fp32"]
+
+
+def _kd(result: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in result["runs"] if r["kd"])
+
+
+def test_mesh_store_and_in_process_teach_the_same(student_runs: dict[str, dict[str, Any]]) -> None:
+    mesh, store, inprocess = (student_runs[s] for s in ("mesh", "store", "inprocess"))
+    # The store holds the mesh's float16 targets, so the KD runs agree (to rounding of the teacher's
+    # forward pass on other batch compositions); the in-process teacher computes the same numbers.
+    for key in ("perplexity", "accuracy", "first_loss", "last_loss"):
+        assert _kd(store)[key] == pytest.approx(_kd(mesh)[key], rel=1e-4), key
+        assert _kd(inprocess)[key] == pytest.approx(_kd(mesh)[key], rel=1e-3), key
+    # The no-KD arm never sees a teacher: bit-identical in every source (same seed, same batches).
+    baselines = {json.dumps([{k: v for k, v in r.items() if k != "seconds"} for r in res["runs"] if not r["kd"]])
+                 for res in student_runs.values()}
+    assert len(baselines) == 1
+    # KD changed the run: its training loss is another function (KL to the teacher), so it differs.
+    assert _kd(mesh)["last_loss"] != next(r for r in mesh["runs"] if not r["kd"])["last_loss"]
+
+
+def test_the_store_holds_what_the_students_saw(student_runs: dict[str, dict[str, Any]]) -> None:
+    result = student_runs["store"]
+    with TeacherOutputStore.open(result["store"], mode="r") as store:
+        ns = store.namespace
+        assert len(store) == result["steps"] * result["batch_size"]  # one pass: every sequence drawn once
+    assert (ns.model_version, ns.top_k, ns.dtype, ns.values) == (result["teacher_version"], result["k"], "float16",
+                                                                   "logprobs")
+    assert ns.temperature == result["temperature"] and dict(ns.extra) == {"topk_tail": "true"}
+
+
+def test_a_recorded_store_trains_with_no_teacher(student_runs: dict[str, dict[str, Any]], cache: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    out = cache / "student-store-again.json"
+    assert llm_student.main(["--smoke", "--teacher-source", "store", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no teacher needed" in printed and "teacher server:" not in printed
+    again = json.loads(out.read_text())
+    assert _kd(again)["perplexity"] == _kd(student_runs["store"])["perplexity"]  # the same stored targets
 
 
 def test_hf_trainer_smoke(smoke_teacher: Path, cache: Path) -> None:

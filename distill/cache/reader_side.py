@@ -63,16 +63,29 @@ def reader_namespace(options: Any, meta: TeacherMetadata) -> Namespace:
         outputs=outputs,
         dtype=_WIRE_DTYPES.get(options.output_dtype or "", "native"),
         top_k=options.top_k or None,
-        values="logits",
+        **_transforms(options),
     )
+
+
+def _transforms(options: Any) -> dict[str, Any]:
+    """The value transforms the reader states (logprobs, temperature, topk_tail), as namespace fields;
+    one left to the server's default (None) keeps the field as a store made without it has it."""
+    logprobs = getattr(options, "logprobs", None)
+    tail = getattr(options, "topk_tail", None)
+    return {
+        "values": "logprobs" if logprobs else "logits",
+        "temperature": getattr(options, "temperature", None),
+        "extra": (("topk_tail", str(tail).lower()),) if tail is not None else (),
+    }
 
 
 def _check_options(options: Any, stored: Namespace, where: str) -> None:
     """Without a teacher to ask, the store's own namespace must agree with every output setting the
-    reader was given (model, version, outputs, dtype, top-k)."""
+    reader was given (model, version, outputs, dtype, top-k, logprobs, temperature, tail)."""
     asked: dict[str, Any] = {
         "dtype": _WIRE_DTYPES.get(options.output_dtype or "", "native"),
         "top_k": options.top_k or None,
+        **_transforms(options),
     }
     if options.model:
         asked["model_name"] = options.model

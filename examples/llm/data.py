@@ -125,16 +125,25 @@ class Collator:
     ``labels`` are the input ids (a causal LM shifts them itself, and so does the example's loss)
     with ``IGNORE_INDEX`` on padding, so padding never counts in a loss or a metric. Accepts lists
     of ids or ``{"input_ids": [...]}`` dicts (what a ``datasets``-style dataset yields).
+
+    ``pad_to`` > 0 pads every batch to that width instead of its longest sequence: a sample's
+    teacher outputs ``[T, k]`` then have the same shape in every batch it lands in, which a
+    teacher-output store needs (its rows have one shape per sample). With right padding and a
+    causal model the real positions' outputs do not change.
     """
 
-    def __init__(self, pad_id: int) -> None:
+    def __init__(self, pad_id: int, pad_to: int = 0) -> None:
         self.pad_id = int(pad_id)
+        self.pad_to = int(pad_to)
 
     def __call__(self, sequences: Sequence[Sequence[int] | dict[str, Any]]) -> dict[str, torch.Tensor]:
         rows = [list(s["input_ids"]) if isinstance(s, dict) else list(s) for s in sequences]
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("Collator needs a non-empty list of non-empty sequences")
-        width = max(len(r) for r in rows)
+        longest = max(len(r) for r in rows)
+        if self.pad_to and longest > self.pad_to:
+            raise ValueError(f"a sequence of {longest} tokens does not fit pad_to={self.pad_to}")
+        width = self.pad_to or longest
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
@@ -174,3 +183,69 @@ class Batches:
         for b in range(len(self)):
             idx = order[b * self.batch_size : (b + 1) * self.batch_size]
             yield self.collator([self.sequences[i] for i in idx])
+
+
+class TrainBatches:
+    """Exactly ``steps`` padded batches for one training run, over as many seeded shuffled passes as
+    it takes (each pass a new permutation, as ``Batches`` makes them), each batch with ``index``:
+    its sequences' positions in ``sequences``, the sample keys of a teacher-output store.
+
+    One pass of this loader is the whole run, so a ``DistillReader`` over it reads ahead across
+    epoch boundaries and is never left mid-pass. ``plan()`` gives the same index batches without
+    collating: what to record into a store before the students train from it.
+    """
+
+    def __init__(self, sequences: Sequence[list[int]], collator: Collator, *, batch_size: int, seed: int,
+                 steps: int) -> None:
+        if batch_size < 1 or steps < 1:
+            raise ValueError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
+        if not sequences:
+            raise ValueError("TrainBatches needs sequences")
+        self.sequences = sequences
+        self.collator = collator
+        self.batch_size = batch_size
+        self.seed = seed
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def plan(self) -> list[list[int]]:
+        """The sequence indices of every batch, in order (a pure function of the seed)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        n = len(self.sequences)
+        per_pass = -(-n // self.batch_size)
+        out: list[list[int]] = []
+        while len(out) < self.steps:
+            order = torch.randperm(n, generator=gen).tolist()
+            for b in range(min(per_pass, self.steps - len(out))):
+                out.append(order[b * self.batch_size : (b + 1) * self.batch_size])
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for idx in self.plan():
+            batch = self.collator([self.sequences[i] for i in idx])
+            batch["index"] = torch.tensor(idx, dtype=torch.int64)
+            yield batch
+
+
+class IndexBatches:
+    """Padded batches of the given sequence indices, in the given order, each with ``index`` (what
+    ``distill record`` reads to fill a store with exactly the samples the students will see)."""
+
+    def __init__(self, sequences: Sequence[list[int]], collator: Collator, indices: Sequence[int], *,
+                 batch_size: int) -> None:
+        self.sequences = sequences
+        self.collator = collator
+        self.indices = list(indices)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return (len(self.indices) + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for b in range(len(self)):
+            idx = self.indices[b * self.batch_size : (b + 1) * self.batch_size]
+            batch = self.collator([self.sequences[i] for i in idx])
+            batch["index"] = torch.tensor(idx, dtype=torch.int64)
+            yield batch

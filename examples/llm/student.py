@@ -1,31 +1,49 @@
-"""The LLM example's student side: the teacher's top-k log-probabilities, and one KD training step.
+"""The LLM example's student side: where the teacher's top-k comes from, and one KD training step.
 
-The seam: the student loop takes its teacher as a function ``TeacherFn``,
-``batch -> SparseTargets | None``, the teacher's top-k for every position of the batch
-(``[B, T, k]``). Today that function is ``InProcessTeacher``: the teacher model runs in this process
-on its device. When the teacher server serves Hugging Face models and padded variable-length
-batches, a function backed by ``distill.DistillReader`` (the mesh) replaces it, with no change to
-the loop: it returns the same ``SparseTargets`` (or None when no teacher answered in time, which
-``TokenKDLoss`` turns into the plain hard-label loss).
+The seam is ``TargetSource``: given the student's loader, it yields ``(batch, targets)`` pairs,
+``targets`` the teacher's top-k for every position of the batch (``SparseTargets`` ``[B, T, k]``)
+or None (no KD, or no teacher answered, which ``TokenKDLoss`` turns into the plain hard-label
+loss). Three sources fit it and the training loop does not know which one it has:
 
-What the mesh will send per position is exactly what ``InProcessTeacher`` produces: ``k``
-log-probabilities as float16 and their ``k`` token ids as int32, plus the tail mass (the
-probability outside the top-k); the values are computed on the teacher's device as
-``topk(log_softmax(logits / T))``, over the full vocabulary, the only place the temperature is
-exact.
+* ``ReaderTeacher``: the mesh. ``distill.DistillReader`` iterates the loader, asks the teacher
+  servers (or, offline, a teacher-output store) for each batch's top-k, and the outputs become
+  ``SparseTargets``. The default.
+* ``InProcessTeacher``: the teacher model in this process (the reference the mesh is checked
+  against; also a ``TeacherFn`` for the ``Trainer`` example, which asks per batch).
+* ``NoTeacher``: the no-KD baseline.
+
+What a teacher sends per position is the same in every source: ``k`` log-probabilities as
+float16 and their ``k`` token ids as int32, plus the tail mass (the probability outside the
+top-k), computed on the teacher's device as ``topk(log_softmax(logits / T))`` over the full
+vocabulary, the only place the temperature is exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from distill.losses import SparseTargets, TokenKDLoss
 
-TeacherFn = Callable[[dict[str, Tensor]], SparseTargets | None]
-"""The student loop's teacher: a padded batch in, the teacher's top-k per position out (or None)."""
+Batch = dict[str, Tensor]
+TeacherFn = Callable[[Batch], SparseTargets | None]
+"""A per-batch teacher: a padded batch in, the teacher's top-k per position out (or None)."""
+
+OUTPUT = "LOGITS"
+"""The teacher's per-position logits, as the teacher server declares a served causal LM."""
+
+
+class TargetSource(Protocol):
+    """Where a training run's teacher targets come from (see the module docstring)."""
+
+    name: str
+
+    def pairs(self, loader: Iterable[Batch]) -> Iterator[tuple[Batch, SparseTargets | None]]:
+        """Each batch of one pass over ``loader``, in order, with its targets (None: none)."""
+        ...
 
 WIRE_VALUE_DTYPE = torch.float16
 WIRE_INDEX_DTYPE = torch.int32
@@ -58,8 +76,51 @@ def teacher_topk(teacher: nn.Module, batch: dict[str, Tensor], *, k: int, temper
                          tail=tail.to(out, WIRE_VALUE_DTYPE), kind="logprobs")
 
 
+class NoTeacher:
+    """The no-KD baseline: every batch with no targets."""
+
+    name = "none"
+
+    def pairs(self, loader: Iterable[Batch]) -> Iterator[tuple[Batch, SparseTargets | None]]:
+        for batch in loader:
+            yield batch, None
+
+
+def targets_from_outputs(outputs: Mapping[str, Tensor] | None, output: str = OUTPUT) -> SparseTargets | None:
+    """A reader's top-k outputs (``<OUT>_TOPK_VALUES / _INDICES / _TAIL``) as ``SparseTargets``.
+
+    None stays None (a batch no teacher answered, with ``fallback="hard_labels"``). The values are
+    log-probabilities: the reader asks for them (``logprobs=True``) rather than trusting a server's default.
+    """
+    if outputs is None:
+        return None
+    return SparseTargets(outputs[f"{output}_TOPK_VALUES"], outputs[f"{output}_TOPK_INDICES"],
+                         tail=outputs.get(f"{output}_TOPK_TAIL"), kind="logprobs")
+
+
+class ReaderTeacher:
+    """Targets through ``distill.DistillReader``: teacher servers (``teachers=``) or a
+    teacher-output store alone (``cache=``, ``cache_mode="read"``); ``options`` are its keywords.
+
+    One reader per pass (``pairs`` call), closed when the pass ends or the consumer stops early.
+    """
+
+    def __init__(self, name: str, options: Mapping[str, Any]) -> None:
+        self.name = name
+        self.options = dict(options)
+
+    def pairs(self, loader: Iterable[Batch]) -> Iterator[tuple[Batch, SparseTargets | None]]:
+        from distill import DistillReader
+
+        with DistillReader(loader, **self.options) as reader:
+            for batch, outputs in reader:
+                yield batch, targets_from_outputs(outputs)
+
+
 class InProcessTeacher:
-    """A ``TeacherFn`` running the teacher model in this process (to be replaced by the mesh's reader)."""
+    """The teacher model in this process: a ``TeacherFn`` and a ``TargetSource`` (the reference)."""
+
+    name = "inprocess"
 
     def __init__(self, teacher: nn.Module, *, k: int = 16, temperature: float = 1.0) -> None:
         if k < 1:
@@ -68,8 +129,12 @@ class InProcessTeacher:
         self.k = k
         self.temperature = temperature
 
-    def __call__(self, batch: dict[str, Tensor]) -> SparseTargets:
+    def __call__(self, batch: Batch) -> SparseTargets:
         return teacher_topk(self.teacher, batch, k=self.k, temperature=self.temperature)
+
+    def pairs(self, loader: Iterable[Batch]) -> Iterator[tuple[Batch, SparseTargets | None]]:
+        for batch in loader:
+            yield batch, self(batch)
 
 
 def shift(targets: SparseTargets) -> SparseTargets:
