@@ -248,6 +248,8 @@ def make_request(seq: list[int], *, top_k: int, logprobs: bool = True, dtype: st
 
 
 def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: bool) -> list[str]:
+    # A causal LM served as hf:DIR declares these itself (padded with its config's pad_token_id);
+    # stated here so the benchmark pads with the tokenizer's pad id whatever the config says.
     args = [
         "--model", f"hf:{directory}", "--name", MODEL_NAME, "--device", "cpu",
         "--input", f"INPUT_IDS:INT64:-1:pad={pad_id}", "--input", "ATTENTION_MASK:INT64:-1:mask",

@@ -5,10 +5,16 @@ Only the directory is read (`local_files_only=True`, no remote code): a teacher 
 hub at run time. A causal LM and a sequence classifier are served; the teacher declares its own
 tensors, so no --input/--output flags are needed:
 
-    INPUT_IDS       INT64 [-1]       token ids, per sequence
-    ATTENTION_MASK  INT64 [-1]       1 for real tokens, 0 for padding
+    INPUT_IDS       INT64 [-1]       token ids, per sequence (padded with the pad token id)
+    ATTENTION_MASK  INT64 [-1]       1 for real tokens, 0 for padding (the padding mask)
     LOGITS          FP32  [-1, V]    next-token logits per position (causal LM), or
                     FP32  [C]        class logits (sequence classification)
+
+A causal LM declares INPUT_IDS padded (with `pad_token_id`, else 0: the mask hides it) and LOGITS
+per position, so requests of different lengths share a batch, padded on the right, and each gets
+its own positions back; with right padding and the mask, a causal model's outputs at the real
+positions do not change. A sequence classifier finds its last real token through `pad_token_id`,
+so it is declared padded only when its config has one; without, only equal lengths are batched.
 
 The inputs reach `forward` by keyword and the logits are taken from the output object. With
 `--compute-dtype BF16/FP16` the weights are loaded in that dtype (half the memory of fp32; the
@@ -39,12 +45,20 @@ class HFTeacher(nn.Module):
     """A transformers model behind the positional (INPUT_IDS, ATTENTION_MASK) -> LOGITS contract of
     a teacher, with its `io_spec` declared from the model's config."""
 
-    def __init__(self, model: nn.Module, kind: str, width: int) -> None:
+    def __init__(self, model: nn.Module, kind: str, width: int, pad_token_id: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.kind = kind
-        out = f"LOGITS:FP32:-1,{width}" if kind == CAUSAL_LM else f"LOGITS:FP32:{width}"
-        self.io_spec = ModelIO.parse(["INPUT_IDS:INT64:-1", "ATTENTION_MASK:INT64:-1"], [out])
+        if kind == CAUSAL_LM:
+            pad = 0 if pad_token_id is None else pad_token_id
+            inputs = [f"INPUT_IDS:INT64:-1:pad={pad}", "ATTENTION_MASK:INT64:-1:mask"]
+            out = f"LOGITS:FP32:-1,{width}:per_position"
+        elif pad_token_id is not None:
+            inputs = [f"INPUT_IDS:INT64:-1:pad={pad_token_id}", "ATTENTION_MASK:INT64:-1:mask"]
+            out = f"LOGITS:FP32:{width}"
+        else:
+            inputs, out = ["INPUT_IDS:INT64:-1", "ATTENTION_MASK:INT64:-1"], f"LOGITS:FP32:{width}"
+        self.io_spec = ModelIO.parse(inputs, [out])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -95,6 +109,7 @@ def load_hf_teacher(source: str, device: torch.device, dtype: torch.dtype) -> HF
         width = int(getattr(head, "out_features", 0) or config.vocab_size)
     else:
         width = int(config.num_labels)
-    teacher = HFTeacher(model, kind, width).to(device)
+    pad = getattr(config, "pad_token_id", None)
+    teacher = HFTeacher(model, kind, width, None if pad is None else int(pad)).to(device)
     teacher.eval()
     return teacher

@@ -11,7 +11,7 @@ import pytest
 import torch
 import tritonclient.grpc as tg
 
-from teacher_server import ServerConfig
+from teacher_server import BatchingConfig, ServerConfig
 from teacher_server.model import ModelLoadError, load_model
 from tests.servers import ServerThread, teacher_process
 
@@ -69,6 +69,44 @@ def _reference_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray)
     with torch.inference_mode():
         logits: torch.Tensor = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
     return logits
+
+
+def test_requests_of_other_lengths_share_a_batch_and_get_their_own_positions(
+        llama_dir: Path, reference: torch.nn.Module) -> None:
+    """A causal LM declares its inputs padded itself: single sequences of 9, 10, 12 and 14 tokens
+    from concurrent clients, with no mask sent, run as one padded batch (one execution), and each
+    gets exactly its own positions, equal to the model on that sequence alone."""
+    import asyncio
+
+    import tritonclient.grpc.aio as tga
+
+    lengths = (9, 10, 12, 14)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1, VOCAB, size=(1, n), dtype=np.int64) for n in lengths]
+    config = ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", instances=1,
+                          batching=BatchingConfig(max_batch_size=len(lengths), max_queue_delay_us=2_000_000))
+
+    async def send(url: str) -> list[np.ndarray]:
+        client = tga.InferenceServerClient(url)
+        try:
+            calls = []
+            for ids in seqs:
+                i = tga.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+                i.set_data_from_numpy(ids)
+                calls.append(client.infer("llama", [i], client_timeout=60))
+            results = await asyncio.gather(*calls)
+            stats = await client.get_inference_statistics("llama", as_json=True)
+        finally:
+            await client.close()
+        assert int(stats["model_stats"][0]["execution_count"]) == 1, stats
+        return [r.as_numpy("LOGITS") for r in results]
+
+    with ServerThread(config) as s:
+        got = asyncio.run(send(s.url))
+    for ids, out in zip(seqs, got, strict=True):
+        assert out.shape == (1, ids.shape[1], VOCAB)
+        want = _reference_logits(reference, ids, np.ones_like(ids))
+        assert np.allclose(out, want.numpy(), atol=1e-4)
 
 
 def test_the_teacher_declares_its_tensors(hf_server: ServerThread) -> None:
