@@ -209,6 +209,15 @@ class ReaderOptions:
         if self.topk_tail and not numbers["top_k"]:
             raise ValueError("topk_tail=True is the probability mass outside the top-k: ask for top_k=K too")
         temperature = None if self.temperature is None else checked(positive_float, "temperature", self.temperature)
+        logprobs, topk_tail = self.logprobs, self.topk_tail
+        if self.cache is not None:
+            # A store's namespace must name the values it holds: state every value transform, so a
+            # teacher's own defaults (teacher-server --logprobs/--temperature/--topk-tail) never
+            # decide what lands in it unnamed.
+            logprobs = bool(logprobs)
+            temperature = 1.0 if temperature is None else temperature
+            if numbers["top_k"]:
+                topk_tail = bool(topk_tail)
         tls = (ClientTLS(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
                if any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)) else None)
         normalised: dict[str, Any] = {
@@ -217,7 +226,7 @@ class ReaderOptions:
             "outputs": tuple(self.outputs) if self.outputs else None,
             "device": torch.device(self.device) if self.device is not None else None,
             "output_dtype": dtype.upper() if dtype else None,
-            "temperature": temperature,
+            "temperature": temperature, "logprobs": logprobs, "topk_tail": topk_tail,
             "student_id": self.student_id or default_student_id(),
             "registry_options": dict(self.registry_options or {}),
             "router": self.router or RouterConfig(),

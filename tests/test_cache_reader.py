@@ -16,6 +16,7 @@ pytest.importorskip("pyarrow")
 from distill import DistillReader, add_distill_args
 from distill.cache import NamespaceMismatchError, StoreNotFoundError, TeacherOutputStore
 from distill.cache.reader_side import CacheMissError
+from distill.reader import ReaderOptions
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ServerConfig
 from tests import seq_models
@@ -357,37 +358,58 @@ def _seq_pass(data: list[dict[str, torch.Tensor]], url: str, **kw: object) -> li
 def _same_on_real_positions(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                             batch: dict[str, torch.Tensor]) -> None:
     real = batch["MASK"].bool()
-    for name in ("LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES"):
+    assert sorted(got) == sorted(want)
+    for name in want:
         assert got[name].shape == want[name].shape, f"{name}: {list(got[name].shape)} != {list(want[name].shape)}"
         assert got[name].dtype == want[name].dtype
         assert torch.allclose(got[name][real].double(), want[name][real].double(), atol=1e-5), name
 
 
+@pytest.mark.parametrize("tail", [False, True], ids=["top-k", "logprobs-top-k-tail"])
 def test_per_position_outputs_of_other_lengths_merge_into_the_batchs_padded_shape(
-        seq_teacher: ServerThread, tmp_path: Path) -> None:
+        seq_teacher: ServerThread, tmp_path: Path, tail: bool) -> None:
     """Samples stored from batches of one padded width come back in batches of another: a partial
     hit merges stored rows of several lengths with the teacher's padded answer, and a full hit
-    yields the batch's own width; on every real position both equal a reader without a store."""
+    yields the batch's own width; on every real position both equal a reader without a store
+    (also with log-probabilities and the per-position tail mass)."""
     cache = tmp_path / "kd"
     n = len(SEQ_LENGTHS)
+    kw: dict[str, object] = {"logprobs": True, "topk_tail": True} if tail else {}
     recorded = _seq_batches(list(range(0, n, 2)), rows=3)  # the even samples, widths of their batches
-    _seq_pass(recorded, seq_teacher.url, cache=str(cache), cache_mode="write", key="index")
+    _seq_pass(recorded, seq_teacher.url, cache=str(cache), cache_mode="write", key="index", **kw)
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == n // 2
         assert store.output_specs["LOGITS_TOPK_VALUES"].variable, "per-position outputs were stored padded"
+        if tail:
+            assert store.output_specs["LOGITS_TOPK_TAIL"].variable, "the per-position tail was stored padded"
         assert store.output_specs["LOGITS_TOPK_INDICES"].dtype == "int16", "ids of a 50-token vocabulary"
 
     shuffled = [5, 0, 7, 2, 9, 4, 11, 6, 1, 8, 3, 10]  # batches mixing stored and new samples, other widths
     data = _seq_batches(shuffled, rows=4)
-    plain = _seq_pass(data, seq_teacher.url)
-    merged = _seq_pass(data, seq_teacher.url, cache=str(cache), cache_mode="read_write", key="index")
+    plain = _seq_pass(data, seq_teacher.url, **kw)
+    merged = _seq_pass(data, seq_teacher.url, cache=str(cache), cache_mode="read_write", key="index", **kw)
     for got, want, batch in zip(merged, plain, data, strict=True):
         _same_on_real_positions(got, want, batch)
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == n, "the teacher's rows were not written back"
 
     regrouped = _seq_batches(list(range(n)), rows=6)  # every sample stored: full hits, new widths
-    plain = _seq_pass(regrouped, seq_teacher.url)
-    stored = _seq_pass(regrouped, seq_teacher.url, cache=str(cache), cache_mode="read", key="index")
+    plain = _seq_pass(regrouped, seq_teacher.url, **kw)
+    stored = _seq_pass(regrouped, seq_teacher.url, cache=str(cache), cache_mode="read", key="index", **kw)
     for got, want, batch in zip(stored, plain, regrouped, strict=True):
         _same_on_real_positions(got, want, batch)
+
+
+def test_a_teachers_own_transform_defaults_never_reach_a_store_unnamed(tmp_path: Path) -> None:
+    """A teacher started with --logprobs --temperature 2 as its defaults: a reader with a store
+    states every value transform, so it gets the raw outputs its namespace ("logits", no
+    temperature) names, not the teacher's log-probabilities stored under that name."""
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", logprobs=True, temperature=2.0,
+                       batching=BatchingConfig(max_batch_size=8, max_queue_delay_us=200))
+    data = _batches(3)
+    with ServerThread(cfg) as srv, _reader(data, srv, tmp_path / "kd", "read_write") as reader:
+        _epoch(reader, len(data))  # raw outputs: equal to the model's own
+    with TeacherOutputStore.open(tmp_path / "kd") as store:
+        assert store.namespace.values == "logits" and store.namespace.temperature is None
+    plain = ReaderOptions(teachers="127.0.0.1:1", inputs=["X"], outputs=["Y"], logprobs=True)
+    assert plain.logprobs is True and plain.temperature is None, "only a reader with a store fills them in"

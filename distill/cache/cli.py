@@ -74,6 +74,13 @@ def add_record_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model-version", default="", help="model version to ask for (default: the teacher's)")
     p.add_argument("--top-k", type=int, default=0, help="store top-k outputs instead of full tensors")
     p.add_argument("--output-dtype", choices=("FP32", "FP16", "BF16"), help="ask teachers for this dtype")
+    p.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask for log-probabilities (log-softmax over the last dimension) instead of logits "
+                   "(default: the teachers' own setting)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="softmax temperature the teachers apply before log-softmax/top-k (default: theirs)")
+    p.add_argument("--topk-tail", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --top-k, also store <OUT>_TOPK_TAIL, the probability mass outside the top-k")
     p.add_argument("--prefetch", type=int, default=16, help="batches in flight (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -108,6 +115,7 @@ def record(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
             loader, cache=args.cache, teachers=args.teachers, registry=args.registry, service=args.service,
             inputs=args.inputs.split(","), outputs=args.outputs.split(",") if args.outputs else None, key=key,
             model=args.model, model_version=args.model_version, top_k=args.top_k, output_dtype=args.output_dtype,
+            logprobs=args.logprobs, temperature=args.temperature, topk_tail=args.topk_tail,
             prefetch=args.prefetch, timeout=args.timeout, progress=not args.no_progress, progress_file=err)
     except (ValueError, TypeError, ImportError, AttributeError, DistillError) as e:
         print(f"distill record: {e}", file=err)

@@ -72,9 +72,10 @@ def _transforms(options: Any) -> dict[str, Any]:
     one left to the server's default (None) keeps the field as a store made without it has it."""
     logprobs = getattr(options, "logprobs", None)
     tail = getattr(options, "topk_tail", None)
+    temperature = getattr(options, "temperature", None)
     return {
         "values": "logprobs" if logprobs else "logits",
-        "temperature": getattr(options, "temperature", None),
+        "temperature": None if temperature == 1.0 else temperature,  # 1 is no temperature at all
         "extra": (("topk_tail", str(tail).lower()),) if tail is not None else (),
     }
 
@@ -467,13 +468,13 @@ def _per_position(ns: Namespace, meta: TeacherMetadata) -> tuple[frozenset[str],
     """(outputs with a length per sample, inputs that carry that length) from the teacher's
     metadata: a teacher with inputs of open length ([-1, ...] per sample) pads them per batch, and
     its outputs of open length ([-1, ...]) follow the inputs' positions. A top-k output
-    (<OUT>_TOPK_VALUES) is per-position when <OUT> is."""
+    (<OUT>_TOPK_VALUES, _INDICES and the _TAIL mass) is per-position when <OUT> is."""
     seq_inputs = tuple(n for n, t in meta.inputs.items() if t.shape[:1] == (-1,))
     if not seq_inputs:
         return frozenset(), None
     variable = set()
     for name in ns.outputs:
-        for stored in (name, f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES"):
+        for stored in (name, f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES", f"{name}_TOPK_TAIL"):
             base = stored.rsplit("_TOPK_", 1)[0]
             out = meta.outputs.get(base)
             if out is not None and out.shape[:1] == (-1,):
