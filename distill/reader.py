@@ -405,8 +405,10 @@ class DistillReader:
                 asyncio.run_coroutine_threadsafe(self._engine.close(), self._loop).result(30)
             except Exception:
                 log.exception("closing the reader's engine failed")
-        # Drop the engine now: its channels sit in reference cycles (client <- teacher <- router), and
-        # gRPC's poller thread would otherwise live until a garbage collection, perhaps at interpreter exit.
+        # Engine.close() closed every channel and broke the engine's reference cycles (CallWatch's call
+        # map, the pools' and the watch's hold on the engine, the finished epoch task), so nothing gRPC
+        # waits for a garbage collection, perhaps at interpreter exit (tests/test_reader_release.py). An
+        # iterator the user still holds keeps the engine object, but no channel, client or thread.
         self._engine = None
         self._stop_loop()
 
