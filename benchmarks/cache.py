@@ -47,8 +47,7 @@ from benchmarks.common import (
     machine_info,
     median,
     paired_ratios,
-    sigterm_raises,
-    write_results,
+    run_and_report,
 )
 from benchmarks.cpu import QuietGate
 from benchmarks.mesh import Rep, count_mismatches, pure_batches, server_args, server_env, service_batches, timed_loop
@@ -336,15 +335,7 @@ def parse_args(argv: list[str] | None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
-    started = time.perf_counter()
-    with sigterm_raises():
-        doc = run(s)
-    doc["total_wall_s"] = round(time.perf_counter() - started, 1)
-    path = write_results("cache_quick" if s.quick else "cache", doc)
-    print()
-    print(report(doc))
-    print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
-    return 0 if ok(doc) else 1
+    return run_and_report(lambda: run(s), "cache_quick" if s.quick else "cache", report, ok)
 
 
 if __name__ == "__main__":

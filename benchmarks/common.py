@@ -23,6 +23,7 @@ import platform
 import signal
 import statistics
 import subprocess
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -246,3 +247,23 @@ def sigterm_raises() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+
+
+def run_and_report(run: Callable[[], dict[str, Any]], name: str, report: Callable[[dict[str, Any]], str],
+                   ok: Callable[[dict[str, Any]], bool] = lambda doc: True) -> int:
+    """A benchmark's ``main``: run it with SIGTERM stopping its servers, time it, write its results
+    under ``name``, print its report and where the file went; exit status 0 when ``ok(doc)``, 1
+    when not, 130 when interrupted (nothing written)."""
+    started = time.perf_counter()
+    try:
+        with sigterm_raises():
+            doc = run()
+    except KeyboardInterrupt:
+        print("\ninterrupted: servers stopped, no results written")
+        return 130
+    doc["total_wall_s"] = round(time.perf_counter() - started, 1)
+    path = write_results(name, doc)
+    print()
+    print(report(doc))
+    print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
+    return 0 if ok(doc) else 1

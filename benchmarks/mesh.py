@@ -52,8 +52,7 @@ from benchmarks.common import (
     median,
     paired_ratios,
     ratio,
-    sigterm_raises,
-    write_results,
+    run_and_report,
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
 from benchmarks.mesh_report import ok, report
@@ -460,15 +459,7 @@ def result_name(s: Settings) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
-    started = time.perf_counter()
-    with sigterm_raises():
-        doc = run(s)
-    doc["total_wall_s"] = round(time.perf_counter() - started, 1)
-    path = write_results(result_name(s), doc)
-    print()
-    print(report(doc, REDO_FOREIGN_CORES))
-    print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
-    return 0 if ok(doc) else 1
+    return run_and_report(lambda: run(s), result_name(s), lambda doc: report(doc, REDO_FOREIGN_CORES), ok)
 
 
 if __name__ == "__main__":

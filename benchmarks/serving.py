@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -54,8 +53,7 @@ from benchmarks.common import (
     median,
     paired_ratios,
     ratio,
-    sigterm_raises,
-    write_results,
+    run_and_report,
 )
 from benchmarks.cpu import QuietGate
 from benchmarks.serving_measure import (
@@ -396,19 +394,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
-    started = time.perf_counter()
-    try:
-        with sigterm_raises():
-            doc = asyncio.run(run(s))
-    except KeyboardInterrupt:
-        print("\ninterrupted: servers stopped, no results written", file=sys.stderr)
-        return 130
-    doc["total_wall_s"] = round(time.perf_counter() - started, 1)
-    path = write_results(s.out, doc)
-    print()
-    print(report(doc))
-    print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
-    return 0
+    return run_and_report(lambda: asyncio.run(run(s)), s.out, report)
 
 
 if __name__ == "__main__":
