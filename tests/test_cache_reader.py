@@ -359,10 +359,10 @@ def _same_on_real_positions(got: dict[str, torch.Tensor], want: dict[str, torch.
                             batch: dict[str, torch.Tensor]) -> None:
     real = batch["MASK"].bool()
     assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].shape == want[name].shape, f"{name}: {list(got[name].shape)} != {list(want[name].shape)}"
-        assert got[name].dtype == want[name].dtype
-        assert torch.allclose(got[name][real].double(), want[name][real].double(), atol=1e-5), name
+    for name, w in want.items():
+        assert got[name].shape == w.shape, f"{name}: {list(got[name].shape)} != {list(w.shape)}"
+        assert got[name].dtype == w.dtype
+        assert torch.allclose(got[name][real].double(), w[real].double(), atol=1e-5), name
 
 
 @pytest.mark.parametrize("tail", [False, True], ids=["top-k", "logprobs-top-k-tail"])
