@@ -33,7 +33,8 @@ CUDART_DIR="$(ls -d "$PA_VENV"/lib/python3*/site-packages/nvidia/cuda_runtime/li
 export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! ldconfig -p | grep -q 'libb64\.so\.0d'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get install -y -q libb64-0d >/dev/null
+        # A fresh machine may have no package lists yet: update them once if the install fails.
+        apt-get install -y -q libb64-0d >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libb64-0d >/dev/null; }
     else
         echo "perf_analyzer needs libb64.so.0d: install libb64-0d (apt-get install libb64-0d) and run again" >&2
         exit 1

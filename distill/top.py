@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import shutil
@@ -446,6 +447,9 @@ def _open(address: str, options: dict[str, Any]) -> list[EtcdRegistry]:
     return [EtcdRegistry(ep, **options) for ep in parsed.endpoints]
 
 
+_CLOSE_TIMEOUT_S = 5.0
+
+
 async def _run(args: argparse.Namespace, out: Any) -> int:
     registries = _open(args.registry, _registry_options(args))
     try:
@@ -473,8 +477,10 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
             except RegistryUnavailableError as e:
                 problem = str(e)
     finally:
+        # Bounded: Ctrl-C lands here, and a close stuck on a dying connection must not eat it.
         for r in registries:
-            await r.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(r.close(), _CLOSE_TIMEOUT_S)
 
 
 def run(args: argparse.Namespace, out: Any = None) -> int:

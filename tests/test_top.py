@@ -141,14 +141,29 @@ def test_top_says_clearly_when_the_registry_is_unreachable() -> None:
 def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "distill.cli", "top", "--registry", etcd.address,
                              "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    redrawn = threading.Event()
+
+    def read() -> None:  # until the view has been drawn twice: the event the Ctrl-C waits for
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read(1):
+            seen.append(chunk)
+            if "".join(seen[-4096:]).count("\x1b[H\x1b[2J") >= 2 or len(seen) > 200_000:
+                redrawn.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(3)
+        assert redrawn.wait(60), f"distill top did not redraw its view in 60 s: {''.join(seen)[-500:]!r}"
+        reader.join(10)
         proc.send_signal(2)  # Ctrl-C
-        stdout, _ = proc.communicate(timeout=15)
+        rest, _ = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    stdout = "".join(seen) + rest
     assert proc.returncode == 0
     assert stdout.count("\x1b[H\x1b[2J") >= 2, "the view should have been redrawn"
     assert "Ctrl-C to quit" in stdout
