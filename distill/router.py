@@ -239,8 +239,12 @@ class Router:
         if pending:
             timeout = min(pending) if timeout is None else min(timeout, *pending)
         self._changed.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns normally when the event is
+        # set in the same loop turn as the waiter is cancelled, swallowing the cancellation, and the
+        # engine's dispatch loop then waits forever at close.
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
         except TimeoutError:
             pass
 

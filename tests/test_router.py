@@ -118,3 +118,26 @@ def test_overload_halves_the_limit_and_failures_eject_with_backoff() -> None:
         await _close([a])
 
     asyncio.run(main())
+
+
+def test_a_cancelled_wait_for_a_change_is_never_swallowed() -> None:
+    """The engine's dispatch loop waits here; cancelled at close in the same loop turn as a change
+    arrives, the wait must still end in CancelledError, or the dispatch loop waits forever."""
+
+    async def once(turns: int) -> bool:
+        router = Router("svc")
+        task = asyncio.create_task(router.wait_change(30.0))
+        await asyncio.sleep(0)
+        router._changed.set()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if not task.cancel():  # already returned: nothing was cancelled
+            return False
+        try:
+            await asyncio.wait_for(task, 10)
+        except asyncio.CancelledError:
+            return True
+        raise AssertionError(f"a wait cancelled {turns} loop turn(s) after the change returned normally")
+
+    cancelled = [asyncio.run(once(turns)) for turns in range(4)]
+    assert any(cancelled), "no case cancelled a pending wait: the test checks nothing"
