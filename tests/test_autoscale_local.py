@@ -137,6 +137,10 @@ async def exercise(controller: Controller, backend: LocalBackend, student: Stude
     print(f"scale-up decided {up:.1f} s after the student started")
 
 
+# Real teacher processes scaled up and drained down: on a machine whose cores are busy with other
+# work, starting them and the down window take minutes, not seconds; the test checks what happens,
+# not how fast (W4 measures that), so it has a budget of its own beyond the suite's 120 s.
+@pytest.mark.timeout(330)
 def test_demand_up_adds_teachers_demand_down_drains_them_without_failed_requests() -> None:
     service = unique_service("auto")
     with LocalEtcd() as etcd:
@@ -171,7 +175,7 @@ def test_demand_up_adds_teachers_demand_down_drains_them_without_failed_requests
             assert _changes([d["desired"] for d in followed]) == _changes(made), (followed, made)
             assert {d["action"] for d in followed} >= {"up", "down"}
 
-        arun(scenario(), timeout=110)
+        arun(scenario(), timeout=300)
     assert not student.is_alive()
     assert student.error is None, repr(student.error)
     assert student.seen == list(range(len(student.seen))), "batches lost, duplicated or out of order"
