@@ -178,7 +178,10 @@ async def read_view(registries: Sequence[EtcdRegistry], services: Sequence[str] 
             return await c.get_prefix(f"{keys.ROOT}/".encode())
 
         try:
-            resp = await asyncio.wait_for(read(), timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the cancellation
+            # that Ctrl-C sends (asyncio.run cancels the main task), and the view then never stops.
+            async with asyncio.timeout(timeout):
+                resp = await read()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure of this endpoint: try the next one
@@ -479,8 +482,9 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
     finally:
         # Bounded: Ctrl-C lands here, and a close stuck on a dying connection must not eat it.
         for r in registries:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(r.close(), _CLOSE_TIMEOUT_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                    await r.close()
 
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
