@@ -267,3 +267,19 @@ def run_and_report(run: Callable[[], dict[str, Any]], name: str, report: Callabl
     print(report(doc))
     print(f"\nwrote {path} ({doc['total_wall_s']:.0f} s)")
     return 0 if ok(doc) else 1
+
+
+def redo_when_loaded(max_foreign_cores: float, max_redos: int) -> Callable[[Any], bool]:
+    """An ``interleave`` ``redo_if``: measure again when other processes took more than
+    ``max_foreign_cores`` during a measurement (its ``cpu.foreign_cores``), at most ``max_redos``
+    times in all, saying so each time."""
+    left = [max_redos]
+
+    def contaminated(m: Any) -> bool:
+        if m.cpu is None or m.cpu.foreign_cores <= max_foreign_cores or left[0] <= 0:
+            return False
+        left[0] -= 1
+        print(f"  (foreign load {m.cpu.foreign_cores:.2f} cores: measuring again)", flush=True)
+        return True
+
+    return contaminated

@@ -57,6 +57,7 @@ from benchmarks.common import (
     machine_info,
     median,
     paired_ratios,
+    redo_when_loaded,
     run_and_report,
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
@@ -386,15 +387,7 @@ async def run(s: Settings) -> dict[str, Any]:
                 "inprocess": inprocess, "server_buckets": served("server_buckets"),
                 "server_no_buckets": served("server_no_buckets")}
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
-            redos_left = s.max_redos
-
-            def contaminated(m: Measurement) -> bool:
-                nonlocal redos_left
-                if m.cpu is None or m.cpu.foreign_cores <= s.max_foreign_cores or redos_left <= 0:
-                    return False
-                redos_left -= 1
-                print(f"  (foreign load {m.cpu.foreign_cores:.2f} cores: measuring again)", flush=True)
-                return True
+            contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos)
 
             discarded: dict[str, list[Measurement]] = {}
             per_rep = await ainterleave(s.reps, variants, print_rep,

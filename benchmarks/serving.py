@@ -53,6 +53,7 @@ from benchmarks.common import (
     median,
     paired_ratios,
     ratio,
+    redo_when_loaded,
     run_and_report,
 )
 from benchmarks.cpu import QuietGate
@@ -192,15 +193,7 @@ async def run(s: Settings) -> dict[str, Any]:
                     stubs["batching_off"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
                     warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
-            redos_left = s.max_redos
-
-            def contaminated(m: Measurement) -> bool:
-                nonlocal redos_left
-                if m.cpu is None or m.cpu.foreign_cores <= s.max_foreign_cores or redos_left <= 0:
-                    return False
-                redos_left -= 1
-                print(f"  (foreign load {m.cpu.foreign_cores:.2f} cores: measuring again)", flush=True)
-                return True
+            contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos)
 
             discarded: dict[str, list[Measurement]] = {}
             per_rep = await ainterleave(
