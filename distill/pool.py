@@ -111,7 +111,8 @@ class TeacherPool:
         deadline = time.monotonic() + self.opts.timeout + 1
         while t.in_flight > 0 and (remaining := deadline - time.monotonic()) > 0:
             await self.router.wait_change(remaining)
-        await asyncio.wait_for(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
+        async with asyncio.timeout(CLIENT_CLOSE_TIMEOUT_S):
+            await t.client.close()
 
     async def close(self) -> None:
         """Close every member's client (the engine has cancelled their calls already), then drop the
@@ -120,7 +121,8 @@ class TeacherPool:
         self._spawn = spawn_closed
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
-                await asyncio.wait_for(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
+                async with asyncio.timeout(CLIENT_CLOSE_TIMEOUT_S):
+                    await t.client.close()
         self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
     # ---- metadata ---------------------------------------------------------------------------

@@ -235,7 +235,8 @@ async def check_registry_access(registry: str, service: str, options: dict[str, 
     reg = open_registry(registry, connect_timeout=_REGISTRY_CHECK_S, **options)
     try:
         async with reg:
-            await asyncio.wait_for(reg.teachers(service), 2 * _REGISTRY_CHECK_S)
+            async with asyncio.timeout(2 * _REGISTRY_CHECK_S):
+                await reg.teachers(service)
     except (RegistryError, OSError, TimeoutError) as e:
         text = str(e) or type(e).__name__
         if any(marker in text.lower() for marker in _AUTH_REFUSALS):

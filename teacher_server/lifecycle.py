@@ -99,7 +99,8 @@ class RequestLifecycle:
         if self._idle.is_set():  # a zero grace with nothing in flight has not run out
             return True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False
