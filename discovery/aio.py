@@ -32,6 +32,20 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
         await asyncio.wait([task], timeout=1.0)
 
 
+
+def raise_if_cancel_lost() -> None:
+    """Raise ``CancelledError`` if the current task was asked to cancel and the request was lost.
+
+    ``grpc.aio`` loses a cancellation that reaches a task in the loop turn its call's response
+    arrives in: the call returns the response (or fails with an OK-status error) and the task goes
+    on. A loop that runs until it is cancelled (``distill top`` until Ctrl-C) calls this after each
+    RPC, or one lost Ctrl-C leaves it running for good. Not for code inside an ``except
+    CancelledError`` cleanup, where the request is pending by design.
+    """
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError()
+
 if sys.version_info >= (3, 11):
     deadline = asyncio.timeout
 else:  # pragma: no cover - Python 3.10

@@ -526,8 +526,17 @@ class Engine:
         for task in tasks:
             task.remove_done_callback(self._task_done)
             task.remove_done_callback(self._aux_done)
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Cancelled again every second until each has ended: grpc.aio loses a cancellation that
+        # reaches a call in the loop turn its answer arrives in, and a task that goes on must not
+        # hold close for good (a registry watch would).
+        pending = set(tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        for task in tasks:  # retrieved, so a task that failed while closing is not logged later
+            if not task.cancelled():
+                task.exception()
         # A cancelled task keeps its CancelledError, whose traceback holds the task's frames and so
         # the engine: a cycle through `_epoch_task` unless it is dropped too.
         self._tasks.clear()

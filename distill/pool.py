@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from discovery import TeacherSet, subset
+from discovery.aio import deadline
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.router import Router, TeacherState
 from distill.teacher_client import (
@@ -108,10 +109,10 @@ class TeacherPool:
 
     async def _close_when_idle(self, t: TeacherState) -> None:
         """A departed teacher may still answer chunks it accepted (a drain); close after them."""
-        deadline = time.monotonic() + self.opts.timeout + 1
-        while t.in_flight > 0 and (remaining := deadline - time.monotonic()) > 0:
+        give_up_at = time.monotonic() + self.opts.timeout + 1
+        while t.in_flight > 0 and (remaining := give_up_at - time.monotonic()) > 0:
             await self.router.wait_change(remaining)
-        async with asyncio.timeout(CLIENT_CLOSE_TIMEOUT_S):
+        async with deadline(CLIENT_CLOSE_TIMEOUT_S):
             await t.client.close()
 
     async def close(self) -> None:
@@ -121,7 +122,7 @@ class TeacherPool:
         self._spawn = spawn_closed
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
-                async with asyncio.timeout(CLIENT_CLOSE_TIMEOUT_S):
+                async with deadline(CLIENT_CLOSE_TIMEOUT_S):
                     await t.client.close()
         self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
@@ -168,7 +169,7 @@ class TeacherPool:
 
     async def wait_first(self) -> None:
         """Wait for one teacher's metadata and check names, so a typo fails before training starts."""
-        deadline = time.monotonic() + self.opts.no_teacher_timeout
+        give_up_at = time.monotonic() + self.opts.no_teacher_timeout
         while True:
             metas = [t for t in self.router.teachers.values() if t.meta is not None]
             if metas:
@@ -181,13 +182,13 @@ class TeacherPool:
                     f"service {self.service!r}: no teacher can be used: "
                     f"{'; '.join(t.describe() for t in live[:5])}. Pass model='NAME' (--distill_model NAME)."
                 )
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= give_up_at:
                 if self.opts.fallback == "hard_labels":
                     log.warning("no teacher for service %r yet; training on hard labels until one appears",
                                 self.service)
                     return
                 raise self.no_teacher_error()
-            await self.router.wait_change(min(1.0, deadline - time.monotonic()))
+            await self.router.wait_change(min(1.0, give_up_at - time.monotonic()))
         t = metas[0]
         assert t.meta is not None
         missing_in = [n for n in self.opts.inputs if n not in t.meta.inputs]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from discovery.aio import deadline
 from distill.teacher_client import InferenceClient, TeacherMetadata
 
 log = logging.getLogger(__name__)
@@ -239,11 +240,11 @@ class Router:
         if pending:
             timeout = min(pending) if timeout is None else min(timeout, *pending)
         self._changed.clear()
-        # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns normally when the event is
-        # set in the same loop turn as the waiter is cancelled, swallowing the cancellation, and the
-        # engine's dispatch loop then waits forever at close.
+        # deadline (asyncio.timeout), not wait_for: on Python 3.11, wait_for returns normally when
+        # the event is set in the same loop turn as the waiter is cancelled, swallowing the
+        # cancellation, and the engine's dispatch loop then waits forever at close.
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline(timeout):
                 await self._changed.wait()
         except TimeoutError:
             pass

@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError, Message
 
 from discovery import keys
 from discovery.address import parse_address
+from discovery.aio import deadline, raise_if_cancel_lost
 from discovery.base import RegistryError, RegistryUnavailableError
 from discovery.etcd import EtcdRegistry
 from discovery.options import add_registry_security_args, registry_security_options
@@ -178,9 +179,9 @@ async def read_view(registries: Sequence[EtcdRegistry], services: Sequence[str] 
             return await c.get_prefix(f"{keys.ROOT}/".encode())
 
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the cancellation
-            # that Ctrl-C sends (asyncio.run cancels the main task), and the view then never stops.
-            async with asyncio.timeout(timeout):
+            # deadline (asyncio.timeout), not wait_for: on Python 3.11 wait_for can swallow the
+            # cancellation that Ctrl-C sends (asyncio.run cancels the main task).
+            async with deadline(timeout):
                 resp = await read()
         except asyncio.CancelledError:
             raise
@@ -479,11 +480,12 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
                 view, problem = await read_view(registries, args.service, args.timeout), None
             except RegistryUnavailableError as e:
                 problem = str(e)
+            raise_if_cancel_lost()  # a Ctrl-C that met the read's answer, which gRPC then returned
     finally:
         # Bounded: Ctrl-C lands here, and a close stuck on a dying connection must not eat it.
         for r in registries:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                async with deadline(_CLOSE_TIMEOUT_S):
                     await r.close()
 
 

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from discovery.aio import deadline
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
 from teacher_server.server import (
@@ -234,9 +235,8 @@ async def check_registry_access(registry: str, service: str, options: dict[str, 
 
     reg = open_registry(registry, connect_timeout=_REGISTRY_CHECK_S, **options)
     try:
-        async with reg:
-            async with asyncio.timeout(2 * _REGISTRY_CHECK_S):
-                await reg.teachers(service)
+        async with reg, deadline(2 * _REGISTRY_CHECK_S):
+            await reg.teachers(service)
     except (RegistryError, OSError, TimeoutError) as e:
         text = str(e) or type(e).__name__
         if any(marker in text.lower() for marker in _AUTH_REFUSALS):

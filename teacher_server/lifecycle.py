@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from discovery.aio import deadline
 from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
 from teacher_server.errors import (
     InferError,
@@ -99,7 +100,7 @@ class RequestLifecycle:
         if self._idle.is_set():  # a zero grace with nothing in flight has not run out
             return True
         try:
-            async with asyncio.timeout(timeout_s):
+            async with deadline(timeout_s):
                 await self._idle.wait()
             return True
         except TimeoutError:

@@ -53,7 +53,8 @@ class MemoryTeacher:
     gRPC client types it); `refuse(request)` returns a model error message for inputs it refuses;
     `shed_every` sheds every n-th call with CANCELLED (overload); `hang` never answers (the call
     ends at its deadline, as a hung server's would); `frozen` hangs readiness probes too (a stopped
-    process); `ready` is what a readiness probe hears.
+    process); `ready` is what a readiness probe hears; `lose_cancel` loses the first cancellation of
+    a call and goes on to its deadline (grpc.aio loses one that meets the call's answer).
     """
 
     def __init__(self, number: int, endpoint: str) -> None:
@@ -66,6 +67,7 @@ class MemoryTeacher:
         self.refuse: Callable[[ChunkRequest], str | None] = lambda _: None
         self.shed_every = 0
         self.ready_ok = True
+        self.lose_cancel = False
         self.calls: list[ChunkRequest] = []
         self.answered = 0
         self.cancelled = 0
@@ -84,6 +86,10 @@ class MemoryTeacher:
             await asyncio.sleep(self.delay_s(request))
         except asyncio.CancelledError:
             self.cancelled += 1
+            if not self.lose_cancel:
+                raise
+            self.lose_cancel = False
+            await asyncio.sleep(timeout)  # goes on as if never cancelled; a second cancel ends it
             raise
         if self.fail is not None:
             raise call_error(self.fail, f"scripted failure of teacher {self.number}")
@@ -175,7 +181,7 @@ def run(scenario: Scenario, teachers: int = 2, setup: Callable[[list[MemoryTeach
             await asyncio.wait_for(engine.start(), LIMIT_S)
             await asyncio.wait_for(scenario(engine, sink, mem), LIMIT_S)
         finally:
-            await engine.close()
+            await asyncio.wait_for(engine.close(), LIMIT_S)
 
     asyncio.run(main())
     return mem
@@ -547,3 +553,21 @@ def test_an_answer_contradicting_the_metadata_is_refused_by_the_client() -> None
         ok.outputs.add(name=name, datatype=dtype, shape=[2, 3])
         ok.raw_output_contents.append(data.numpy().tobytes())
     assert set(decode_response(ok, topk)) == {"Y_TOPK_VALUES", "Y_TOPK_INDICES"}
+
+
+def test_close_ends_a_call_that_lost_its_cancellation() -> None:
+    """A chunk call that goes on after the engine cancels it (as grpc.aio lets one do) is cancelled
+    again: close does not wait for its 120 s deadline."""
+    async def scenario(engine: Engine, sink: Collected, mem: list[MemoryTeacher]) -> None:
+        engine.begin_epoch(batches(2))
+        for _ in range(3000):  # until the call is in flight; bounded
+            if mem[0].calls:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the engine never called the teacher")
+
+    def setup(mem: list[MemoryTeacher]) -> None:
+        mem[0].hang = mem[0].lose_cancel = True
+
+    mem = run(scenario, teachers=1, setup=setup, timeout=120.0)
+    assert not mem[0].lose_cancel, "the call was never cancelled, so nothing was lost"

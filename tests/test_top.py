@@ -6,7 +6,9 @@ format, skipping values that do not parse), which need no etcd.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import pytest
@@ -174,6 +177,44 @@ def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
 
 def _kv(key: str, msg: object) -> tuple[bytes, bytes]:
     return key.encode(), msg.SerializeToString()  # type: ignore[attr-defined]
+
+
+def test_a_ctrl_c_that_a_read_loses_still_stops_the_view(etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpc.aio loses a cancellation that reaches a call in the loop turn its answer arrives in: the
+    read returns its answer and the task goes on. The view must still stop at that Ctrl-C (asyncio.run
+    sends it as one cancellation of the main task), not refresh until a second one."""
+    real_read = dtop.read_view
+    reads = 0
+
+    async def read_losing_a_cancel(*args: Any, **kwargs: Any) -> dtop.MeshView:
+        nonlocal reads
+        view = await real_read(*args, **kwargs)
+        reads += 1
+        if reads == 2:  # Ctrl-C lands as the answer comes back, and gRPC returns the answer
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+        return view
+
+    monkeypatch.setattr(dtop, "read_view", read_losing_a_cancel)
+    parser = argparse.ArgumentParser()
+    dtop.add_arguments(parser)
+    args = parser.parse_args(["--registry", etcd.address, "--interval", "0.05"])
+
+    async def main() -> None:
+        view = asyncio.create_task(dtop._run(args, io.StringIO()))
+        done, _ = await asyncio.wait([view], timeout=30)
+        if not done:
+            view.cancel()
+            await asyncio.wait([view], timeout=10)
+        assert done, f"the view went on refreshing after its cancellation was lost ({reads} reads)"
+        assert view.cancelled() and reads == 2, (view, reads)
+
+    arun(main(), timeout=60)
 
 
 def test_parse_groups_services_joins_loads_and_skips_garbage() -> None:
