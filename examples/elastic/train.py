@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,11 @@ def process_group() -> Iterator[tuple[int, int]]:
     try:
         yield dist.get_rank(), dist.get_world_size()
         dist.barrier()  # no rank tears the group down while a peer is still in a collective with it
+        # gloo's barrier can return on one rank while its last message to a peer is still being
+        # delivered, and tearing the group down then aborts that peer (gloo issue #155). The store,
+        # kept by the torchrun agent, is the last barrier: each rank checks in once out of gloo's.
+        store.set(f"finished/{rank}", "1")
+        store.wait([f"finished/{r}" for r in range(world)], timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 
