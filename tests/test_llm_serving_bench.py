@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from examples.common import CACHE_ENV
 from teacher_server import BatchingConfig, ServerConfig
 from tests import seq_models
@@ -59,6 +61,7 @@ def test_without_length_buckets_any_lengths_share_a_batch(reference: seq_models.
     assert batches == [(1, 20), (3, 30)]
 
 
+@pytest.mark.timeout(330)  # the benchmark's own bound is 300 s: it trains a teacher and starts two servers
 def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
     env[CACHE_ENV] = str(tmp_path / "cache")

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import io
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from protos import registry_pb2
 from tests.etcd_fixtures import arun, unique_service
 from tests.servers import REPO, teacher_process
 
+_CLEAR = "\x1b[H\x1b[2J"  # what starts each redraw
 TEACHER = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--max-batch-size", "8",
            "--ttl", "5"]
 
@@ -142,8 +144,10 @@ def test_top_says_clearly_when_the_registry_is_unreachable() -> None:
 
 
 def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "distill.cli", "top", "--registry", etcd.address,
-                             "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The fault handler: should Ctrl-C not stop it, SIGABRT makes it print where every thread is.
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "distill.cli", "top", "--registry",
+                             etcd.address, "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     seen: list[str] = []
     redrawn = threading.Event()
 
@@ -151,7 +155,7 @@ def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
         assert proc.stdout is not None
         while chunk := proc.stdout.read(1):
             seen.append(chunk)
-            if "".join(seen[-4096:]).count("\x1b[H\x1b[2J") >= 2 or len(seen) > 200_000:
+            if "".join(seen[-4096:]).count(_CLEAR) >= 2 or len(seen) > 200_000:
                 redrawn.set()
                 return
 
@@ -160,23 +164,24 @@ def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
     try:
         assert redrawn.wait(60), f"distill top did not redraw its view in 60 s: {''.join(seen)[-500:]!r}"
         reader.join(10)
-        proc.send_signal(2)  # Ctrl-C
-        rest, _ = proc.communicate(timeout=30)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            signals = " ".join(line for line in status.splitlines() if line.startswith(("State", "Sig")))
+            proc.send_signal(signal.SIGABRT)
+            late, err = proc.communicate(timeout=30)
+            pytest.fail(f"Ctrl-C did not stop distill top in 30 s; {late.count(_CLEAR)} views drawn after it; "
+                        f"{signals}; where its threads were:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     stdout = "".join(seen) + rest
     assert proc.returncode == 0
-    assert stdout.count("\x1b[H\x1b[2J") >= 2, "the view should have been redrawn"
+    assert stdout.count(_CLEAR) >= 2, "the view should have been redrawn"
     assert "Ctrl-C to quit" in stdout
-
-
-# ---- the pure parts ---------------------------------------------------------------------------------
-
-
-def _kv(key: str, msg: object) -> tuple[bytes, bytes]:
-    return key.encode(), msg.SerializeToString()  # type: ignore[attr-defined]
 
 
 def test_a_ctrl_c_that_a_read_loses_still_stops_the_view(etcd: LocalEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,6 +220,13 @@ def test_a_ctrl_c_that_a_read_loses_still_stops_the_view(etcd: LocalEtcd, monkey
         assert view.cancelled() and reads == 2, (view, reads)
 
     arun(main(), timeout=60)
+
+
+# ---- the pure parts ---------------------------------------------------------------------------------
+
+
+def _kv(key: str, msg: object) -> tuple[bytes, bytes]:
+    return key.encode(), msg.SerializeToString()  # type: ignore[attr-defined]
 
 
 def test_parse_groups_services_joins_loads_and_skips_garbage() -> None:
