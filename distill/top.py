@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -454,8 +455,28 @@ def _open(address: str, options: dict[str, Any]) -> list[EtcdRegistry]:
 _CLOSE_TIMEOUT_S = 5.0
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 async def _run(args: argparse.Namespace, out: Any) -> int:
     registries = _open(args.registry, _registry_options(args))
+    # Its own handlers, like teacher-server's and the autoscaler's: Ctrl-C and SIGTERM end the view
+    # with exit 0, also where the parent started it with SIGINT ignored (a script's background job).
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        stopped = True
+        main.cancel()
+
+    handled = []
+    for sig in _STOP_SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(sig, stop)
+            handled.append(sig)
     try:
         view = await read_view(registries, args.service, args.timeout)  # the first read decides: exit 1 if down
         if args.once:
@@ -481,7 +502,13 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
             except RegistryUnavailableError as e:
                 problem = str(e)
             raise_if_cancel_lost()  # a Ctrl-C that met the read's answer, which gRPC then returned
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+        return 0
     finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
         # Bounded: Ctrl-C lands here, and a close stuck on a dying connection must not eat it.
         for r in registries:
             with contextlib.suppress(TimeoutError):

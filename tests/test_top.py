@@ -143,7 +143,10 @@ def test_top_says_clearly_when_the_registry_is_unreachable() -> None:
     assert static.returncode == 2 and "reads etcd" in static.stderr
 
 
-def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_top_refreshes_until_interrupted(etcd: LocalEtcd, sig: signal.Signals) -> None:
+    """Either signal ends the view with exit 0, whatever the disposition it inherited: a script's
+    background job starts with SIGINT ignored (as this test's parent may have been)."""
     # The fault handler: should Ctrl-C not stop it, SIGABRT makes it print where every thread is.
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "distill.cli", "top", "--registry",
                              etcd.address, "--interval", "0.2"], cwd=REPO, stdout=subprocess.PIPE,
@@ -164,7 +167,7 @@ def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
     try:
         assert redrawn.wait(60), f"distill top did not redraw its view in 60 s: {''.join(seen)[-500:]!r}"
         reader.join(10)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.send_signal(sig)
         try:
             rest, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -172,7 +175,7 @@ def test_top_refreshes_until_interrupted(etcd: LocalEtcd) -> None:
             signals = " ".join(line for line in status.splitlines() if line.startswith(("State", "Sig")))
             proc.send_signal(signal.SIGABRT)
             late, err = proc.communicate(timeout=30)
-            pytest.fail(f"Ctrl-C did not stop distill top in 30 s; {late.count(_CLEAR)} views drawn after it; "
+            pytest.fail(f"{sig.name} did not stop distill top in 30 s; {late.count(_CLEAR)} views drawn after it; "
                         f"{signals}; where its threads were:\n{err[-8000:]}")
     finally:
         if proc.poll() is None:
