@@ -32,7 +32,6 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
         await asyncio.wait([task], timeout=1.0)
 
 
-
 def raise_if_cancel_lost() -> None:
     """Raise ``CancelledError`` if the current task was asked to cancel and the request was lost.
 
@@ -45,6 +44,7 @@ def raise_if_cancel_lost() -> None:
     cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
     if cancelling is not None and cancelling():
         raise asyncio.CancelledError()
+
 
 if sys.version_info >= (3, 11):
     deadline = asyncio.timeout

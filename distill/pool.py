@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from discovery import TeacherSet, subset
-from discovery.aio import deadline
+from discovery.aio import bounded
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.router import Router, TeacherState
 from distill.teacher_client import (
@@ -112,8 +112,7 @@ class TeacherPool:
         give_up_at = time.monotonic() + self.opts.timeout + 1
         while t.in_flight > 0 and (remaining := give_up_at - time.monotonic()) > 0:
             await self.router.wait_change(remaining)
-        async with deadline(CLIENT_CLOSE_TIMEOUT_S):
-            await t.client.close()
+        await bounded(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
 
     async def close(self) -> None:
         """Close every member's client (the engine has cancelled their calls already), then drop the
@@ -122,8 +121,7 @@ class TeacherPool:
         self._spawn = spawn_closed
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
-                async with deadline(CLIENT_CLOSE_TIMEOUT_S):
-                    await t.client.close()
+                await bounded(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)
         self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
     # ---- metadata ---------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from google.protobuf.message import DecodeError, Message
 
 from discovery import keys
 from discovery.address import parse_address
-from discovery.aio import deadline, raise_if_cancel_lost
+from discovery.aio import bounded, deadline, raise_if_cancel_lost
 from discovery.base import RegistryError, RegistryUnavailableError
 from discovery.etcd import EtcdRegistry
 from discovery.options import add_registry_security_args, registry_security_options
@@ -512,8 +512,7 @@ async def _run(args: argparse.Namespace, out: Any) -> int:
         # Bounded: Ctrl-C lands here, and a close stuck on a dying connection must not eat it.
         for r in registries:
             with contextlib.suppress(TimeoutError):
-                async with deadline(_CLOSE_TIMEOUT_S):
-                    await r.close()
+                await bounded(r.close(), _CLOSE_TIMEOUT_S)
 
 
 def run(args: argparse.Namespace, out: Any = None) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from discovery.aio import deadline
+from discovery.aio import bounded
 from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
 from teacher_server.errors import (
     InferError,
@@ -100,8 +100,7 @@ class RequestLifecycle:
         if self._idle.is_set():  # a zero grace with nothing in flight has not run out
             return True
         try:
-            async with deadline(timeout_s):
-                await self._idle.wait()
+            await bounded(self._idle.wait(), timeout_s)
             return True
         except TimeoutError:
             return False
