@@ -337,11 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         from discovery.address import parse_address
+        from discovery.backends import backend, shared_forms
         from discovery.keys import validate_name
 
-        if parse_address(args.registry).scheme != "etcd":
+        if not backend(parse_address(args.registry).scheme).shared:
             raise ValueError(
-                f"--registry must be etcd://HOST:PORT (the autoscaler reads demand and elects a leader "
+                f"--registry must be {shared_forms()} (the autoscaler reads demand and elects a leader "
                 f"there), not {args.registry!r}"
             )
         validate_name("service name", args.service)
