@@ -8,6 +8,8 @@ import asyncio
 import itertools
 import logging
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +19,7 @@ from discovery import EtcdRegistry, RegistryUnavailableError, TeacherSet, keys, 
 from discovery.local_etcd import LocalEtcd, free_port
 from protos import registry_pb2
 from tests.etcd_fixtures import (
+    REPO,
     TcpProxy,
     arun,
     eventually,
@@ -527,3 +530,37 @@ def test_close_stops_watches_and_deregisters(etcd: LocalEtcd) -> None:
             assert await raw.get(keys.teacher_key(svc, "t1").encode()) is None
 
     arun(main())
+
+
+# Runs `python -m discovery` the way a script's background job would: with SIGINT ignored.
+_REGISTER_WITH_SIGINT_IGNORED = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "sys.argv = ['discovery', *sys.argv[1:]]; runpy.run_module('discovery', run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_register_command_withdraws_and_exits_0_at_a_stop_signal(etcd: LocalEtcd, sig: signal.Signals) -> None:
+    """``python -m discovery register`` ends at SIGINT or SIGTERM with exit 0 and withdraws its record
+    at once (not after its 30 s lease), also when it started with SIGINT ignored."""
+    svc = unique_service()
+
+    async def main() -> int:
+        async with open_registry(etcd.address) as reg:
+            watch = reg.watch(svc)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _REGISTER_WITH_SIGINT_IGNORED, "register", "--registry", etcd.address,
+                "--service", svc, "--instance-id", "held", "--endpoint", "127.0.0.1:9000", "--ttl", "30",
+                cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                await next_matching(watch, ids("held"), timeout=30.0)
+                proc.send_signal(sig)
+                await next_matching(watch, ids(), timeout=10.0)
+                return await asyncio.wait_for(proc.wait(), 20)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await asyncio.wait_for(proc.wait(), 10)
+
+    assert arun(main(), timeout=60) == 0
