@@ -15,7 +15,7 @@ from typing import Any
 
 from discovery import keys
 from discovery.address import Endpoint, RegistryAddress, parse_address, parse_endpoints
-from discovery.backends import shared_forms
+from discovery.backends import backend, shared_forms
 from discovery.base import (
     Registration,
     Registry,
@@ -71,7 +71,7 @@ class StaticRegistry(Registry):
 
     def __init__(self, endpoints: str | RegistryAddress | Iterable[str | Endpoint]) -> None:
         if isinstance(endpoints, RegistryAddress):
-            if endpoints.scheme != "static":
+            if backend(endpoints.scheme).shared:  # static://, or another scheme listed as a fixed list
                 raise ValueError(f"StaticRegistry needs a static:// address, not {str(endpoints)!r}")
             eps: tuple[Endpoint, ...] = endpoints.endpoints
         elif isinstance(endpoints, str):
