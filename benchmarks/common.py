@@ -34,6 +34,18 @@ RESULTS_DIR = Path(os.environ.get("DISTILL_BENCH_RESULTS") or Path(__file__).res
 
 T = TypeVar("T")
 
+# ---- the reference workloads' constants (DESIGN.md), stated once for every benchmark ---------
+# Plain values, so that importing this module stays cheap (no torch);
+# tests/test_benchmark_constants.py checks that they agree with the models and the server they describe.
+EMULATED_MODEL_REF = "examples.emulated:build"  # W1, W4, the soak, the store: the emulated accelerator
+EMULATED_MODEL_NAME = "emulated"
+EMULATED_TEACHER_MS_ENV = "EMULATED_TEACHER_MS"  # examples.emulated reads its per-batch time from here
+W1_BATCH = 256  # W1's batch: 256 x [3,32,32] fp32 in, [256,100] logits out
+REF_MODEL_REF = "examples.refteacher:build"  # W2, W3: RefTeacher
+REF_MODEL_NAME = "ref_teacher"
+SERVER_QUEUE_DELAY_US = 500  # teacher-server's default --max-queue-delay-us
+BATCHING_QUEUE_DELAY_US = 2000  # the serving benchmarks' batching server: a full batch of small requests
+
 
 # ---- the machine ----------------------------------------------------------------------------
 def cpu_model() -> str:

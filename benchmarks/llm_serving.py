@@ -51,6 +51,7 @@ import torch
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from benchmarks.common import (
+    BATCHING_QUEUE_DELAY_US,
     REPO_ROOT,
     ainterleave,
     format_table,
@@ -82,7 +83,7 @@ class Settings:
     seed: int = 0
     top_k: int = 20
     clients: int = 0  # 0: eight times --batch
-    delay_us: int = 2000
+    delay_us: int = BATCHING_QUEUE_DELAY_US
     threads: int = 0  # 0: cores / instances
     instances: int = 0  # 0: one per core
     teacher: str = ""
@@ -506,7 +507,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--clients", type=int, default=0, help="concurrent requests (default: 8 x --batch)")
-    p.add_argument("--delay-us", type=int, default=2000, help="server --max-queue-delay-us (default 2000)")
+    p.add_argument("--delay-us", type=int, default=BATCHING_QUEUE_DELAY_US,
+                   help="server --max-queue-delay-us (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (default: cores / instances)")
     p.add_argument("--instances", type=int, default=0, help="server instances = in-process loops (default: cores)")
     p.add_argument("--max-foreign-cores", type=float, default=Settings.max_foreign_cores,

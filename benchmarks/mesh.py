@@ -46,7 +46,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    EMULATED_MODEL_NAME,
+    EMULATED_MODEL_REF,
     REPO_ROOT,
+    SERVER_QUEUE_DELAY_US,
     interleave,
     machine_info,
     median,
@@ -60,8 +63,8 @@ from distill import DistillReader
 from examples.emulated import BATCH, TEACHER_MS_ENV, EmulatedTeacher, W1Loader, build, student_step
 from teacher_server.launch import TeacherProcess, start_all
 
-MODEL_REF = "examples.emulated:build"
-MODEL_NAME = "emulated"
+MODEL_REF = EMULATED_MODEL_REF
+MODEL_NAME = EMULATED_MODEL_NAME
 GOAL_SERVICE_VS_PURE = 0.97
 GOAL_SERVICE_VS_INLINE = 1.75
 GOAL_STALL_S = 1.0
@@ -85,7 +88,7 @@ class Settings:
     hedge_after_s: float | str | None = "auto"  # DistillReader's default: adaptive hedging
     server_threads: int = 1  # torch threads per teacher server: the "accelerator" needs no CPU
     client_threads: int = 1  # torch threads in this process
-    max_queue_delay_us: int = 500  # teacher-server default
+    max_queue_delay_us: int = SERVER_QUEUE_DELAY_US  # teacher-server default
     w5_batches: int = 300
     w5_teachers: int = 3
     w5_kill_after: int = 100  # batches delivered before the SIGKILL

@@ -46,6 +46,8 @@ import torch
 from tritonclient.grpc import service_pb2_grpc
 
 from benchmarks.common import (
+    BATCHING_QUEUE_DELAY_US,
+    REF_MODEL_REF,
     REPO_ROOT,
     ainterleave,
     format_table,
@@ -69,7 +71,7 @@ from benchmarks.serving_measure import (
 from examples.refteacher import build
 from teacher_server.launch import TeacherProcess
 
-MODEL_REF = "examples.refteacher:build"
+MODEL_REF = REF_MODEL_REF
 W2_GOAL = 0.95  # this benchmark's bar; DESIGN.md's W2 goal is 0.90
 W3_GOAL_VS_OFF = 3.0  # DESIGN.md
 W3_GOAL_VS_INPROC = 4.5
@@ -85,7 +87,7 @@ class Settings:
     threads: int = 0  # torch threads in the server; 0: cores / instances (teacher-server's default)
     inproc_threads: int = 0  # torch threads for the in-process baselines; 0: the server's
     instances: int = 0  # 0: one per core (teacher-server's default on CPU)
-    delay_us: int = 2000  # --max-queue-delay-us of the batching server
+    delay_us: int = BATCHING_QUEUE_DELAY_US  # --max-queue-delay-us of the batching server
     max_batch: int = 256
     w2_batch: int = 256
     w2_in_flight: int = 0  # 0: two per instance
@@ -348,7 +350,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--inproc-threads", type=int, default=0,
                    help="in-process torch threads (default: the server's --threads)")
     p.add_argument("--instances", type=int, default=0, help="server model instances (default: one per core)")
-    p.add_argument("--delay-us", type=int, default=2000, help="--max-queue-delay-us of the batching server")
+    p.add_argument("--delay-us", type=int, default=BATCHING_QUEUE_DELAY_US,
+                   help="--max-queue-delay-us of the batching server")
     p.add_argument("--w2-in-flight", type=int, default=0,
                    help="concurrent batch-256 requests for W2 (default: two per instance)")
     p.add_argument("--w3-clients", type=int, default=64, help="concurrent batch-8 clients for W3 (default 64)")

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from tritonclient.grpc import service_pb2
 
+from benchmarks.common import REF_MODEL_NAME
 from benchmarks.cpu import CpuMeter, CpuUsage
 
-MODEL_NAME = "ref_teacher"
+MODEL_NAME = REF_MODEL_NAME
 INPUT_SHAPE = (3, 32, 32)
 CLASSES = 100
 MAX_MESSAGE = 64 << 20

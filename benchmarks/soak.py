@@ -58,15 +58,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, format_table, machine_info, sigterm_raises, write_results
+from benchmarks.common import (
+    EMULATED_MODEL_NAME,
+    EMULATED_MODEL_REF,
+    REPO_ROOT,
+    RESULTS_DIR,
+    format_table,
+    machine_info,
+    sigterm_raises,
+    write_results,
+)
 from benchmarks.cpu import CpuMeter
 from benchmarks.procs import log_tail, process_rss_bytes
 from benchmarks.students import StudentProc
 from teacher_server.launch import TeacherProcess, start_all
 
 SERVICE = "soak"
-MODEL_REF = "examples.emulated:build"
-MODEL_NAME = "emulated"
+MODEL_REF = EMULATED_MODEL_REF
+MODEL_NAME = EMULATED_MODEL_NAME
 GOAL_ERRORS = 0
 GOAL_RSS_GROWTH_PCT = 5.0
 _REPORT_S = 1.0  # how often a student reports its counters

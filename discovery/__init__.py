@@ -15,6 +15,10 @@ Entry points::
     async for snapshot in registry.watch("svc"):               # student side
         ...                                                    # TeacherSet: id -> TeacherEntry
 
+Operators and the autoscaler read the whole mesh with ``registry.view()`` (``distill top``, in
+:mod:`discovery.top`) and hold leadership with ``registry.election(service, identity=...)``. Backends
+by address scheme: :mod:`discovery.backends` (a new one is a module plus an entry there).
+
 Key layout: :mod:`discovery.keys`. Choosing a per-student subset of teachers: :func:`subset`.
 A real etcd for tests and demos: :class:`discovery.local_etcd.LocalEtcd`.
 """
@@ -23,44 +27,50 @@ from __future__ import annotations
 
 from typing import Any
 
-from discovery.address import Endpoint, RegistryAddress, parse_address
+from discovery.address import Endpoint, RegistryAddress, parse_address, parse_registry_address
+from discovery.backends import registry_class
 from discovery.base import (
     Registration,
     Registry,
-    RegistryError,
-    RegistryUnavailableError,
     TeacherEntry,
     TeacherSet,
     TeacherWatch,
 )
+from discovery.election import Election
+from discovery.errors import ElectionError, RegistryError, RegistryUnavailableError, RegistryUnsupportedError
 from discovery.etcd import EtcdRegistry
 from discovery.static import StaticRegistry
 from discovery.subset import subset
+from discovery.view import MeshView
 
 __all__ = [
+    "Election",
+    "ElectionError",
     "Endpoint",
     "EtcdRegistry",
+    "MeshView",
     "Registration",
     "Registry",
     "RegistryAddress",
     "RegistryError",
     "RegistryUnavailableError",
+    "RegistryUnsupportedError",
     "StaticRegistry",
     "TeacherEntry",
     "TeacherSet",
     "TeacherWatch",
     "open_registry",
     "parse_address",
+    "parse_registry_address",
     "subset",
 ]
 
 
 def open_registry(address: str | RegistryAddress, **etcd_options: Any) -> Registry:
-    """The registry an address names: ``etcd://`` gives an :class:`EtcdRegistry` (``etcd_options``
-    are passed to it: ``ca_cert``, ``username``, ``timeout``, ...), ``static://`` a
-    :class:`StaticRegistry` (which has no options; any given are ignored). Raises ``ValueError``
-    for a malformed address, with the accepted forms in the message."""
+    """The registry an address names, by its scheme (:mod:`discovery.backends`): ``etcd://`` gives
+    an :class:`EtcdRegistry` (``etcd_options`` are passed to it: ``ca_cert``, ``username``,
+    ``timeout``, ...), ``static://`` a :class:`StaticRegistry` (which has no options; any given are
+    ignored). Raises ``ValueError`` for a malformed address, with the accepted forms in the message."""
     parsed = address if isinstance(address, RegistryAddress) else parse_address(address)
-    if parsed.scheme == "etcd":
-        return EtcdRegistry(parsed, **etcd_options)
-    return StaticRegistry(parsed)
+    registry: Registry = registry_class(parsed.scheme).from_address(parsed, **etcd_options)
+    return registry

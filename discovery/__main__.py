@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import time
 from collections.abc import Sequence
 
 from discovery import open_registry
 from discovery.base import Registry, RegistryError, TeacherSet
+from discovery.signals import StopSignals
 from protos import registry_pb2
 
 
@@ -55,35 +55,39 @@ async def _watch(registry: Registry, service: str) -> None:
             _print_set(snapshot)
 
 
-async def _register(registry: Registry, args: argparse.Namespace) -> None:
+async def _register(registry: Registry, args: argparse.Namespace, stop: StopSignals) -> None:
     record = registry_pb2.TeacherRecord(
         instance_id=args.instance_id,
         endpoint=args.endpoint,
         model_name=args.model_name,
         started_at=time.time(),
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
     def load() -> registry_pb2.TeacherLoad:
         return registry_pb2.TeacherLoad(instance_id=args.instance_id, updated_at=time.time())
 
     async with registry.register(args.service, record, ttl=args.ttl, load=load) as reg:
         if await reg.wait_registered(timeout=30.0):
             print(f"registered {reg.key} lease={reg.lease_id:x}", flush=True)
-        await stop.wait()
+        await stop.wait()  # then leave the block: the registration is withdrawn at once
 
 
 async def _amain(args: argparse.Namespace) -> int:
-    async with open_registry(args.registry) as registry:
-        if args.command == "show":
-            await _show(registry, args.service)
-        elif args.command == "watch":
-            await _watch(registry, args.service)
-        else:
-            await _register(registry, args)
+    # SIGTERM/SIGINT end every command with exit 0: `register` waits for them and withdraws its
+    # record; `show` and `watch` are cancelled wherever they wait.
+    main = asyncio.current_task()
+    assert main is not None
+    with StopSignals(cancel=None if args.command == "register" else main) as stop:
+        try:
+            async with open_registry(args.registry) as registry:
+                if args.command == "show":
+                    await _show(registry, args.service)
+                elif args.command == "watch":
+                    await _watch(registry, args.service)
+                else:
+                    await _register(registry, args, stop)
+        except asyncio.CancelledError:
+            if not stop.stopped:
+                raise
     return 0
 
 
@@ -93,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, help_ in (
         ("show", "print the teachers, their loads and the students' demand once"),
         ("watch", "print every teacher-set snapshot as it changes"),
-        ("register", "register a teacher record and hold it until SIGTERM/SIGINT"),
+        ("register", "register a teacher record and hold it until SIGTERM/SIGINT (exit 0)"),
     ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--registry", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+
+from discovery.backends import BACKENDS, backend, shared_forms
 
 __all__ = [
     "ACCEPTED_FORMS",
@@ -21,17 +22,22 @@ __all__ = [
     "parse_address",
     "parse_endpoint",
     "parse_endpoints",
+    "parse_registry_address",
 ]
 
-Scheme = Literal["etcd", "static"]
+Scheme = str
+"""A backend's scheme (``"etcd"``, ``"static"``): the keys of :data:`discovery.backends.BACKENDS`."""
 
 DEFAULT_ETCD_PORT = 2379
 
-ACCEPTED_FORMS = (
-    "accepted forms: etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://10.0.0.5:2379,10.0.0.6:2379) or "
-    "static://HOST:PORT[,HOST:PORT...] (e.g. static://127.0.0.1:9898,127.0.0.1:9899); "
-    "write IPv6 hosts in brackets, e.g. etcd://[::1]:2379"
-)
+
+def accepted_forms() -> str:
+    """Every known backend's address form, for error messages."""
+    forms = " or ".join(b.form for b in BACKENDS.values())
+    return f"accepted forms: {forms}; write IPv6 hosts in brackets, e.g. etcd://[::1]:2379"
+
+
+ACCEPTED_FORMS = accepted_forms()
 
 # RFC 1123 host names (plus '_', which real deployments use) and dotted IPv4.
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
@@ -141,9 +147,9 @@ def parse_address(text: str) -> RegistryAddress:
     try:
         scheme, sep, rest = text.strip().partition("://")
         if not sep:
-            raise _Bad("missing scheme (etcd:// or static://)")
+            raise _Bad(f"missing scheme ({' or '.join(f'{s}://' for s in BACKENDS)})")
         scheme = scheme.lower()
-        if scheme not in ("etcd", "static"):
+        if scheme not in BACKENDS:
             raise _Bad(f"unknown scheme {scheme + '://'!r}")
         if rest.endswith("/"):
             rest = rest[:-1]
@@ -151,8 +157,28 @@ def parse_address(text: str) -> RegistryAddress:
             raise _Bad("a path, query or fragment is not allowed")
         if not rest.strip():
             raise _Bad("no endpoints after the scheme")
-        default = DEFAULT_ETCD_PORT if scheme == "etcd" else None
-        endpoints = parse_endpoints(rest, default_port=default)
-        return RegistryAddress("etcd" if scheme == "etcd" else "static", endpoints)
+        endpoints = parse_endpoints(rest, default_port=backend(scheme).default_port)
+        return RegistryAddress(scheme, endpoints)
     except _Bad as e:
-        raise ValueError(f"invalid registry address {text!r}: {e}; {ACCEPTED_FORMS}") from None
+        raise ValueError(f"invalid registry address {text!r}: {e}; {accepted_forms()}") from None
+
+
+def parse_registry_address(text: str, *, hint: str = "") -> RegistryAddress:
+    """Parse the address of a registry that keeps shared state (teachers register there, students
+    publish demand, an autoscaler elects its leader): ``etcd://...`` today, any backend whose
+    :class:`~discovery.backends.Backend` entry says ``shared``.
+
+    What ``--distill_registry``, the autoscaler's and ``distill top``'s ``--registry`` accept. A
+    static teacher list, or text without a scheme, is refused with the accepted forms; ``hint``
+    (e.g. "for a fixed list of teachers use --distill_teachers HOST:PORT") is appended to the message.
+    """
+    tail = f"; {hint}" if hint else ""
+    if not isinstance(text, str) or "://" not in text:
+        raise ValueError(f"bad registry {str(text).strip()!r}: expected {shared_forms()}{tail}")
+    address = parse_address(text)
+    if not backend(address.scheme).shared:
+        raise ValueError(
+            f"{str(address)!r} is a fixed list with no shared state (no loads, demand or leader); "
+            f"a registry address is {shared_forms()}{tail}"
+        )
+    return address

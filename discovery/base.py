@@ -20,12 +20,16 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
+from discovery.address import RegistryAddress
 from discovery.aio import cancel_and_wait, deadline
+from discovery.election import Election
+from discovery.errors import RegistryError, RegistryUnavailableError
+from discovery.view import MeshView
 from protos import registry_pb2
 
 __all__ = [
@@ -46,18 +50,6 @@ _RegistryT = TypeVar("_RegistryT", bound="Registry")
 TeacherRecord = registry_pb2.TeacherRecord
 TeacherLoad = registry_pb2.TeacherLoad
 StudentDemand = registry_pb2.StudentDemand
-
-
-class RegistryError(Exception):
-    """Base class of the errors ``discovery`` raises on purpose."""
-
-
-class RegistryUnavailableError(RegistryError, ConnectionError):
-    """The registry could not be reached within the allowed time.
-
-    Raised to *students* (``watch``, one-shot reads) so that a wrong address fails loudly instead
-    of looking like "no teachers". Teachers never see it: registration retries in the background.
-    """
 
 
 @dataclass(frozen=True)
@@ -294,7 +286,24 @@ class TeacherWatch:
 
 
 class Registry(abc.ABC):
-    """Where teachers announce themselves and students find them. See the module docstring."""
+    """Where teachers announce themselves and students find them. See the module docstring.
+
+    Beyond that, what operators and the autoscaler read and hold: :meth:`view` (everything, for
+    ``distill top``), :meth:`autoscaler_decision` and :meth:`election`. A backend without shared
+    state (a static list) raises :class:`~discovery.errors.RegistryUnsupportedError` from those.
+    A new backend subclasses this and adds itself to :mod:`discovery.backends`.
+    """
+
+    @classmethod
+    def from_address(cls: type[_RegistryT], address: RegistryAddress, **options: Any) -> _RegistryT:
+        """The registry ``open_registry`` returns for ``address`` (its backend's scheme), with
+        the backend's ``options`` (TLS, credentials, timeouts)."""
+        return cls(address, **options)  # type: ignore[call-arg]  # each backend's constructor takes its address
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The address this registry reads (``etcd://h1:2379,h2:2379``), for messages and views."""
 
     @abc.abstractmethod
     def register(
@@ -351,6 +360,30 @@ class Registry(abc.ABC):
     @abc.abstractmethod
     async def demand(self, service: str) -> list[StudentDemand]:
         """One read of all students' latest demand on ``service``."""
+
+    @abc.abstractmethod
+    async def autoscaler_decision(self, service: str) -> dict[str, Any] | None:
+        """The last decision the leading autoscaler of ``service`` published (its JSON record, as
+        ``distill top`` shows it); None when there is none or it is not a JSON object."""
+
+    @abc.abstractmethod
+    async def view(self, services: Sequence[str] = ()) -> MeshView:
+        """One consistent read of every service (or only ``services``): teachers with their loads,
+        students' demand, the autoscaler's records. ``RegistryUnavailableError`` when unreachable."""
+
+    @abc.abstractmethod
+    def election(
+        self,
+        service: str,
+        *,
+        identity: str,
+        ttl: float = 5.0,
+        poll_interval: float = 0.5,
+        call_timeout: float = 3.0,
+    ) -> Election:
+        """A leader election for ``service`` (one active autoscaler), held as ``identity``:
+        ``ttl`` seconds bound how long a dead leader blocks a takeover; candidates look at the
+        leader every ``poll_interval`` seconds. See :mod:`discovery.election`."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from discovery import keys
 from discovery.address import Endpoint, RegistryAddress, parse_address, parse_endpoints
+from discovery.backends import backend, shared_forms
 from discovery.base import (
     Registration,
     Registry,
@@ -25,6 +27,9 @@ from discovery.base import (
     TeacherSet,
     TeacherWatch,
 )
+from discovery.election import Election
+from discovery.errors import ElectionError, RegistryUnsupportedError
+from discovery.view import MeshView
 
 __all__ = ["StaticRegistry"]
 
@@ -66,7 +71,7 @@ class StaticRegistry(Registry):
 
     def __init__(self, endpoints: str | RegistryAddress | Iterable[str | Endpoint]) -> None:
         if isinstance(endpoints, RegistryAddress):
-            if endpoints.scheme != "static":
+            if backend(endpoints.scheme).shared:  # static://, or another scheme listed as a fixed list
                 raise ValueError(f"StaticRegistry needs a static:// address, not {str(endpoints)!r}")
             eps: tuple[Endpoint, ...] = endpoints.endpoints
         elif isinstance(endpoints, str):
@@ -89,8 +94,17 @@ class StaticRegistry(Registry):
         self._watches: set[TeacherWatch] = set()
         self._closed = False
 
+    @classmethod
+    def from_address(cls, address: RegistryAddress, **options: Any) -> StaticRegistry:
+        """A static list has no options (no connection, no credentials): any given are ignored."""
+        return cls(address)
+
+    @property
+    def address(self) -> str:
+        return f"static://{','.join(str(e) for e in self.endpoints)}"
+
     def __repr__(self) -> str:
-        return f"StaticRegistry(static://{','.join(str(e) for e in self.endpoints)})"
+        return f"StaticRegistry({self.address})"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -156,6 +170,30 @@ class StaticRegistry(Registry):
     async def demand(self, service: str) -> list[StudentDemand]:
         self._check_open()
         return []
+
+    async def autoscaler_decision(self, service: str) -> dict[str, Any] | None:
+        self._check_open()
+        return None
+
+    async def view(self, services: Sequence[str] = ()) -> MeshView:
+        raise RegistryUnsupportedError(
+            f"{self.address} is a fixed teacher list: it keeps no loads, demand or autoscaler records "
+            f"to show; read a registry such as {shared_forms()}"
+        )
+
+    def election(
+        self,
+        service: str,
+        *,
+        identity: str,
+        ttl: float = 5.0,
+        poll_interval: float = 0.5,
+        call_timeout: float = 3.0,
+    ) -> Election:
+        raise ElectionError(
+            f"leader election needs an etcd registry (etcd://HOST:PORT), not {self!r}: "
+            "a static teacher list has no shared state to elect a leader in"
+        )
 
     async def close(self) -> None:
         if self._closed:

@@ -2,8 +2,8 @@
 
     distill top --registry etcd://10.0.0.5:2379 [--service NAME] [--interval 1] [--once]
 
-Subcommands live in their own modules (``distill.top``); this module only dispatches, so adding
-one does not touch the others.
+Subcommands live in their own modules (``discovery.top``, an operator tool that reads only the
+registry; ``distill.cache.cli``); this module only dispatches, so adding one does not touch the others.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from distill import top
+from discovery import top
 from distill.cache import cli as cache_cli
 
 

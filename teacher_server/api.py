@@ -43,7 +43,6 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -53,6 +52,7 @@ from typing import Any, TypeVar
 import torch
 
 from discovery.aio import deadline
+from discovery.signals import StopSignals
 from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
 from teacher_server.server import (
@@ -350,10 +350,7 @@ async def run_until_signal(server: TeacherServer,
     """The lifecycle `teacher-server` and `serve()` share: start, register, wait for SIGTERM/SIGINT,
     refuse new work, deregister, drain. Returns the number of forward passes left running when the
     drain grace ran out (0 after a clean drain)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = StopSignals().install()
     try:
         await server.start()
         async with contextlib.AsyncExitStack() as stack:
@@ -373,5 +370,4 @@ async def run_until_signal(server: TeacherServer,
         return server.abandoned_batches
     finally:
         await server.stop(0)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        stop.uninstall()

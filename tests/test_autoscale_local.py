@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.autoscale_pools import DecisionFollower
+from benchmarks.autoscale.pools import DecisionFollower
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import DistillReader

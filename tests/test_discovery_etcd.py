@@ -8,6 +8,8 @@ import asyncio
 import itertools
 import logging
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +19,7 @@ from discovery import EtcdRegistry, RegistryUnavailableError, TeacherSet, keys, 
 from discovery.local_etcd import LocalEtcd, free_port
 from protos import registry_pb2
 from tests.etcd_fixtures import (
+    REPO,
     TcpProxy,
     arun,
     eventually,
@@ -354,6 +357,58 @@ def test_publish_demand_and_demand_round_trip(etcd: LocalEtcd) -> None:
     arun(main())
 
 
+def test_view_reads_every_service_at_one_revision(etcd: LocalEtcd) -> None:
+    """``Registry.view()`` (what ``distill top`` shows): teachers joined with their loads, students,
+    the autoscaler's records and the leader an election publishes, for all services or the named ones."""
+    svc, other = unique_service(), unique_service()
+
+    def load() -> registry_pb2.TeacherLoad:
+        return registry_pb2.TeacherLoad(samples_per_s=300.0, capacity_samples_per_s=900.0)
+
+    async def main() -> None:
+        async with open_registry(etcd.address) as reg:
+            demand = registry_pb2.StudentDemand(student_id="s1", samples_per_s=250.0)
+            election = reg.election(svc, identity="ctl-view", ttl=2)
+            async with (
+                reg.register(svc, record("t1"), ttl=5, load=load, load_interval=0.1),
+                reg.register(other, record("t2", port=9001), ttl=5),
+                reg.publish_demand(svc, lambda: demand, ttl=5),
+            ):
+                try:
+                    await asyncio.wait_for(election.campaign(), 10)
+                    assert await election.publish("decision", b'{"action": "hold"}')
+
+                    async def loaded() -> bool:
+                        [view] = (await reg.view([svc])).services
+                        return bool(view.teachers) and view.teachers[0].load is not None
+
+                    await eventually(loaded, 10.0, "the teacher's load in the view")
+                    both = await reg.view()
+                    assert both.registry == etcd.address and both.revision > 0
+                    views = {v.name: v for v in both.services}
+                    assert {svc, other} <= set(views)
+                    mine = views[svc]
+                    [teacher] = mine.teachers
+                    assert teacher.instance_id == "t1" and teacher.load is not None
+                    assert teacher.load.capacity_samples_per_s == 900.0
+                    assert [d.student_id for d in mine.students] == ["s1"] and mine.unparsable == 0
+                    records = {a.name: a.value for a in mine.autoscaler}
+                    assert records == {"decision": b'{"action": "hold"}', "leader": b"ctl-view"}
+                    assert await reg.autoscaler_decision(svc) == {"action": "hold"}
+                    assert [t.instance_id for t in views[other].teachers] == ["t2"]
+                    assert [v.name for v in (await reg.view([other])).services] == [other]
+                finally:
+                    await election.close()
+        dead = open_registry(f"etcd://127.0.0.1:{free_port()}", timeout=1.0)
+        try:
+            with pytest.raises(RegistryUnavailableError, match=r"cannot read the registry at etcd://127\.0\.0\.1:"):
+                await dead.view()
+        finally:
+            await dead.close()
+
+    arun(main(), timeout=60)
+
+
 def test_watch_raises_when_etcd_is_unreachable() -> None:
     port = free_port()
 
@@ -527,3 +582,37 @@ def test_close_stops_watches_and_deregisters(etcd: LocalEtcd) -> None:
             assert await raw.get(keys.teacher_key(svc, "t1").encode()) is None
 
     arun(main())
+
+
+# Runs `python -m discovery` the way a script's background job would: with SIGINT ignored.
+_REGISTER_WITH_SIGINT_IGNORED = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "sys.argv = ['discovery', *sys.argv[1:]]; runpy.run_module('discovery', run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_register_command_withdraws_and_exits_0_at_a_stop_signal(etcd: LocalEtcd, sig: signal.Signals) -> None:
+    """``python -m discovery register`` ends at SIGINT or SIGTERM with exit 0 and withdraws its record
+    at once (not after its 30 s lease), also when it started with SIGINT ignored."""
+    svc = unique_service()
+
+    async def main() -> int:
+        async with open_registry(etcd.address) as reg:
+            watch = reg.watch(svc)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _REGISTER_WITH_SIGINT_IGNORED, "register", "--registry", etcd.address,
+                "--service", svc, "--instance-id", "held", "--endpoint", "127.0.0.1:9000", "--ttl", "30",
+                cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                await next_matching(watch, ids("held"), timeout=30.0)
+                proc.send_signal(sig)
+                await next_matching(watch, ids(), timeout=10.0)
+                return await asyncio.wait_for(proc.wait(), 20)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await asyncio.wait_for(proc.wait(), 10)
+
+    assert arun(main(), timeout=60) == 0

@@ -13,18 +13,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from discovery import (
+    ElectionError,
     EtcdRegistry,
     Registry,
     RegistryError,
+    RegistryUnsupportedError,
     StaticRegistry,
     TeacherEntry,
     TeacherSet,
     keys,
     open_registry,
     parse_address,
+    parse_registry_address,
     subset,
 )
 from discovery.address import Endpoint
+from discovery.backends import BACKENDS, Backend
 from protos import registry_pb2
 from tests.etcd_fixtures import arun
 
@@ -234,6 +238,53 @@ def test_open_registry_dispatches_on_scheme() -> None:
     assert isinstance(open_registry("static://h:1"), StaticRegistry)
     with pytest.raises(ValueError, match="accepted forms"):
         open_registry("zookeeper://h:2181")
+
+
+def test_static_registry_has_no_view_and_no_election() -> None:
+    async def main() -> None:
+        async with open_registry("static://127.0.0.1:9898") as reg:
+            assert reg.address == "static://127.0.0.1:9898"
+            assert await reg.autoscaler_decision("svc") is None
+            with pytest.raises(RegistryUnsupportedError, match="keeps no loads"):
+                await reg.view()
+            with pytest.raises(ElectionError, match="etcd registry"):
+                reg.election("svc", identity="a")
+
+    arun(main())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("e:2379", "expected etcd://HOST:PORT"),
+        ("static://a:1", "a registry address is etcd://"),
+        ("http://e:2379", "unknown scheme 'http://'"),
+        ("etcd://", "no endpoints"),
+    ],
+)
+def test_parse_registry_address_accepts_only_backends_with_shared_state(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as e:
+        parse_registry_address(text, hint="for a fixed list use --teachers")
+    if "://" not in text or text.startswith("static"):
+        assert str(e.value).endswith("; for a fixed list use --teachers")
+    assert str(parse_registry_address("etcd://h1, h2:2380")) == "etcd://h1:2379,h2:2380"
+
+
+def test_a_backend_is_one_entry_in_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new scheme is known to the address parser, the registry flags and open_registry as soon
+    as its entry is registered (here: the static class under another name, with a default port)."""
+    monkeypatch.setitem(BACKENDS, "fixed", Backend("fixed", "discovery.static:StaticRegistry", 9898, False,
+                                                   "fixed://h:9898"))
+    address = parse_address("fixed://h1,h2:1")
+    assert address.scheme == "fixed" and address.hostports == ("h1:9898", "h2:1")
+    assert isinstance(open_registry("fixed://h1"), StaticRegistry)
+    with pytest.raises(ValueError, match="no shared state"):
+        parse_registry_address("fixed://h1")
+    monkeypatch.setitem(BACKENDS, "fixed", Backend("fixed", "discovery.etcd:EtcdRegistry", 2379, True,
+                                                   "fixed://h:2379"))
+    assert str(parse_registry_address("fixed://h1")) == "fixed://h1:2379"
+    with pytest.raises(ValueError, match=r"etcd://HOST:PORT.* or fixed://HOST:PORT"):
+        parse_registry_address("h1")
 
 
 def test_teacher_set_is_an_immutable_mapping() -> None:

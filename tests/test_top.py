@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from discovery import open_registry
+from discovery import top as dtop
+from discovery.etcd.view import parse_kvs
 from discovery.local_etcd import LocalEtcd, free_port
 from distill import DistillReader
-from distill import top as dtop
 from protos import registry_pb2
 from tests.etcd_fixtures import arun, unique_service
 from tests.servers import REPO, teacher_process
@@ -237,7 +238,7 @@ def test_parse_groups_services_joins_loads_and_skips_garbage() -> None:
     load = registry_pb2.TeacherLoad(instance_id="t1", queue_depth=3, samples_per_s=1200.0, busy_fraction=0.5,
                                     capacity_samples_per_s=2400.0)
     demand = registry_pb2.StudentDemand(samples_per_s=800.0, wait_fraction=0.25, teachers_in_use=1)
-    views = dtop.parse_kvs([
+    views = parse_kvs([
         _kv("/distill/v1/b/teachers/t1", rec),
         _kv("/distill/v1/b/load/t1", load),
         _kv("/distill/v1/b/load/gone", load),  # load without a record: the teacher is leaving
@@ -252,7 +253,7 @@ def test_parse_groups_services_joins_loads_and_skips_garbage() -> None:
     assert a.teachers == [] and a.autoscaler[0].name == "leader"
     assert [t.instance_id for t in b.teachers] == ["t1"] and b.teachers[0].load == load
     assert [d.student_id for d in b.students] == ["s1"] and b.unparsable == 1
-    assert [v.name for v in dtop.parse_kvs([_kv("/distill/v1/b/teachers/t1", rec)], only=["a"])] == []
+    assert [v.name for v in parse_kvs([_kv("/distill/v1/b/teachers/t1", rec)], only=["a"])] == []
 
     text = dtop.render(dtop.MeshView("etcd://x:2379", 7, 1000.0, views))
     assert "10.0.0.1:9898" in text and "cuda:0" in text and "1,200" in text and "50%" in text and "2,400" in text
@@ -289,7 +290,7 @@ def test_render_fits_80_columns_and_keeps_the_throughput_columns() -> None:
     decision = {"action": "up", "current": 3, "desired": 4, "reason": "students stall 30% > 10% " * 4, "at": 990.0}
     kvs.append((b"/distill/v1/cv-teacher-with-a-long-service-name/autoscaler/decision", json.dumps(decision).encode()))
     view = dtop.MeshView("etcd://etcd-0.etcd.cluster.example.org:2379,etcd-1.etcd.cluster.example.org:2379", 7,
-                         1000.0, dtop.parse_kvs(kvs))
+                         1000.0, parse_kvs(kvs))
 
     wide = dtop.render(view)
     assert max(len(line) for line in wide.splitlines()) > 80, "the snapshot should need fitting"

@@ -13,10 +13,12 @@ The package, one concern per module:
   ``concurrency.Session``: grant, keep alive every ``ttl/3``, notice loss, revoke on close.
 * :mod:`~discovery.etcd.registration`: teachers' records and students' demand kept under a lease
   session, written again after an outage, re-registered after the lease is lost.
-* :mod:`~discovery.etcd.election`: :class:`LeaderElection`, one active autoscaler per service,
-  also a lease session's user.
+* :mod:`~discovery.etcd.election`: :class:`LeaderElection` (a :class:`~discovery.election.Election`),
+  one active autoscaler per service, also a lease session's user.
 * :mod:`~discovery.etcd.watch`: etcd's event stream as full snapshots (resume from the last
   revision, reload after compaction, periodic re-sync).
+* :mod:`~discovery.etcd.view`: the whole ``/distill/v1/`` tree in one read, grouped into a
+  :class:`~discovery.view.MeshView` (``distill top``).
 * :mod:`~discovery.etcd.registry`: :class:`EtcdRegistry`, the :class:`~discovery.base.Registry`
   facade over all of it.
 """

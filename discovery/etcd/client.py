@@ -393,6 +393,6 @@ class EtcdConnection:
                 if is_auth_error(e) and not reauthenticated:
                     attempts, reauthenticated = attempts + 1, True  # an expired token: once more
         raise RegistryUnavailableError(
-            f"could not {what} ({'; '.join(errors)}). Check the registry address "
+            f"cannot {what} ({'; '.join(errors)}). Check the registry address "
             "(etcd://HOST:PORT[,HOST:PORT]) and that etcd is running and reachable."
         )

@@ -38,7 +38,9 @@ from collections.abc import Awaitable, Callable
 
 from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
-from discovery.base import Registry, RegistryError
+from discovery.base import Registry
+from discovery.election import Election
+from discovery.errors import ElectionError
 from discovery.etcd.lease import LeaseLostError, LeaseSession
 from discovery.etcd.registry import EtcdRegistry
 
@@ -49,19 +51,12 @@ __all__ = ["ElectionError", "LeaderElection", "leader_key"]
 log = logging.getLogger("distill.autoscale.election")
 
 
-class ElectionError(RegistryError, ValueError):
-    """The leader election was used wrongly (for example, on a registry that is not etcd).
-
-    A ``ValueError`` too, so that command-line front ends report it like any other bad option.
-    """
-
-
 def leader_key(service: str) -> str:
     """The etcd key the leader of ``service`` holds."""
     return f"{keys.autoscaler_prefix(service)}leader"
 
 
-class LeaderElection:
+class LeaderElection(Election):
     """Campaign for, hold and give up the leadership of one service's autoscaler.
 
     ``registry`` must be an etcd registry (``open_registry("etcd://...")``); the election opens
@@ -124,11 +119,13 @@ class LeaderElection:
             return
         await self._lost.wait()
 
-    async def publish(self, key: str, value: bytes) -> bool:
-        """Put `key` under our leader lease (it vanishes with our leadership); False if we do not lead."""
+    async def publish(self, name: str, value: bytes) -> bool:
+        """Put ``<autoscaler prefix>/<name>`` under our leader lease (it vanishes with our
+        leadership); False if we do not lead."""
         session = self._session
         if session is None or not self.is_leader:
             return False
+        key = keys.autoscaler_prefix(self.service) + keys.validate_name("autoscaler record name", name)
         await bounded(session.put(key, value), self.call_timeout)
         return True
 

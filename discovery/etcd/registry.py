@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,14 @@ from discovery.base import (
     TeacherSet,
     TeacherWatch,
 )
+from discovery.election import Election
 from discovery.etcd.client import CHANNEL_OPTIONS, EtcdClient, EtcdConnection, endpoints_of, read_file
 from discovery.etcd.lease import LeaseSession
 from discovery.etcd.registration import EtcdRegistration, gated_report
+from discovery.etcd.view import parse_kvs, view_prefixes
 from discovery.etcd.watch import WatchState, parse_all, produce_snapshots
 from discovery.reports import ReportGate, demand_changed, load_changed
+from discovery.view import MeshView
 
 __all__ = ["EtcdRegistry"]
 
@@ -97,9 +101,12 @@ class EtcdRegistry(Registry):
         self._warned: set[bytes] = set()
         self._closed = False
 
+    @property
+    def address(self) -> str:
+        return "etcd://" + ",".join(str(e) for e in self.endpoints)
+
     def __repr__(self) -> str:
-        eps = ",".join(str(e) for e in self.endpoints)
-        return f"EtcdRegistry(etcd://{eps})"
+        return f"EtcdRegistry({self.address})"
 
     # -- plumbing -------------------------------------------------------------------------------
     def _make_client(self, endpoint: Endpoint) -> EtcdClient:
@@ -306,6 +313,35 @@ class EtcdRegistry(Registry):
 
         self._check_open()
         return await self._connection.oneshot(f"read the autoscaler decision of {service!r}", read)
+
+    async def view(self, services: Sequence[str] = ()) -> MeshView:
+        """See :meth:`Registry.view`: one transaction over ``/distill/v1/`` (or the services'
+        prefixes), grouped by :func:`~discovery.etcd.view.parse_kvs`."""
+        only = [keys.validate_name("service name", s) for s in services]
+
+        async def read(client: EtcdClient) -> MeshView:
+            revision, _, parts = await self._connection.read_prefixes(client, view_prefixes(only))
+            kvs = [(kv.key, kv.value) for part in parts for kv in part]
+            return MeshView(self.address, revision, time.time(), parse_kvs(kvs, only))
+
+        self._check_open()
+        return await self._connection.oneshot(f"read the registry at {self.address}", read)
+
+    def election(
+        self,
+        service: str,
+        *,
+        identity: str,
+        ttl: float = 5.0,
+        poll_interval: float = 0.5,
+        call_timeout: float = 3.0,
+    ) -> Election:
+        """A :class:`~discovery.etcd.election.LeaderElection` on this registry's connection."""
+        from discovery.etcd.election import LeaderElection  # it builds on this class: imported on use
+
+        return LeaderElection(
+            self, service, identity=identity, ttl=ttl, poll_interval=poll_interval, call_timeout=call_timeout
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -3,7 +3,8 @@
 * :mod:`~distill.autoscale.policy`: a pure function from a snapshot of teachers and students to a
   teacher count and a reason (:func:`decide`), tested over simulated hours without a cluster.
 * :mod:`~distill.autoscale.controller`: reads the registry each period, asks the policy, applies
-  through a backend; one active controller per service (:class:`LeaderElection` on etcd); logs
+  through a backend; one active controller per service (the registry's election, on etcd
+  :class:`LeaderElection`); logs
   every decision and exports Prometheus metrics.
 * :mod:`~distill.autoscale.backends`: ``local`` (teacher-server subprocesses) and ``kubernetes``
   (a Deployment's scale subresource).

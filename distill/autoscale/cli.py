@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from discovery.options import add_registry_security_args, registry_security_options
+from discovery.signals import StopSignals
 from distill.autoscale.backends import BACKENDS, Backend, KubernetesBackend, LocalBackend
 from distill.autoscale.controller import Controller, ControllerConfig, default_identity
 from distill.autoscale.errors import AutoscaleError, BackendError, PolicyConfigError
@@ -298,10 +298,7 @@ async def run(args: argparse.Namespace, command: Sequence[str]) -> None:
         metrics_host=args.metrics_host,
     )
     backend = backend_from_args(args, command)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = StopSignals().install()  # SIGTERM/SIGINT: stop cleanly, exit 0 (also with SIGINT inherited ignored)
     registry = open_registry(args.registry, **registry_options(args))
     try:
         controller = Controller(registry, backend, policy, config)
@@ -323,8 +320,7 @@ async def run(args: argparse.Namespace, command: Sequence[str]) -> None:
             await controller.close()
     finally:
         await registry.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        stop.uninstall()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,11 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         from discovery.address import parse_address
+        from discovery.backends import backend, shared_forms
         from discovery.keys import validate_name
 
-        if parse_address(args.registry).scheme != "etcd":
+        if not backend(parse_address(args.registry).scheme).shared:
             raise ValueError(
-                f"--registry must be etcd://HOST:PORT (the autoscaler reads demand and elects a leader "
+                f"--registry must be {shared_forms()} (the autoscaler reads demand and elects a leader "
                 f"there), not {args.registry!r}"
             )
         validate_name("service name", args.service)

@@ -1,6 +1,7 @@
 """The controller: every period, read the registry, ask the policy, apply through a backend.
 
-One controller per service acts at a time (:class:`~discovery.etcd.election.LeaderElection`);
+One controller per service acts at a time (the registry's :class:`~discovery.election.Election`,
+on etcd :class:`~discovery.etcd.election.LeaderElection`);
 the others wait and take over when the leader goes away. While leading, each period:
 
 1. the teacher set comes from a registry watch (kept current in the background, loads included);
@@ -41,10 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry, RegistryError, TeacherSet
-from discovery.etcd.election import LeaderElection
+from discovery.election import Election
 from distill.autoscale.backends.base import Backend, BackendState
 from distill.autoscale.errors import BackendError, BackendUnavailableError, PolicyConfigError
 from distill.autoscale.metrics import AutoscalerMetrics
@@ -100,7 +100,7 @@ class ControllerConfig:
 class Controller:
     """Keeps one service's teacher pool sized to its students; see the module docstring.
 
-    The registry must be an etcd registry (the election lives there); the caller owns it and closes
+    The registry must keep shared state (etcd: the election lives there); the caller owns it and closes
     it after the controller. The controller owns the backend and closes it. Use::
 
         async with Controller(registry, backend, PolicyConfig(...), ControllerConfig("svc")) as c:
@@ -127,8 +127,7 @@ class Controller:
         self.config = config
         self.service = config.service
         self.metrics = metrics if metrics is not None else AutoscalerMetrics(config.service)
-        self.election = LeaderElection(
-            registry,
+        self.election: Election = registry.election(
             config.service,
             identity=config.identity,
             ttl=config.election_ttl,
@@ -411,8 +410,7 @@ class Controller:
             "capacity": round(decision.capacity, 1), "reason": decision.reason, "at": time.time(),
         }
         try:
-            if await self.election.publish(keys.autoscaler_prefix(self.service) + "decision",
-                                           json.dumps(record).encode()):
+            if await self.election.publish("decision", json.dumps(record).encode()):
                 self._published, self._published_at = fingerprint, now
         except Exception as e:  # an unreachable etcd is already reported; never stop deciding for this
             log.debug("could not publish the decision: %s", describe(e))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from discovery.etcd.election import ElectionError
+from discovery.errors import ElectionError
 
 __all__ = [
     "AutoscaleError",

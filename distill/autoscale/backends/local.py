@@ -6,12 +6,10 @@ autoscaler itself starts and stops teacher processes from a command template:
     distill-autoscaler --registry etcd://... --service S --devices cuda:0,cuda:1 \\
         -- teacher-server --model examples.refteacher:build --name ref_teacher
 
-The template may use ``{port}``, ``{device}``, ``{instance_id}``, ``{registry}`` and ``{service}``
-(write ``{{``/``}}`` for literal braces); the flags ``--port``, ``--device``, ``--instance-id``,
-``--registry`` and ``--service`` are appended when the template does not set them, so the short
-form above works. Each teacher gets a free loopback port and the least used device (at most
-``teachers_per_device`` per accelerator; CPU has no limit). ``teacher-server`` is run as
-``python -m teacher_server`` from this interpreter when it is not on ``PATH``.
+The template (:mod:`~distill.autoscale.backends.template`) may use ``{port}``, ``{device}``,
+``{instance_id}``, ``{registry}`` and ``{service}``; the flags are appended when the template does
+not set them, so the short form above works. Each teacher gets a free loopback port and the least used device (at most
+``teachers_per_device`` per accelerator; CPU has no limit).
 
 Lifecycle: a teacher counts as *starting* until it appears in the registry (teacher-server
 registers once its model is loaded and warmed up). Scale-down stops the least loaded teachers
@@ -36,7 +34,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +43,7 @@ from pathlib import Path
 from discovery import keys
 from discovery.aio import cancel_and_wait
 from distill.autoscale.backends.base import Backend, BackendState
+from distill.autoscale.backends.template import PLACEHOLDERS, check_template, fill
 from distill.autoscale.errors import BackendError
 from teacher_server import launch
 
@@ -53,17 +51,8 @@ __all__ = ["PLACEHOLDERS", "LocalBackend"]
 
 log = logging.getLogger("distill.autoscale.local")
 
-PLACEHOLDERS: tuple[str, ...] = ("port", "device", "instance_id", "registry", "service")
 # A teacher that dies younger than this counts toward the crash backoff.
 _YOUNG = 30.0
-_APPENDED: tuple[tuple[str, str], ...] = (
-    ("--port", "{port}"),
-    ("--device", "{device}"),
-    ("--instance-id", "{instance_id}"),
-    ("--registry", "{registry}"),
-    ("--service", "{service}"),
-)
-
 @dataclass
 class _Child:
     instance_id: str
@@ -153,7 +142,7 @@ class LocalBackend(Backend):
         self.env = dict(env or {})
         self.supervise_interval = float(supervise_interval)
         self.max_crash_backoff = float(max_crash_backoff)
-        self.command = self._check_template(list(command), append_flags)
+        self.command = check_template(list(command), append_flags)
         self._own_log_dir = log_dir is None
         self._log_dir_arg = log_dir
         self.log_dir: Path | None = None
@@ -170,36 +159,6 @@ class LocalBackend(Backend):
         self.spawned = 0
 
     # -- template -----------------------------------------------------------------------------------
-    def _check_template(self, command: list[str], append: bool) -> list[str]:
-        if not command:
-            raise BackendError(
-                "the local backend needs a teacher command after '--', e.g. "
-                "-- teacher-server --model examples.refteacher:build --name ref_teacher"
-            )
-        if append:
-            for flag, value in _APPENDED:
-                if not any(tok == flag or tok.startswith(flag + "=") for tok in command):
-                    command += [flag, value]
-        sample = dict.fromkeys(PLACEHOLDERS, "x")
-        for tok in command:
-            try:
-                tok.format_map(sample)
-            except KeyError as e:
-                raise BackendError(
-                    f"unknown placeholder {{{e.args[0]}}} in teacher command argument {tok!r}; "
-                    f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)} (write {{{{ and }}}} for braces)"
-                ) from None
-            except (ValueError, IndexError) as e:
-                raise BackendError(
-                    f"bad braces in teacher command argument {tok!r}: {e}; write {{{{ and }}}}"
-                ) from None
-        exe = command[0]
-        if os.sep not in exe and shutil.which(exe) is None:
-            if exe == "teacher-server":
-                return [sys.executable, "-m", "teacher_server", *command[1:]]
-            raise BackendError(f"teacher command {exe!r} not found on PATH")
-        return command
-
     def argv(self, *, port: int, device: str, instance_id: str) -> list[str]:
         """The command for one teacher, placeholders filled in."""
         values = {
@@ -209,7 +168,7 @@ class LocalBackend(Backend):
             "registry": self.registry,
             "service": self.service,
         }
-        return [tok.format_map(values) for tok in self.command]
+        return fill(self.command, values)
 
     # -- Backend ------------------------------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.autoscale_settings import BATCH, Settings
+from benchmarks.autoscale.settings import BATCH, Settings
 from benchmarks.students import StudentProc
 
 

@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.autoscale_profile import Run
-from benchmarks.autoscale_settings import (
+from benchmarks.autoscale.profile import Run
+from benchmarks.autoscale.settings import (
     _CEIL_SLACK,
     GOAL_FLAPS,
     GOAL_OVERSHOOT,

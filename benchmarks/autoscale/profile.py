@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.autoscale_pools import AutoscaledPool, DecisionFollower, FixedPool, Watcher
-from benchmarks.autoscale_settings import Settings
+from benchmarks.autoscale.pools import AutoscaledPool, DecisionFollower, FixedPool, Watcher
+from benchmarks.autoscale.settings import Settings
 from benchmarks.cpu import machine_busy_seconds, process_cpu_seconds, self_cpu_seconds
 from benchmarks.students import StudentProc
 

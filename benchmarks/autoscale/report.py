@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.autoscale_settings import GOAL_REACH_S, GOAL_THROUGHPUT, Settings
+from benchmarks.autoscale.settings import GOAL_REACH_S, GOAL_THROUGHPUT, Settings
 from benchmarks.common import format_table
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.autoscale_settings import MODEL_NAME, MODEL_REF, TEACHER_MS_ENV, Settings
+from benchmarks.autoscale.settings import MODEL_NAME, MODEL_REF, TEACHER_MS_ENV, Settings
 from benchmarks.common import REPO_ROOT
 from benchmarks.procs import child_pids, log_tail, process_alive, process_cmdline, process_start_monotonic
 from teacher_server import launch

@@ -6,10 +6,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-MODEL_REF = "examples.emulated:build"
-MODEL_NAME = "emulated"
-TEACHER_MS_ENV = "EMULATED_TEACHER_MS"  # examples.emulated reads the per-batch time from here
-BATCH = 256
+from benchmarks.common import EMULATED_MODEL_NAME as MODEL_NAME
+from benchmarks.common import EMULATED_MODEL_REF as MODEL_REF
+from benchmarks.common import EMULATED_TEACHER_MS_ENV as TEACHER_MS_ENV
+from benchmarks.common import W1_BATCH as BATCH
+
+__all__ = ["BATCH", "MODEL_NAME", "MODEL_REF", "TEACHER_MS_ENV", "Settings"]
+
 GOAL_REACH_S = 10.0
 GOAL_OVERSHOOT = 0
 GOAL_FLAPS = 0
