@@ -35,14 +35,15 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol, runtime_checkable
 
 from discovery import keys
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry
 from discovery.election import Election
 from discovery.errors import ElectionError
+from discovery.etcd.client import EtcdClient
 from discovery.etcd.lease import LeaseLostError, LeaseSession
-from discovery.etcd.registry import EtcdRegistry
 
 __all__ = ["ElectionError", "LeaderElection", "leader_key"]
 
@@ -54,6 +55,20 @@ log = logging.getLogger("distill.autoscale.election")
 def leader_key(service: str) -> str:
     """The etcd key the leader of ``service`` holds."""
     return f"{keys.autoscaler_prefix(service)}leader"
+
+
+@runtime_checkable
+class LeaseHost(Protocol):
+    """What an election needs of its registry: the etcd registry's client and its lease sessions.
+
+    A protocol rather than the registry class, so that `discovery.etcd.registry` can build
+    elections without the two modules importing each other."""
+
+    def client(self) -> EtcdClient: ...
+
+    def session(
+        self, ttl: float, *, lease_id: int | None = None, call_timeout: float | None = None, name: str = "lease"
+    ) -> LeaseSession: ...
 
 
 class LeaderElection(Election):
@@ -76,7 +91,7 @@ class LeaderElection(Election):
         poll_interval: float = 0.5,
         call_timeout: float = 3.0,
     ) -> None:
-        if not isinstance(registry, EtcdRegistry):
+        if not isinstance(registry, LeaseHost):
             raise ElectionError(
                 f"leader election needs an etcd registry (etcd://HOST:PORT), not {registry!r}: "
                 "a static teacher list has no shared state to elect a leader in"

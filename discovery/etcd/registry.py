@@ -31,6 +31,7 @@ from discovery.base import (
 )
 from discovery.election import Election
 from discovery.etcd.client import CHANNEL_OPTIONS, EtcdClient, EtcdConnection, endpoints_of, read_file
+from discovery.etcd.election import LeaderElection
 from discovery.etcd.lease import LeaseSession
 from discovery.etcd.registration import EtcdRegistration, gated_report
 from discovery.etcd.view import parse_kvs, view_prefixes
@@ -337,8 +338,6 @@ class EtcdRegistry(Registry):
         call_timeout: float = 3.0,
     ) -> Election:
         """A :class:`~discovery.etcd.election.LeaderElection` on this registry's connection."""
-        from discovery.etcd.election import LeaderElection  # it builds on this class: imported on use
-
         return LeaderElection(
             self, service, identity=identity, ttl=ttl, poll_interval=poll_interval, call_timeout=call_timeout
         )
