@@ -208,6 +208,28 @@ def test_the_overlay_in_the_docs_builds_and_validates() -> None:
     find(objs, "Job", "llm-student")
 
 
+def test_the_llm_only_append_in_the_docs_leaves_no_cifar_piece_behind() -> None:
+    base = re.search(r"cat > my-mesh/kustomization\.yaml <<'EOF'\n(.*?)\nEOF\n", DOCS, re.S)
+    more = re.search(r"cat >> my-mesh/kustomization\.yaml <<'EOF'\n(.*?)\nEOF\n", DOCS, re.S)
+    assert base and more
+    objs = build_overlay(base.group(1) + "\n" + more.group(1))
+    for obj in objs:
+        validate(obj)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert not {n for n in names if n[1] in ("cifar-teacher", "distill-autoscaler", "student", "student-script")}
+    assert ("Deployment", "llm-teacher") in names and ("Role", "llm-autoscaler") in names
+
+
+def test_the_weights_upgrade_patch_in_the_docs_points_the_teachers_at_the_new_claim() -> None:
+    m = re.search(r"```\n  patches:\n(.*?)  ```", DOCS, re.S)
+    assert m, "docs/deploy.md shows the upgrade patch"
+    patch = "patches:\n" + "\n".join(line.removeprefix("  ") for line in m.group(1).splitlines())
+    overlay = ("resources: [../deploy]\ncomponents: [../deploy/components/llm-teacher]\n" + patch)
+    dep = find(build_overlay(overlay), "Deployment", "llm-teacher")
+    (volume,) = pod_spec(dep)["volumes"]  # type: ignore[index]
+    assert volume["persistentVolumeClaim"]["claimName"] == "llm-weights-v2"
+
+
 @pytest.mark.parametrize("source, pattern", [
     ("teacher_server/metrics.py", r"(?:nv_inference|teacher)_[a-z_]+"),
     ("distill/autoscale/metrics.py", r"distill_autoscaler_[a-z_]+"),
