@@ -325,7 +325,7 @@ def test_pods_run_unprivileged_except_etcd() -> None:
 def test_components_reference_only_what_exists() -> None:
     """Every component directory is used by some variant, and names its files correctly."""
     components = sorted(p.parent.name for p in (DEPLOY / "components").glob("*/kustomization.yaml"))
-    used = {c for v in VARIANTS.values() for c in v} | {"llm-weights-from-snapshot"}
+    used = {c for v in VARIANTS.values() for c in v}
     assert set(components) <= used, f"never rendered: {set(components) - used}"
     for name in components:
         k = yaml.safe_load((DEPLOY / "components" / name / "kustomization.yaml").read_text())
