@@ -189,7 +189,7 @@ def test_weights_kit_builds_validates_and_writes_where_the_teacher_reads() -> No
     assert find(objs, "VolumeSnapshot", "llm-weights")["spec"]["source"] == {
         "persistentVolumeClaimName": "llm-weights-staging"}
     (mount,) = container(job, "copy")["volumeMounts"]
-    teacher_dir = re.search(r'local_dir="([^"]+)"', code).group(1)  # type: ignore[union-attr]
+    teacher_dir = re.search(r'local_dir = "([^"]+)"', code).group(1)  # type: ignore[union-attr]
     assert teacher_dir == f"{mount['mountPath']}/teacher", "the directory hf:/models/teacher reads after the copy"
     loader = find(objs, "Pod", "llm-weights-loader")
     assert loader["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "llm-weights-staging"
@@ -220,14 +220,28 @@ def test_the_llm_only_append_in_the_docs_leaves_no_cifar_piece_behind() -> None:
     assert ("Deployment", "llm-teacher") in names and ("Role", "llm-autoscaler") in names
 
 
-def test_the_weights_upgrade_patch_in_the_docs_points_the_teachers_at_the_new_claim() -> None:
+def test_the_weights_upgrade_in_the_docs_points_the_teachers_at_the_new_claim() -> None:
     m = re.search(r"```\n  patches:\n(.*?)  ```", DOCS, re.S)
-    assert m, "docs/deploy.md shows the upgrade patch"
+    claim = re.search(r"cat > my-mesh/weights-v2\.yaml <<'EOF'\n(.*?)\n  EOF\n", DOCS, re.S)
+    assert m and claim, "docs/deploy.md shows the upgrade's claim and patch"
     patch = "patches:\n" + "\n".join(line.removeprefix("  ") for line in m.group(1).splitlines())
-    overlay = ("resources: [../deploy]\ncomponents: [../deploy/components/llm-teacher]\n" + patch)
-    dep = find(build_overlay(overlay), "Deployment", "llm-teacher")
+    claim_text = "\n".join(line.removeprefix("  ") for line in claim.group(1).splitlines())
+    overlay = ("resources: [../deploy, weights-v2.yaml]\ncomponents: [../deploy/components/llm-teacher, "
+               "../deploy/components/llm-weights-from-snapshot]\n" + patch)
+    objs = build_overlay(overlay, {"weights-v2.yaml": claim_text})
+    for obj in objs:
+        validate(obj)
+    dep = find(objs, "Deployment", "llm-teacher")
     (volume,) = pod_spec(dep)["volumes"]  # type: ignore[index]
-    assert volume["persistentVolumeClaim"]["claimName"] == "llm-weights-v2"
+    assert volume["persistentVolumeClaim"] == {"claimName": "llm-weights-v2", "readOnly": True}
+    new_claim = find(objs, "PersistentVolumeClaim", "llm-weights-v2")
+    assert new_claim["spec"]["accessModes"] == ["ReadOnlyMany"] and new_claim["metadata"]["namespace"] == "distill"
+    assert new_claim["spec"]["dataSource"]["name"] == "llm-weights-v2"
+    sed = re.search(r"sed 's/name: llm-weights\$/name: (llm-weights-v2)/' deploy/weights/snapshot\.yaml", DOCS)
+    assert sed, "the snapshot is renamed for the new claim"
+    snapshot = re.sub(r"name: llm-weights$", "name: llm-weights-v2",
+                      (DEPLOY / "weights" / "snapshot.yaml").read_text(), flags=re.M)
+    assert yaml.safe_load(snapshot)["metadata"]["name"] == "llm-weights-v2"
 
 
 @pytest.mark.parametrize("source, pattern", [

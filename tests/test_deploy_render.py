@@ -59,14 +59,17 @@ def build(directory: Path) -> list[Doc]:
     return [d for d in yaml.safe_load_all(kubectl("kustomize", str(directory))) if d]
 
 
-def build_overlay(kustomization: str) -> list[Doc]:
-    """Build an overlay written the way docs/deploy.md writes one, next to `deploy/` (a symlink to
-    the repository's), so `../deploy` in it means what it means for a user."""
+def build_overlay(kustomization: str, files: dict[str, str] | None = None) -> list[Doc]:
+    """Build an overlay written the way docs/deploy.md writes one (`my-mesh/kustomization.yaml` and
+    `files` beside it), next to `deploy/` (a symlink to the repository's), so `../deploy` in it
+    means what it means for a user."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "deploy").symlink_to(DEPLOY)
         overlay = Path(tmp) / "my-mesh"
         overlay.mkdir()
         (overlay / "kustomization.yaml").write_text(kustomization)
+        for name, text in (files or {}).items():
+            (overlay / name).write_text(text)
         return build(overlay)
 
 
