@@ -72,7 +72,7 @@ _WHERE = {
     "InferRequest": "infer_request", "InputTensor": "infer_request", "RequestedOutput": "infer_request",
     "InferResult": "lifecycle", "RequestLifecycle": "lifecycle",
     "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
-    "ServerConfig": "server", "TeacherServer": "server",
+    "ServerConfig": "config", "TeacherServer": "server",
     "ModelIO": "spec", "SpecError": "spec", "TensorSpec": "spec",
     "serve": "api", "start": "api",
 }
