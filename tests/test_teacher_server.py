@@ -94,6 +94,29 @@ def test_unknown_model_metadata_is_not_found(client: tg.InferenceServerClient) -
     assert "ref_teacher" in e.value.message()
 
 
+def test_unknown_model_is_worded_as_triton_words_it(client: tg.InferenceServerClient) -> None:
+    """Clients written for Triton match on "Request for unknown model"; ours starts the same way
+    and then says what this server serves, on every call that names a model."""
+    calls = {
+        "infer": lambda: client.infer("nope", [_input(_images(1))], client_timeout=30.0),
+        "metadata": lambda: client.get_model_metadata("nope"),
+        "config": lambda: client.get_model_config("nope"),
+        "version": lambda: client.get_model_metadata("ref_teacher", "9"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "StatusCode.NOT_FOUND", (what, e.value)
+        message = e.value.message()
+        assert message.startswith("Request for unknown model: "), (what, message)
+        if what == "version":
+            assert message == ("Request for unknown model: 'ref_teacher' has no version '9'; "
+                               "served version is '1'"), message
+        else:
+            assert message == ("Request for unknown model: 'nope' is not served here; "
+                               "this server serves 'ref_teacher'"), (what, message)
+
+
 def test_repository_index_statistics_and_unimplemented(client: tg.InferenceServerClient) -> None:
     index = client.get_model_repository_index(as_json=True)
     assert index["models"][0]["name"] == "ref_teacher" and index["models"][0]["state"] == "READY"
