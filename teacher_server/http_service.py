@@ -11,8 +11,9 @@ or draining, 500 model failure), with KServe's `{"error": "..."}` body. Routes:
     POST /v2/models/{name}[/versions/{version}]/infer      JSON tensors or Triton's binary extension
     POST /v2/repository/index
 
-Bodies are bounded by --max-message-mb (413 beyond it). A JSON header large enough to hold the loop
-noticeably is decoded on a worker thread, and so are large JSON outputs.
+Bodies are bounded by --max-message-mb (413 beyond it), compressed ones inflated off the loop within
+that bound (`http_body`). A JSON header large enough to hold the loop noticeably is decoded on a
+worker thread, and so are large JSON outputs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from protos.kserve import DATATYPES, model_config_pb2
 from teacher_server.errors import InferError
+from teacher_server.http_body import BodyReader, BodyRefused
 from teacher_server.http_codec import (
     HEADER_LENGTH,
     DecodedInfer,
@@ -84,6 +86,7 @@ class HTTPService:
     def __init__(self, lifecycle: RequestLifecycle, max_body_bytes: int) -> None:
         self._lifecycle = lifecycle
         self._max_body = max_body_bytes
+        self._bodies = BodyReader(max_body_bytes)
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[_json_errors], client_max_size=self._max_body)
@@ -203,19 +206,11 @@ class HTTPService:
         return _json([{"name": model.name, "version": model.version, "state": state}])
 
     # ---- inference -----------------------------------------------------------------------
-    def _too_large(self, size: int | None) -> web.Response:
-        got = "a larger body" if size is None else f"{size} bytes"
-        return _error(413, f"request body of {got} exceeds --max-message-mb ({self._max_body} bytes); "
-                           "send smaller batches or raise --max-message-mb on the teacher")
-
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        size = request.content_length
-        if size is not None and size > self._max_body:
-            return self._too_large(size)
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large(None)
+            body = await self._bodies.read(request)
+        except BodyRefused as e:
+            return _error(e.status, e.message)
         header_length = request.headers.get(HEADER_LENGTH)
         json_size = int(header_length) if header_length is not None and header_length.isdigit() else len(body)
         args = (body, header_length, request.match_info["name"], request.match_info.get("version", ""))
@@ -261,7 +256,9 @@ class HTTPFrontEnd:
                  shutdown_timeout_s: float = 1.0) -> None:
         self._app = HTTPService(lifecycle, max_body_bytes).application()
         self._ssl = ssl_context
-        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+        # Compressed bodies are inflated by BodyReader, off the loop and bounded, not by aiohttp's parser.
+        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                                     auto_decompress=False)
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
