@@ -26,7 +26,7 @@ from teacher_server.outputs import OutputDefaults
 from teacher_server.settings import at_least, check_fields, existing_file, in_port_range, positive_finite, setting
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
 
-__all__ = ["OutputSettings", "ServerConfig", "check_device", "parse_model_args"]
+__all__ = ["HTTPLimits", "OutputSettings", "ServerConfig", "check_device", "parse_model_args"]
 
 DTYPES = tuple(FLOAT_OUTPUT_DTYPES)
 
@@ -95,7 +95,24 @@ class OutputSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig(OutputSettings):
+class HTTPLimits:
+    """What one HTTP client may hold of the teacher: time for a body to arrive, idle time, connections."""
+
+    http_request_timeout_s: float = setting(
+        30.0, "seconds an HTTP request body may take to arrive; beyond it: 408 and the connection is closed "
+        "(default: %(default)s)", group="network", flag="--http-request-timeout", type=float,
+        check=positive_finite("a positive number of seconds"))
+    http_idle_timeout_s: float = setting(
+        75.0, "seconds an HTTP connection may wait for its next request (or its first request's headers) "
+        "before it is closed (default: %(default)s)", group="network", flag="--http-idle-timeout", type=float,
+        check=positive_finite("a positive number of seconds"))
+    http_max_connections: int = setting(
+        256, "HTTP connections held at once; a connection beyond them is answered 503 and closed, those held "
+        "are served on (default: %(default)s)", group="network", type=int, check=at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(OutputSettings, HTTPLimits):
     """Everything a TeacherServer needs; the CLI flags map onto it one to one (keyword-only)."""
 
     model: str

@@ -8,7 +8,7 @@ as it grows, so a "decompression bomb" (1.5 MB on the wire, 1.5 GB inflated) cos
 past ``INFLATE_FLOOR`` a body may inflate to at most ``MAX_INFLATE_RATIO`` times its wire size
 (real tensors and JSON compress far less than that; a bomb is refused after a fraction of the
 limit's work). At most ``INFLATE_WORKERS`` bodies inflate at once; the others wait their turn
-without holding the loop.
+without holding the loop. A body must arrive within --http-request-timeout (408 beyond it).
 
 Every route that takes a body reads it through a `BodyReader` (the KServe v2 routes and any later
 ones), so all get the same bounds.
@@ -20,6 +20,8 @@ import asyncio
 import zlib
 
 from aiohttp import web
+
+from discovery.aio import deadline
 
 __all__ = ["BodyReader", "BodyRefused", "inflate"]
 
@@ -82,8 +84,9 @@ def inflate(data: bytes, encoding: str, limit: int, max_ratio: int = MAX_INFLATE
 class BodyReader:
     """Reads request bodies within the bounds above; one per HTTP front end (its inflate slots)."""
 
-    def __init__(self, max_body_bytes: int) -> None:
+    def __init__(self, max_body_bytes: int, timeout_s: float | None = None) -> None:
         self.max_body = max_body_bytes
+        self.timeout_s = timeout_s  # how long a body may take to arrive (--http-request-timeout)
         self._inflating = asyncio.Semaphore(INFLATE_WORKERS)
 
     async def read(self, request: web.Request) -> bytes:
@@ -96,9 +99,13 @@ class BodyReader:
         if size is not None and size > self.max_body:
             raise _too_large(f"{size} bytes", self.max_body)
         try:
-            body = await request.read()
+            async with deadline(self.timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large("a larger body", self.max_body) from None
+        except TimeoutError:
+            raise BodyRefused(408, f"request body did not arrive within --http-request-timeout ({self.timeout_s:g} s); "
+                                   "send it at once, or raise --http-request-timeout on the teacher") from None
         if encoding in ("identity", ""):
             return body
         async with self._inflating:

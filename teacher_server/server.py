@@ -173,7 +173,7 @@ class TeacherServer:
             if cfg.http_port is not None:
                 ssl_context = (None if cfg.tls_cert is None or cfg.tls_key is None
                                else server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
-                http = HTTPFrontEnd(self.requests, max_bytes, ssl_context)
+                http = HTTPFrontEnd(self.requests, max_bytes, ssl_context, limits=cfg)
                 await http.start(cfg.host, cfg.http_port)
                 self._http = http
             if cfg.metrics_port is not None:

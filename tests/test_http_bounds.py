@@ -1,15 +1,20 @@
 """What one HTTP client can make the teacher do: compressed bodies are inflated off the event loop
-within --max-message-mb (a gzip bomb gets 413 while gRPC clients keep being answered)."""
+within --max-message-mb (a gzip bomb gets 413 while gRPC clients keep being answered); a body that
+trickles gets 408; connections beyond --http-max-connections get 503 while those held are served;
+a client that goes away costs no traceback in the log. Real sockets on 127.0.0.1 throughout."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
+import socket
+import struct
 import threading
 import time
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,7 +26,7 @@ import tritonclient.grpc as tg
 from teacher_server import ServerConfig, http_body
 from teacher_server.http_body import MAX_INFLATE_RATIO, BodyRefused, inflate
 from tests.models import Affine
-from tests.servers import ServerThread
+from tests.servers import ServerThread, teacher_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -144,3 +149,133 @@ def test_a_gzip_bomb_gets_413_while_grpc_clients_are_answered(server: ServerThre
     during = [t for t in answered if window[0] < t < window[1]]
     assert len(during) >= 3, (f"{len(during)} gRPC answers during {window[1] - window[0]:.2f} s of inflation "
                               f"({len(answered)} in all): the bomb held the event loop")
+
+
+# ---- slow and vanishing clients ------------------------------------------------------------------
+def _connect(port: int, timeout: float = 10.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.settimeout(timeout)
+    return sock
+
+
+def _read_response(sock: socket.socket, limit_s: float = 30.0) -> bytes:
+    """Bytes until the peer closes or a whole response (headers and Content-Length) is in."""
+    data = b""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        length = [int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))
+                  if k.strip().lower() == b"content-length"]
+        if sep and length and len(body) >= length[0]:
+            break
+    return data
+
+
+def _get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: teacher\r\nConnection: keep-alive\r\n\r\n".encode()
+
+
+def test_a_trickling_body_gets_408_and_its_connection_closed() -> None:
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
+                       http_request_timeout_s=1.0)
+    with ServerThread(cfg) as s:
+        assert s.server is not None and s.server.http_port
+        sock = _connect(s.server.http_port)
+        sock.sendall(b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{")
+        answer = b""
+        sock.settimeout(0.2)
+        for _ in range(100):  # one byte every 0.2 s, at most 20 s: far past the 1 s bound
+            try:
+                answer += sock.recv(65536)
+            except TimeoutError:
+                pass
+            if answer:
+                break
+            try:
+                sock.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        sock.settimeout(10.0)
+        answer += _read_response(sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"--http-request-timeout" in answer and b"Connection: close" in answer
+        with _connect(s.server.http_port) as fresh:  # and the server serves on
+            fresh.sendall(_get("/v2/health/ready"))
+            assert _read_response(fresh).startswith(b"HTTP/1.1 200")
+
+
+def test_connections_over_the_cap_get_503_while_held_ones_are_served() -> None:
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
+                       http_max_connections=2)
+    with ServerThread(cfg) as s:
+        assert s.server is not None and s.server.http_port
+        port = s.server.http_port
+        held = [_connect(port), _connect(port)]
+        for sock in held:  # answered on a kept-alive connection: each is held by the server now
+            sock.sendall(_get("/v2/health/live"))
+            assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        for _ in range(3):
+            with _connect(port) as extra:
+                answer = _read_response(extra)
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+            assert b"Retry-After: 1" in answer and b"--http-max-connections (2)" in answer
+        for sock in held:  # the connections held are served on
+            sock.sendall(_get("/v2/health/ready"))
+            assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        answer = b""
+        while time.monotonic() < deadline:  # the server notices the close; then a new client gets in
+            with _connect(port) as fresh:
+                fresh.sendall(_get("/v2/health/ready"))
+                answer = _read_response(fresh)
+            if answer.startswith(b"HTTP/1.1 200"):
+                break
+            time.sleep(0.05)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        held[0].close()
+
+
+def _drop(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0), as a killed client does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_clients_that_go_away_leave_no_traceback(tmp_path: Path) -> None:
+    """Clients dropped mid-body and before their (slow) answer: the teacher-server process's own
+    log holds no traceback and no ERROR line, and it serves on."""
+    args = ["--model", "tests.models:sleepy", "--name", "slow", "--device", "cpu", "--instances", "1",
+            "--port", "0", "--http-port", "0"]
+    x = np.ones((2, 8), np.float32)
+    with teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "300"}) as (_proc, info):
+        port = info["http_port"]
+        for _ in range(3):  # mid-body
+            sock = _connect(port)
+            sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: teacher\r\nContent-Length: 50000\r\n\r\n"
+                         + b" " * 1000)
+            time.sleep(0.1)
+            _drop(sock)
+        for _ in range(3):  # before the answer: the forward pass takes 300 ms
+            sock = _connect(port)
+            body = _infer_body(x)
+            sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: teacher\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.05)
+            _drop(sock)
+        time.sleep(1.0)  # the abandoned requests finish and try to answer
+        with _connect(port) as fresh:
+            fresh.sendall(_get("/v2/health/ready"))
+            assert _read_response(fresh).startswith(b"HTTP/1.1 200")
+    text = "\n".join(p.read_text() for p in tmp_path.glob("teacher-*.log"))
+    assert "serving slow" in text, text[-2000:]
+    assert "Traceback" not in text and "ERROR" not in text and "Error handling request" not in text, text[-4000:]
