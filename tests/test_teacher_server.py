@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 from examples.refteacher import build as build_ref
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
+from teacher_server.model import LoadedModel, resolve_device, with_index
 from tests.models import TwoHeads, affine
 from tests.servers import ServerThread
 
@@ -115,6 +116,19 @@ def test_unknown_model_is_worded_as_triton_words_it(client: tg.InferenceServerCl
         else:
             assert message == ("Request for unknown model: 'nope' is not served here; "
                                "this server serves 'ref_teacher'"), (what, message)
+
+
+def test_a_device_named_without_its_index_gets_the_current_one() -> None:
+    """`cuda` names the current CUDA device, and tensors on it report `cuda:0`: the model's device
+    gets the index filled in, so `tensor.device == model.device` holds (checked here without CUDA)."""
+    assert with_index(torch.device("cuda"), current=0) == torch.device("cuda:0")
+    assert with_index(torch.device("cuda"), current=1) == torch.device("cuda", 1)
+    assert with_index(torch.device("cuda:1"), current=0) == torch.device("cuda:1")
+    assert with_index(torch.device("cpu")) == torch.device("cpu") == torch.zeros(1).device
+    loaded = LoadedModel(torch.nn.Identity(), ModelIO.parse(["X:FP32:2"]), torch.device("cpu"))
+    assert loaded.device == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
 
 
 def test_repository_index_statistics_and_unimplemented(client: tg.InferenceServerClient) -> None:
