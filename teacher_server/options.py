@@ -120,7 +120,7 @@ BATCHING = (
             flag="--no-dynamic-batching", kind="negated"),
     Setting("max_batch_tokens", "models with padded inputs: cap on batch size x padded length (default: no cap; "
             "a larger single request still runs alone)", "batching", _BATCHING_DEFAULTS["max_batch_tokens"],
-            type=int),
+            type=int, check=at_least(0, "(0: no cap)")),
     Setting("length_buckets", "models with padded inputs: pad requests of any length together (default: by "
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",
             kind="negated"),
@@ -181,18 +181,19 @@ def refuse_unknown(options: Mapping[str, Any], known: Mapping[str, Setting], ext
 
 
 def batching_config(values: Mapping[str, Any], file_max_batch_size: int | None, words: Words) -> BatchingConfig:
-    """The BatchingConfig the batching settings give; its own refusals reworded to name the setting."""
+    """The BatchingConfig the batching settings give. Its checks are its own (BatchingConfig's), its
+    refusals led by the flag on the command line: ``--max-batch-size: max_batch_size must be >= 1``."""
     kwargs = {_BATCHING_FIELD.get(s.name, s.name): values.get(s.name, s.default) for s in BATCHING}
     if kwargs["max_batch_size"] is None:
         kwargs["max_batch_size"] = file_max_batch_size or _BATCHING_DEFAULTS["max_batch_size"]
     try:
         return BatchingConfig(**kwargs)
-    except ValueError as e:  # "max_queue_size must be >= 1, got 0": the field first, by BatchingConfig's habit
-        field, _, rest = str(e).partition(" ")
+    except ValueError as e:  # "max_queue_size must be >= 1, got 0": BatchingConfig names its field first
+        field = str(e).partition(" ")[0]
         keyword = {v: k for k, v in _BATCHING_FIELD.items()}.get(field, field)
-        if keyword not in ALL:
+        if keyword not in ALL or not words.as_flag:
             raise SpecError(str(e)) from None
-        raise SpecError(f"{words(ALL[keyword])} {rest}") from None
+        raise SpecError(f"{words(ALL[keyword])}: {e}") from None
 
 
 def launch_defaults() -> dict[str, Any]:

@@ -54,7 +54,6 @@ def test_flags_that_differ_from_their_keyword_still_map_onto_it() -> None:
 
 @pytest.mark.parametrize(("flag", "keyword", "value", "words"), [
     ("--top-k", "top_k", -1, "must be >= 0, got -1"),
-    ("--max-queue-size", "max_queue_size", 0, "must be >= 1, got 0"),  # BatchingConfig's own check
     ("--max-batch-tokens", "max_batch_tokens", -3, "must be >= 0 (0: no cap), got -3"),
     ("--http-port", "http_port", 70000, "must be in 0..65535, got 70000"),
     ("--drain-grace", "drain_grace_s", -1.0, "must be >= 0 seconds, got -1.0"),
@@ -67,6 +66,15 @@ def test_refusals_name_the_setting_as_the_caller_spelled_it(flag: str, keyword: 
     with pytest.raises(SpecError) as api:
         server_config(MODEL, device="cpu", **{keyword: value})
     assert str(api.value) == f"{keyword}= {words}"
+
+
+def test_batching_refusals_are_batching_configs_own_led_by_the_flag() -> None:
+    with pytest.raises(SpecError) as cli:
+        check_flags(build_parser().parse_args(["--model", MODEL, "--max-queue-size", "0"]))
+    assert str(cli.value) == "--max-queue-size: max_queue_size must be >= 1, got 0"
+    with pytest.raises(SpecError) as api:
+        server_config(MODEL, device="cpu", dynamic_batching=True, max_batch_size=0)
+    assert str(api.value) == "max_batch_size must be >= 1, got 0"
 
 
 def test_a_config_built_directly_is_checked_by_the_same_declarations() -> None:
