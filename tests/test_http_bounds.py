@@ -213,6 +213,37 @@ def test_a_trickling_body_gets_408_and_its_connection_closed() -> None:
             assert _read_response(fresh).startswith(b"HTTP/1.1 200")
 
 
+def test_trickled_headers_and_idle_connections_are_closed_after_the_idle_timeout() -> None:
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
+                       http_idle_timeout_s=1.0)
+    with ServerThread(cfg) as s:
+        assert s.server is not None and s.server.http_port
+        idle, trickling = _connect(s.server.http_port), _connect(s.server.http_port)
+        trickling.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        trickling.settimeout(0.2)
+        closed = False
+        started = time.monotonic()
+        for _ in range(100):  # one header byte every 0.2 s, at most 20 s: far past the 1 s bound
+            try:
+                closed = trickling.recv(1024) == b""
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+            if closed:
+                break
+            try:
+                trickling.sendall(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed, f"a client trickling its headers was still held after {time.monotonic() - started:.1f} s"
+        idle.settimeout(10.0)
+        assert _read_response(idle) == b"", "an idle connection is closed, not answered"
+        idle.close()
+        trickling.close()
+
+
 def test_connections_over_the_cap_get_503_while_held_ones_are_served() -> None:
     cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
                        http_max_connections=2)
