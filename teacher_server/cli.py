@@ -26,7 +26,7 @@ from teacher_server import api
 from teacher_server.api import RegistryAccessError, first_line
 from teacher_server.config import ServerConfig, parse_model_args
 from teacher_server.model import ModelLoadError
-from teacher_server.options import ALL, CONFIG, GROUPS, SETTINGS, check_options
+from teacher_server.options import CONFIG, GROUPS, SETTINGS, check_options
 from teacher_server.settings import FLAGS, add_arguments, from_args
 from teacher_server.spec import SpecError
 
@@ -71,12 +71,6 @@ def apply_model_path(args: argparse.Namespace) -> list[str]:
         if d not in sys.path[: len(dirs)]:
             sys.path.insert(0, d)
     return dirs
-
-
-def check_device(device: str | None) -> None:
-    """SpecError unless `device` names a device this machine has (None/'auto': chosen later)."""
-    if device is not None:
-        ALL["device"].refuse_bad(device, FLAGS)
 
 
 def config_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tg
+import tritonclient.http as th
 
 from teacher_server import ServerConfig, http_body
 from teacher_server.http_body import MAX_INFLATE_RATIO, BodyRefused, inflate
@@ -86,6 +87,12 @@ def test_compressed_bodies_are_served() -> None:
             assert status == 200, (what, out)
             got = np.array(out["outputs"][0]["data"], np.float32).reshape(want.shape)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        with th.InferenceServerClient(_url(s, "")[len("http://"):]) as client:  # tritonclient compresses itself
+            inp = th.InferInput("X", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            for algorithm in ("gzip", "deflate"):
+                got = client.infer("affine", [inp], request_compression_algorithm=algorithm).as_numpy("Y")
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         status, out = _post(_url(s), gzip.compress(_infer_body(x)), {"Content-Encoding": "br"})
         assert status == 415 and "gzip, deflate" in out["error"]
         status, out = _post(_url(s), gzip.compress(_infer_body(x))[:-12], {"Content-Encoding": "gzip"})
