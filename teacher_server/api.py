@@ -80,6 +80,8 @@ log = logging.getLogger("teacher_server")
 _T = TypeVar("_T")
 
 Hook = Callable[..., Any]
+# Keywords of serve()/start()/prepare() that have no flag: they hand over Python objects.
+_PYTHON_ONLY = ("preprocess", "postprocess", "model_path")
 
 
 class _Pipeline(torch.nn.Module):
@@ -276,6 +278,7 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     load failure is reported with the port already answering, as with the CLI.
     Returns the number of forward passes still running when the drain grace ran out (0: clean).
     """
+    refuse_unknown(options, {**CONFIG, **LAUNCH}, _PYTHON_ONLY)
     given = {k: v for k, v in options.items() if k in LAUNCH}
     check_options(given, KEYWORDS)
     launch = LaunchSettings(**given)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import teacher_server
 from teacher_server.api import server_config
 from teacher_server.cli import build_parser, check_flags, flag_values
 from teacher_server.config import OutputSettings, ServerConfig
@@ -89,6 +90,8 @@ def test_an_unknown_keyword_names_the_closest_setting() -> None:
         server_config(MODEL, max_batch=4)
     with pytest.raises(SpecError, match="did you mean top_k"):
         server_config(MODEL, topk=4)
+    with pytest.raises(SpecError, match=r"unknown option\(s\) tll \(tll: did you mean ttl\?\).*preprocess"):
+        teacher_server.serve(MODEL, tll=5)  # refused before anything loads or listens
 
 
 def test_the_output_transform_defaults_are_declared_in_one_place() -> None:
