@@ -9,7 +9,10 @@ One request's data path, module by module: `grpc_codec` (bytes -> `infer_request
 `lifecycle` (admission, accounting), `validation` (-> `work.Work`), `batcher` (queue),
 `instance` (forward pass), `outputs` (transform and encode), `grpc_codec` again (response).
 Refusals are the typed exceptions of `errors`, mapped to status codes by each front end
-(`grpc_service`; `http_service` with `http_codec` for KServe v2 HTTP/REST on `--http-port`).
+(`grpc_service`; `http_service` with `http_codec` for KServe v2 HTTP/REST on `--http-port`, its
+bodies read within bounds by `http_body` and its connections capped by `http_conn`).
+Configuration: each setting is declared once (`settings`), on `config.ServerConfig`'s fields and
+in `options`; the CLI (`cli`) and `serve()` (`api`) are derived from those declarations.
 
 The names below are imported on first use: `teacher_server.launch` (which the autoscaler's local
 backend uses to start teachers) must not make every importer pay for torch.
@@ -72,7 +75,7 @@ _WHERE = {
     "InferRequest": "infer_request", "InputTensor": "infer_request", "RequestedOutput": "infer_request",
     "InferResult": "lifecycle", "RequestLifecycle": "lifecycle",
     "LoadedModel": "model", "ModelLoadError": "model", "load_model": "model",
-    "ServerConfig": "server", "TeacherServer": "server",
+    "ServerConfig": "config", "TeacherServer": "server",
     "ModelIO": "spec", "SpecError": "spec", "TensorSpec": "spec",
     "serve": "api", "start": "api",
 }

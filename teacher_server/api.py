@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -53,8 +52,18 @@ import torch
 
 from discovery.aio import deadline
 from discovery.signals import StopSignals
-from teacher_server.batcher import BatchingConfig
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
+from teacher_server.options import (
+    CONFIG,
+    LAUNCH,
+    LaunchSettings,
+    batching_config,
+    check_options,
+    declaration,
+    launch_defaults,
+    refuse_unknown,
+    server_fields,
+)
 from teacher_server.server import (
     ServerConfig,
     TeacherServer,
@@ -62,18 +71,17 @@ from teacher_server.server import (
     configure_torch_threads,
     default_instances,
 )
-from teacher_server.spec import ModelFileConfig, ModelIO, SpecError, TensorSpec
+from teacher_server.settings import KEYWORDS
+from teacher_server.spec import SpecError
 
 __all__ = ["RegistryAccessError", "prepare", "serve", "server_config", "start"]
 
 log = logging.getLogger("teacher_server")
 _T = TypeVar("_T")
 
-TensorDecl = str | TensorSpec
 Hook = Callable[..., Any]
-
-# Keyword options of serve()/start() that configure batching rather than the ServerConfig itself.
-_BATCHING = {"max_queue_delay_us", "max_queue_size", "max_batch_tokens", "length_buckets", "dynamic_batching"}
+# Keywords of serve()/start()/prepare() that have no flag: they hand over Python objects.
+_PYTHON_ONLY = ("preprocess", "postprocess", "model_path")
 
 
 class _Pipeline(torch.nn.Module):
@@ -94,26 +102,6 @@ class _Pipeline(torch.nn.Module):
         return out if self.postprocess is None else self.postprocess(out)
 
 
-def _specs(decls: Sequence[TensorDecl], what: str) -> tuple[TensorSpec, ...]:
-    if isinstance(decls, (str, TensorSpec)):
-        raise SpecError(f"{what}= takes a list of declarations, e.g. {what}=['INPUT:FP32:3,32,32']")
-    return tuple(d if isinstance(d, TensorSpec) else TensorSpec.parse(d) for d in decls)
-
-
-def _declared_io(inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
-                 file_cfg: ModelFileConfig | None, attention_mask: str | None) -> ModelIO | None:
-    if inputs:
-        return ModelIO(_specs(inputs, "inputs"), _specs(outputs, "outputs"), attention_mask)
-    if outputs:
-        raise SpecError("outputs= needs inputs= too (declare the inputs the outputs come from)")
-    io = file_cfg.io if file_cfg is not None else None
-    if attention_mask is not None:
-        if io is None:
-            raise SpecError("attention_mask= needs the inputs declared (inputs= or model_config=)")
-        io = ModelIO(io.inputs, io.outputs, attention_mask)
-    return io
-
-
 def _add_model_path(model_path: str | Path | Sequence[str | Path] | None) -> None:
     if model_path is None:
         return
@@ -126,39 +114,26 @@ def _add_model_path(model_path: str | Path | Sequence[str | Path] | None) -> Non
             sys.path.insert(0, resolved)
 
 
-def server_config(model: str, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
-                  outputs: Sequence[TensorDecl] = (), attention_mask: str | None = None,
-                  model_config: str | Path | None = None, device: str | None = None,
-                  compute_dtype: str = "FP32", max_batch_size: int | None = None,
-                  **options: Any) -> ServerConfig:
+def server_config(model: str, **options: Any) -> ServerConfig:
     """Check every option and build the ``ServerConfig`` that ``serve``, ``start`` and
     ``teacher-server`` run; loads nothing (a typo should not cost a model load).
 
     ``model`` is what the config records as the model's source (a ``module:factory`` string, a
-    file, ``hf:DIR``). ``options`` are ``ServerConfig``'s fields (``instances``, ``http_port``,
-    ``metrics_port``, ``top_k``, ``output_dtype``, ``drain_grace_s``, ``model_args``, ``tls_cert``,
-    ...) plus the batcher's ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens``,
-    ``length_buckets`` (bool) and ``dynamic_batching`` (bool). Raises SpecError naming the option and the fix.
+    file, ``hf:DIR``). ``options``: the settings of ``teacher_server.options`` whose scope is the
+    config, each with its flag's default: ``ServerConfig``'s fields (``name``, ``device``,
+    ``instances``, ``http_port``, ``top_k``, ``drain_grace_s``, ``model_args``, ``tls_cert``, ...),
+    the model's declaration (``inputs``, ``outputs``, ``attention_mask``, ``model_config``) and
+    batching (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens``,
+    ``length_buckets``, ``dynamic_batching``). Raises SpecError naming the option and the fix.
     """
-    unknown = set(options) - {f for f in ServerConfig.__dataclass_fields__ if f not in {"model", "io", "batching"}}
-    unknown -= _BATCHING
-    if unknown:
-        raise SpecError(f"unknown option(s) {', '.join(sorted(unknown))}; serve() takes ServerConfig's fields "
-                        f"and {', '.join(sorted(_BATCHING))}")
-    if compute_dtype not in FLOAT_OUTPUT_DTYPES:
-        raise SpecError(f"compute_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {compute_dtype!r}")
-    file_cfg = ModelFileConfig.load(model_config) if model_config is not None else None
-    io = _declared_io(inputs, outputs, file_cfg, attention_mask)
-    if max_batch_size is None:
-        max_batch_size = file_cfg.max_batch_size if file_cfg and file_cfg.max_batch_size else 256
-    batching = BatchingConfig(max_batch_size, options.pop("max_queue_delay_us", 500),
-                              options.pop("max_queue_size", 512), enabled=options.pop("dynamic_batching", True),
-                              max_batch_tokens=options.pop("max_batch_tokens", 0),
-                              length_buckets=options.pop("length_buckets", True))
-    if not options.get("instances"):
-        options["instances"] = default_instances(device)
-    config = ServerConfig(model=model, name=name, device=device, io=io, batching=batching,
-                          compute_dtype=compute_dtype, **options)
+    refuse_unknown(options, CONFIG)
+    check_options(options, KEYWORDS)
+    io, file_cfg = declaration(options).resolve(KEYWORDS)
+    batching = batching_config(options, file_cfg.max_batch_size if file_cfg else None, KEYWORDS)
+    fields = server_fields(options)
+    if not fields["instances"]:
+        fields["instances"] = default_instances(fields["device"])
+    config = ServerConfig(model=model, io=io, batching=batching, **fields)
     check_tls_files(config)
     return config
 
@@ -267,15 +242,6 @@ def _registration(registry: str, service: str, ttl: float,
     return register
 
 
-def _check_registry(registry: str | None, service: str | None, ttl: float) -> None:
-    if registry is None and service is not None:
-        raise SpecError("service= needs registry='etcd://host:2379'")
-    if registry is not None and not service:
-        raise SpecError("registry= needs service='NAME' (the name students ask the registry for)")
-    if not (ttl > 0 and math.isfinite(ttl)):
-        raise SpecError(f"ttl must be a positive number of seconds, got {ttl}")
-
-
 async def start(model: Any, **kwargs: Any) -> TeacherServer:
     """Load, warm up and start a teacher from async code; returns the running ``TeacherServer``.
 
@@ -294,17 +260,15 @@ async def start(model: Any, **kwargs: Any) -> TeacherServer:
     return server
 
 
-def serve(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (),
-          outputs: Sequence[TensorDecl] = (), port: int = 8001, host: str = "127.0.0.1",
-          registry: str | None = None, service: str | None = None, ttl: float = 10.0,
-          registry_options: dict[str, Any] | None = None, ready_file: str | Path | None = None,
-          threads: int | None = None, **options: Any) -> int:
+def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **options: Any) -> int:
     """Serve ``model`` until SIGINT or SIGTERM, then drain; the blocking form (call it from the main
-    thread: it installs the signal handlers). ``teacher-server`` is this function behind argparse.
+    thread: it installs the signal handlers). ``teacher-server`` is this function behind argparse:
+    its keywords are the flags' (``teacher_server.options.SETTINGS``), with the flags' defaults
+    (``port=8001``, Triton's gRPC port; ``instances``: one per core on CPU, 1 on GPU).
 
     ``inputs``/``outputs``: declarations ``"NAME:DATATYPE:D1,D2"`` (or ``TensorSpec``) in
     ``forward()`` order, batch dimension left out; outputs are inferred when not declared.
-    ``registry``/``service``: register in etcd under a lease for as long as it serves
+    ``registry``/``service``/``ttl``: register in etcd under a lease for as long as it serves
     (``registry_options``: ``discovery.open_registry``'s TLS and credential options); credentials
     etcd refuses stop it before the model loads (RegistryAccessError).
     ``ready_file``: written with ``{endpoint, port, pid, ...}`` as JSON once serving.
@@ -314,15 +278,19 @@ def serve(model: Any, *, name: str = "teacher", inputs: Sequence[TensorDecl] = (
     load failure is reported with the port already answering, as with the CLI.
     Returns the number of forward passes still running when the drain grace ran out (0: clean).
     """
-    _check_registry(registry, service, ttl)
-    config, loaded = _build(model, name=name, inputs=inputs, outputs=outputs, port=port, host=host, **options)
+    refuse_unknown(options, {**CONFIG, **LAUNCH}, _PYTHON_ONLY)
+    given = {k: v for k, v in options.items() if k in LAUNCH}
+    check_options(given, KEYWORDS)
+    launch = LaunchSettings(**given)
+    rest = {k: v for k, v in options.items() if k not in LAUNCH}
+    config, loaded = _build(model, **{**launch_defaults(), **rest})
     registration = None
-    if registry is not None and service is not None:
+    if launch.registry is not None and launch.service is not None:
         security = dict(registry_options or {})
-        registration = _registration(registry, service, ttl, security)
-        run_async(check_registry_access(registry, service, security))
-    configure_torch_threads(threads, config.instances)
-    return run_async(run_until_signal(TeacherServer(config, loaded), registration, ready_file))
+        registration = _registration(launch.registry, launch.service, launch.ttl, security)
+        run_async(check_registry_access(launch.registry, launch.service, security))
+    configure_torch_threads(launch.threads or None, config.instances)
+    return run_async(run_until_signal(TeacherServer(config, loaded), registration, launch.ready_file))
 
 
 def run_async(coro: Coroutine[Any, Any, _T]) -> _T:

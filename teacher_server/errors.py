@@ -21,8 +21,21 @@ class InvalidRequestError(InferError):
     sending it again unchanged fails again. gRPC: INVALID_ARGUMENT."""
 
 
+# How Triton starts the message for a model it does not serve; clients written for Triton (its own
+# client examples among them) match on it, so ours starts the same way and then says what is served.
+UNKNOWN_MODEL = "Request for unknown model"
+
+
 class ModelNotFoundError(InferError):
     """The request names a model or version this server does not serve. gRPC: NOT_FOUND."""
+
+    @classmethod
+    def unknown_model(cls, name: str, served: str) -> ModelNotFoundError:
+        return cls(f"{UNKNOWN_MODEL}: {echo(name)} is not served here; this server serves {served!r}")
+
+    @classmethod
+    def unknown_version(cls, name: str, version: str, served: str) -> ModelNotFoundError:
+        return cls(f"{UNKNOWN_MODEL}: {echo(name)} has no version {echo(version)}; served version is {served!r}")
 
 
 class UnavailableError(InferError):

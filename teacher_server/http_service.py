@@ -11,8 +11,9 @@ or draining, 500 model failure), with KServe's `{"error": "..."}` body. Routes:
     POST /v2/models/{name}[/versions/{version}]/infer      JSON tensors or Triton's binary extension
     POST /v2/repository/index
 
-Bodies are bounded by --max-message-mb (413 beyond it). A JSON header large enough to hold the loop
-noticeably is decoded on a worker thread, and so are large JSON outputs.
+Bodies are bounded by --max-message-mb (413 beyond it), compressed ones inflated off the loop within
+that bound (`http_body`). A JSON header large enough to hold the loop noticeably is decoded on a
+worker thread, and so are large JSON outputs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import Any
 from aiohttp import web
 
 from protos.kserve import DATATYPES, model_config_pb2
+from teacher_server.config import HTTPLimits
 from teacher_server.errors import InferError
+from teacher_server.http_body import BodyReader, BodyRefused
 from teacher_server.http_codec import (
     HEADER_LENGTH,
     DecodedInfer,
@@ -37,6 +40,7 @@ from teacher_server.http_codec import (
     error_body,
     http_status,
 )
+from teacher_server.http_conn import listen
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.outputs import EncodedOutput
 
@@ -58,13 +62,17 @@ def _error(status: int, message: str) -> web.Response:
 
 @web.middleware
 async def _json_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """aiohttp's own refusals (no such route, wrong method) in KServe's error form."""
+    """aiohttp's own refusals (no such route, wrong method) in KServe's error form; a client that
+    went away (mid-body or before its answer) is routine: one debug line, no traceback."""
     try:
         return await handler(request)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+    except ConnectionError as e:
+        log.debug("HTTP client %s went away during %s %s: %s", request.remote, request.method, request.path, e)
+        return _error(499, "client closed the connection")  # never delivered: aiohttp drops it quietly
 
 
 def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
@@ -81,12 +89,12 @@ def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLCon
 class HTTPService:
     """The REST handlers for the one model a RequestLifecycle serves; holds no request state."""
 
-    def __init__(self, lifecycle: RequestLifecycle, max_body_bytes: int) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, bodies: BodyReader) -> None:
         self._lifecycle = lifecycle
-        self._max_body = max_body_bytes
+        self._bodies = bodies
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[_json_errors], client_max_size=self._max_body)
+        app = web.Application(middlewares=[_json_errors], client_max_size=self._bodies.max_body)
         app.router.add_get("/v2/health/live", self.live)
         app.router.add_get("/v2/health/ready", self.ready)
         app.router.add_get("/v2", self.server_metadata)
@@ -203,19 +211,14 @@ class HTTPService:
         return _json([{"name": model.name, "version": model.version, "state": state}])
 
     # ---- inference -----------------------------------------------------------------------
-    def _too_large(self, size: int | None) -> web.Response:
-        got = "a larger body" if size is None else f"{size} bytes"
-        return _error(413, f"request body of {got} exceeds --max-message-mb ({self._max_body} bytes); "
-                           "send smaller batches or raise --max-message-mb on the teacher")
-
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        size = request.content_length
-        if size is not None and size > self._max_body:
-            return self._too_large(size)
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large(None)
+            body = await self._bodies.read(request)
+        except BodyRefused as e:
+            refused = _error(e.status, e.message)
+            if e.status == 408:
+                refused.force_close()  # the rest of the body is still on its way: close rather than read it
+            return refused
         header_length = request.headers.get(HEADER_LENGTH)
         json_size = int(header_length) if header_length is not None and header_length.isdigit() else len(body)
         args = (body, header_length, request.match_info["name"], request.match_info.get("version", ""))
@@ -255,28 +258,35 @@ async def _send(request: web.Request, encoded: EncodedResponse) -> web.StreamRes
 
 class HTTPFrontEnd:
     """The REST listener's lifetime: bound in `start`, closed in `stop` (after the drain, when every
-    accepted request has been answered)."""
+    accepted request has been answered). `limits` bound what one client may hold (`HTTPLimits`)."""
 
     def __init__(self, lifecycle: RequestLifecycle, max_body_bytes: int, ssl_context: ssl.SSLContext | None = None,
-                 shutdown_timeout_s: float = 1.0) -> None:
-        self._app = HTTPService(lifecycle, max_body_bytes).application()
+                 shutdown_timeout_s: float = 1.0, limits: HTTPLimits | None = None) -> None:
+        self._limits = limits or HTTPLimits()
+        bodies = BodyReader(max_body_bytes, self._limits.http_request_timeout_s)
+        self._app = HTTPService(lifecycle, bodies).application()
         self._ssl = ssl_context
-        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+        # Compressed bodies are inflated by BodyReader, off the loop and bounded, not by aiohttp's parser.
+        self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                                     auto_decompress=False, keepalive_timeout=self._limits.http_idle_timeout_s)
+        self._listener: asyncio.Server | None = None
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: a free one); the bound port. OSError naming the flag if it is taken."""
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self._ssl, reuse_port=False)
         try:
-            await site.start()
+            self._listener = await listen(self._runner, host, port, self._ssl, self._limits.http_max_connections)
         except OSError as e:
             await self._runner.cleanup()
             raise OSError(f"cannot bind HTTP {host}:{port} ({e.strerror}); is the port in use? "
                           "(--http-port 0 picks a free one)") from e
-        self.port = int(self._runner.addresses[0][1])
+        self.port = int(self._listener.sockets[0].getsockname()[1])
         return self.port
 
     async def stop(self) -> None:
         """Stop listening, let handlers still writing finish (bounded), close connections."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         await self._runner.cleanup()

@@ -28,7 +28,6 @@ from teacher_server.errors import (
     ModelNotFoundError,
     OverloadedError,
     UnavailableError,
-    echo,
 )
 from teacher_server.infer_request import InferRequest
 from teacher_server.metrics import ServerMetrics
@@ -130,10 +129,9 @@ class RequestLifecycle:
         """ModelNotFoundError unless `name` (and `version`, when given) is the served model."""
         m = self.model
         if name != m.name:
-            raise ModelNotFoundError(f"model {echo(name)} is not served here; this server serves {m.name!r}")
+            raise ModelNotFoundError.unknown_model(name, m.name)
         if version not in ("", m.version):
-            raise ModelNotFoundError(
-                f"model {echo(name)} has no version {echo(version)}; served version is {m.version!r}")
+            raise ModelNotFoundError.unknown_version(name, version, m.version)
 
     def _unavailable(self) -> UnavailableError:
         if self._state is ServingState.DRAINING:

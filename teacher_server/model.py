@@ -27,7 +27,8 @@ from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError, TensorS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLOAT_OUTPUT_DTYPES", "LoadedModel", "ModelLoadError", "import_factory", "load_model", "resolve_device"]
+__all__ = ["FLOAT_OUTPUT_DTYPES", "LoadedModel", "ModelLoadError", "import_factory", "load_model", "resolve_device",
+           "with_index"]
 
 
 class ModelLoadError(RuntimeError):
@@ -43,6 +44,9 @@ class LoadedModel:
     device: torch.device
     compute_dtype: torch.dtype = torch.float32
     autocast: bool = True  # False: the weights are already in compute_dtype (a Hugging Face teacher)
+
+    def __post_init__(self) -> None:
+        self.device = with_index(torch.device(self.device))
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the module and return its outputs in declared order (callers hold inference_mode)."""
@@ -177,14 +181,29 @@ def _eval(module: Any) -> None:
 _FILE_SUFFIXES = frozenset({".pt2", ".pt", ".pth", ".ts", ".torchscript", ".jit"})
 
 
+def with_index(device: torch.device, current: int | None = None) -> torch.device:
+    """`device` as its tensors report it: an accelerator named without an index (``cuda``) is the
+    current one (``cuda:0``), so ``tensor.device == model.device`` holds; cpu stays ``cpu``.
+    `current`: that index (default: asked of torch, for the device's type)."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    if current is None:
+        module = getattr(torch, device.type, None)
+        try:
+            current = int(module.current_device())
+        except (AttributeError, AssertionError, RuntimeError):  # no such backend here: left as named
+            return device
+    return torch.device(device.type, current)
+
+
 def resolve_device(device: str | None) -> torch.device:
-    """`None`/'auto' → cuda when available, else cpu."""
+    """`None`/'auto' → cuda when available, else cpu; an accelerator always with its index (``cuda:0``)."""
     if device in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return with_index(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device} requested but CUDA is not available; use --device cpu")
-    return dev
+    return with_index(dev)
 
 
 def load_model(

@@ -33,9 +33,9 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from protos.kserve import DATATYPES, model_config_pb2
-from teacher_server.spec import ModelFileConfig, ModelIO, SpecError, TensorSpec
+from teacher_server.spec import ModelIO, SpecError, TensorSpec
 
-__all__ = ["load_model_config", "parse_triton_config"]
+__all__ = ["ModelFileConfig", "load_model_config", "parse_triton_config"]
 
 # Triton's DataType enum value -> our KServe datatype name (TYPE_FP32 -> FP32, TYPE_STRING -> BYTES).
 _FROM_CONFIG_TYPE = {dt.config_type: name for name, dt in DATATYPES.items()}
@@ -52,6 +52,20 @@ _TRITON_INSTEAD = {
     "parameters": "the model factory's own arguments",
 }
 _OURS_TOP = {"name", "max_batch_size", "inputs", "outputs", "attention_mask"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFileConfig:
+    """The optional model config file: the same facts as the flags, for models served often."""
+
+    io: ModelIO | None
+    max_batch_size: int | None
+    name: str | None
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelFileConfig:
+        """Read a model config file: our JSON, or Triton's config.pbtxt or JSON."""
+        return load_model_config(path)
 
 
 def load_model_config(path: str | Path) -> ModelFileConfig:

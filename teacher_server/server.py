@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
@@ -33,87 +28,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from protos import registry_pb2
-from teacher_server.batcher import BatchingConfig, DynamicBatcher
+from teacher_server.batcher import DynamicBatcher
+from teacher_server.config import ServerConfig
 from teacher_server.grpc_service import InferenceService, add_inference_service
 from teacher_server.http_service import HTTPFrontEnd, server_ssl_context
 from teacher_server.instance import ModelInstance
 from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
 from teacher_server.model import LoadedModel, _probe, load_model, resolve_device
-from teacher_server.outputs import OutputDefaults
-from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
+from teacher_server.spec import ModelIO, SpecError
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 # Calls gRPC may hold before the handler takes them (its default soft limit of 1,000 cancels the
 # excess). Each costs its request bytes; the lifecycle refuses beyond the batcher's queue at once.
 MAX_PENDING_CALLS = 100_000
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything a TeacherServer needs; the CLI flags map onto it one to one."""
-
-    model: str
-    name: str = "teacher"
-    version: str = "1"
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, see TeacherServer.port
-    device: str | None = None  # None: cuda when available, else cpu
-    io: ModelIO | None = None
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    instances: int = 1
-    output_dtype: str | None = None  # default for floating outputs; None keeps the model's
-    top_k: int = 0  # default top-k for every output; 0 sends full tensors
-    logprobs: bool = False  # default: send log_softmax(x / temperature) of floating outputs
-    temperature: float = 1.0  # default divisor of floating outputs before log-softmax / top-k
-    topk_tail: bool = False  # default: with top-k, also send <OUT>_TOPK_TAIL (mass outside the top-k)
-    model_args: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments of a module:factory
-    compute_dtype: str = "FP32"
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
-    http_port: int | None = None  # KServe v2 HTTP/REST; None: off; 0: a free port
-    max_message_mb: int = 256
-    drain_grace_s: float = 30.0
-    instance_id: str = ""  # registry identity; generated when empty
-    advertise: str = ""  # host:port students should dial; defaults to host:port
-    tls_cert: str | None = None  # PEM certificate chain: serve TLS
-    tls_key: str | None = None  # its PEM private key
-    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates signed by it (mutual TLS)
-
-    def __post_init__(self) -> None:
-        if self.instances < 1:
-            raise SpecError(f"--instances must be >= 1, got {self.instances}")
-        if self.output_dtype is not None and self.output_dtype not in FLOAT_OUTPUT_DTYPES:
-            raise SpecError(f"--output-dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {self.output_dtype}")
-        if self.top_k < 0:
-            raise SpecError(f"--top-k must be >= 0, got {self.top_k}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise SpecError(f"--temperature must be a finite number > 0, got {self.temperature}")
-        if self.max_message_mb < 1:
-            raise SpecError(f"--max-message-mb must be >= 1, got {self.max_message_mb}")
-        if not 0 <= self.port < 65536:
-            raise SpecError(f"--port must be in 0..65535, got {self.port}")
-        if self.http_port is not None and not 0 <= self.http_port < 65536:
-            raise SpecError(f"--http-port must be in 0..65535, got {self.http_port}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise SpecError("TLS needs both --tls-cert and --tls-key")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise SpecError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
-        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
-                           ("--tls-client-ca", self.tls_client_ca)):
-            if path is not None and not Path(path).is_file():
-                raise SpecError(f"{flag} {path} does not exist")
-
-    def server_credentials(self) -> grpc.ServerCredentials | None:
-        """TLS credentials from the PEM files; None for plaintext. Client certificates are required
-        exactly when a client CA is given."""
-        if self.tls_cert is None or self.tls_key is None:
-            return None
-        client_ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
-        return grpc.ssl_server_credentials(
-            [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
-            root_certificates=client_ca, require_client_auth=client_ca is not None,
-        )
 
 
 class TeacherServer:
@@ -135,8 +64,7 @@ class TeacherServer:
         self.metrics = ServerMetrics(config.name, config.version)
         self.requests = RequestLifecycle(
             ServedModel(config.name, config.version, self.device, config.instances, config.batching,
-                        OutputDefaults(config.output_dtype, config.top_k, config.logprobs, config.temperature,
-                                       config.topk_tail)),
+                        config.output_defaults()),
             self.metrics,
         )
         self.metrics.watch_in_flight(lambda: self.requests.in_flight)
@@ -245,7 +173,7 @@ class TeacherServer:
             if cfg.http_port is not None:
                 ssl_context = (None if cfg.tls_cert is None or cfg.tls_key is None
                                else server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
-                http = HTTPFrontEnd(self.requests, max_bytes, ssl_context)
+                http = HTTPFrontEnd(self.requests, max_bytes, ssl_context, limits=cfg)
                 await http.start(cfg.host, cfg.http_port)
                 self._http = http
             if cfg.metrics_port is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -180,19 +179,3 @@ class ModelIO:
 
     def output(self, name: str) -> TensorSpec | None:
         return next((s for s in self.outputs if s.name == name), None)
-
-
-@dataclass(frozen=True)
-class ModelFileConfig:
-    """The optional model config file: the same facts as the flags, for models served often."""
-
-    io: ModelIO | None
-    max_batch_size: int | None
-    name: str | None
-
-    @classmethod
-    def load(cls, path: str | Path) -> ModelFileConfig:
-        """Read a model config file: our JSON, or Triton's config.pbtxt or JSON (teacher_server.model_config)."""
-        from teacher_server.model_config import load_model_config  # here: it imports this module
-
-        return load_model_config(path)

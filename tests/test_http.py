@@ -137,6 +137,20 @@ def test_unknown_model_is_not_found(client: th.InferenceServerClient) -> None:
         assert "not served here" in e.value.message() or "no version" in e.value.message()
 
 
+def test_unknown_model_is_worded_as_triton_words_it(client: th.InferenceServerClient) -> None:
+    """tritonclient.http sees Triton's opening words for a model not served, then what is served."""
+    for call in (lambda: client.infer("nope", [_input(_images(1))]), lambda: client.get_model_metadata("nope"),
+                 lambda: client.get_model_config("nope")):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "404", e.value
+        assert e.value.message() == ("Request for unknown model: 'nope' is not served here; "
+                                     "this server serves 'ref_teacher'"), e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        client.get_model_metadata("ref_teacher", "9")
+    assert e.value.message().startswith("Request for unknown model: 'ref_teacher' has no version '9'")
+
+
 # ---- inference -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("binary_in", [True, False], ids=["binary-in", "json-in"])
 @pytest.mark.parametrize("binary_out", [None, True, False], ids=["default-out", "binary-out", "json-out"])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tg
 
-from teacher_server.spec import ModelFileConfig, ModelIO, SpecError
+from teacher_server.model_config import ModelFileConfig
+from teacher_server.spec import ModelIO, SpecError
 from tests.servers import teacher_process
 
 PBTXT = """

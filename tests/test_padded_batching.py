@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from teacher_server import BatchingConfig, ModelIO, ServerConfig, SpecError, TensorSpec
 from teacher_server.cli import build_parser, config_from_args
-from teacher_server.spec import ModelFileConfig
+from teacher_server.model_config import ModelFileConfig
 from tests import seq_models
 from tests.servers import ServerThread
 

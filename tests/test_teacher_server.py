@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 from examples.refteacher import build as build_ref
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
+from teacher_server.model import LoadedModel, resolve_device, with_index
 from tests.models import TwoHeads, affine
 from tests.servers import ServerThread
 
@@ -92,6 +93,42 @@ def test_unknown_model_metadata_is_not_found(client: tg.InferenceServerClient) -
         client.get_model_metadata("nope")
     assert e.value.status() == "StatusCode.NOT_FOUND"
     assert "ref_teacher" in e.value.message()
+
+
+def test_unknown_model_is_worded_as_triton_words_it(client: tg.InferenceServerClient) -> None:
+    """Clients written for Triton match on "Request for unknown model"; ours starts the same way
+    and then says what this server serves, on every call that names a model."""
+    calls = {
+        "infer": lambda: client.infer("nope", [_input(_images(1))], client_timeout=30.0),
+        "metadata": lambda: client.get_model_metadata("nope"),
+        "config": lambda: client.get_model_config("nope"),
+        "version": lambda: client.get_model_metadata("ref_teacher", "9"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "StatusCode.NOT_FOUND", (what, e.value)
+        message = e.value.message()
+        assert message.startswith("Request for unknown model: "), (what, message)
+        if what == "version":
+            assert message == ("Request for unknown model: 'ref_teacher' has no version '9'; "
+                               "served version is '1'"), message
+        else:
+            assert message == ("Request for unknown model: 'nope' is not served here; "
+                               "this server serves 'ref_teacher'"), (what, message)
+
+
+def test_a_device_named_without_its_index_gets_the_current_one() -> None:
+    """`cuda` names the current CUDA device, and tensors on it report `cuda:0`: the model's device
+    gets the index filled in, so `tensor.device == model.device` holds (checked here without CUDA)."""
+    assert with_index(torch.device("cuda"), current=0) == torch.device("cuda:0")
+    assert with_index(torch.device("cuda"), current=1) == torch.device("cuda", 1)
+    assert with_index(torch.device("cuda:1"), current=0) == torch.device("cuda:1")
+    assert with_index(torch.device("cpu")) == torch.device("cpu") == torch.zeros(1).device
+    loaded = LoadedModel(torch.nn.Identity(), ModelIO.parse(["X:FP32:2"]), torch.device("cpu"))
+    assert loaded.device == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
 
 
 def test_repository_index_statistics_and_unimplemented(client: tg.InferenceServerClient) -> None:

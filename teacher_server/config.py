@@ -1,0 +1,178 @@
+"""`ServerConfig`: everything a TeacherServer needs, each field declared once as a setting.
+
+Each field's ``setting(...)`` is its default, its check, its help text and its flag: ``teacher-server``
+builds its flags from these declarations and ``serve()``/``server_config()`` take them as keywords
+(`teacher_server.options` adds the settings that are not ServerConfig fields: the model's
+declaration, batching, registration). A ServerConfig built directly is checked by the same
+declarations, its refusals naming the flag.
+
+`OutputSettings` holds the server-wide defaults of the output transforms (``--top-k``,
+``--logprobs``, ...) in one place, so a registry of transforms can declare them from its entries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from teacher_server.batcher import BatchingConfig
+from teacher_server.outputs import OutputDefaults
+from teacher_server.settings import at_least, check_fields, existing_file, in_port_range, positive_finite, setting
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
+
+__all__ = ["HTTPLimits", "OutputSettings", "ServerConfig", "check_device", "parse_model_args"]
+
+DTYPES = tuple(FLOAT_OUTPUT_DTYPES)
+
+
+def check_device(device: str) -> str | None:
+    """What is wrong with `device` on this machine (None: a device it has; 'auto': chosen later)."""
+    if device in ("", "auto"):
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"{device!r} is not a device; use cpu, cuda or cuda:N"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"{device}: CUDA is not available on this machine; use --device cpu"
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            return f"{device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    elif dev.type != "cpu":
+        return f"{device}: teacher-server serves on cpu or cuda:N"
+    return None
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
+    """`--model-arg KEY=VALUE` flags as keyword arguments: VALUE as JSON when it parses, else the
+    string itself; SpecError for a malformed or repeated KEY."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise SpecError(f"--model-arg {item!r}: expected KEY=VALUE with KEY a Python identifier "
+                            "(a keyword argument of the factory), e.g. --model-arg hidden=256")
+        if key in out:
+            raise SpecError(f"--model-arg {key} given twice")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSettings:
+    """Server-wide defaults of the output transforms; a request overrides each with its parameter."""
+
+    output_dtype: str | None = setting(
+        None, "default dtype of floating outputs; requests override with the output_dtype parameter",
+        group="outputs", type=str.upper, choices=DTYPES)
+    top_k: int = setting(
+        0, "default: send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors)",
+        group="outputs", type=int, check=at_least(0))
+    logprobs: bool = setting(
+        False, "default: send log_softmax(x / --temperature) of floating outputs, computed on the model's device "
+        "(requests override with the logprobs parameter)", group="outputs", kind="switch")
+    temperature: float = setting(
+        1.0, "default divisor of floating outputs before log-softmax and top-k; requests override with the "
+        "temperature parameter (default: %(default)s)",
+        group="outputs", type=float, check=positive_finite("a finite number > 0"))
+    topk_tail: bool = setting(
+        False, "default: with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the top-k per "
+        "position (requests override with the topk_tail parameter)", group="outputs", kind="switch")
+
+    def output_defaults(self) -> OutputDefaults:
+        return OutputDefaults(self.output_dtype, self.top_k, self.logprobs, self.temperature, self.topk_tail)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HTTPLimits:
+    """What one HTTP client may hold of the teacher: time for a body to arrive, idle time, connections."""
+
+    http_request_timeout_s: float = setting(
+        30.0, "seconds an HTTP request body may take to arrive; beyond it: 408 and the connection is closed "
+        "(default: %(default)s)", group="network", flag="--http-request-timeout", type=float,
+        check=positive_finite("a positive number of seconds"))
+    http_idle_timeout_s: float = setting(
+        75.0, "seconds an HTTP connection may wait for its next request (or its first request's headers) "
+        "before it is closed (default: %(default)s)", group="network", flag="--http-idle-timeout", type=float,
+        check=positive_finite("a positive number of seconds"))
+    http_max_connections: int = setting(
+        256, "HTTP connections held at once; a connection beyond them is answered 503 and closed, those held "
+        "are served on (default: %(default)s)", group="network", type=int, check=at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(OutputSettings, HTTPLimits):
+    """Everything a TeacherServer needs; the CLI flags map onto it one to one (keyword-only)."""
+
+    model: str
+    name: str = setting("teacher", "model name clients ask for (default: %(default)s)", group="model")
+    version: str = setting("1", "model version (default: %(default)s)", group="model")
+    device: str | None = setting(
+        None, "cpu or cuda:N (default: cuda when available, else cpu)", group="model", check=check_device)
+    compute_dtype: str = setting(
+        "FP32", "autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
+        "(default: %(default)s)", group="model", type=str.upper, choices=DTYPES)
+    # serve() and the CLI default to 0 (one per core on CPU, 1 on GPU); a config built directly, to 1.
+    instances: int = setting(
+        0, "model instances, each on its own thread (default: one per core on CPU, 1 on GPU)", group="model",
+        type=int, check=at_least(0, "(0: one per core on CPU, 1 on GPU)"), field_default=1)
+    model_args: Mapping[str, Any] = setting(
+        {}, "keyword argument for a module:factory (repeat); VALUE is parsed as JSON when it parses "
+        "(3, 0.5, true, [1,2], \"text\"), else taken as a string", group="model", flag="--model-arg",
+        kind="repeat", metavar="KEY=VALUE", from_flag=parse_model_args)
+    io: ModelIO | None = None  # from the model's declaration settings (teacher_server.options)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # likewise
+    host: str = setting("127.0.0.1", "address to bind (default: %(default)s)", group="network")
+    port: int = setting(
+        0, "gRPC port, 0 for a free one (default: %(default)s)", group="network", type=int,
+        check=in_port_range(), serve_default=8001)  # serve()/CLI: Triton's gRPC port
+    metrics_port: int | None = setting(
+        None, "Prometheus /metrics port (default: off)", group="network", type=int,
+        check=in_port_range("(0: a free port)"))
+    http_port: int | None = setting(
+        None, "KServe v2 HTTP/REST port beside gRPC, 0 for a free one (default: off)", group="network",
+        type=int, check=in_port_range())
+    max_message_mb: int = setting(
+        256, "largest request or response (default: 256)", group="network", type=int, check=at_least(1))
+    drain_grace_s: float = setting(
+        30.0, "seconds in-flight requests get to finish on SIGTERM (default: %(default)s)", group="network",
+        flag="--drain-grace", type=float, check=at_least(0, "seconds"))
+    tls_cert: str | None = setting(
+        None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)", group="network", check=existing_file)
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert", group="network", check=existing_file)
+    tls_client_ca: str | None = setting(
+        None, "PEM CA bundle: require client certificates it signed (mutual TLS)", group="network",
+        check=existing_file)
+    advertise: str = setting("", "host:port students dial (default: --host:--port)", group="registry")
+    instance_id: str = setting("", "registry identity (default: name + random suffix)", group="registry")
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SpecError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SpecError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        check_fields(self)
+        if self.instances < 1:
+            raise SpecError(f"--instances must be >= 1, got {self.instances}")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials from the PEM files; None for plaintext. Client certificates are required
+        exactly when a client CA is given."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        client_ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None,
+        )
