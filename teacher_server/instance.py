@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from teacher_server.model import LoadedModel
-from teacher_server.outputs import EncodedOutput, NamedTensor, OutputContext, encode_named, transform_output
+from teacher_server.outputs import (
+    CHUNK_BYTES,
+    EncodedOutput,
+    NamedTensor,
+    OutputContext,
+    encode_named,
+    transform_output,
+)
 from teacher_server.scoring import head_split, row_context
 from teacher_server.spec import TensorSpec
 from teacher_server.transform_rows import RowContext
@@ -50,6 +57,7 @@ class ModelInstance:
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
         self._split = head_split(model.module)
         self._chunked = True
+        self.chunk_bytes = CHUNK_BYTES  # fp32 bytes of one chunk of positions (outputs.OutputContext)
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
@@ -165,7 +173,7 @@ class ModelInstance:
         if not (use_head or (rows is not None and scoreable(spec))):
             return transform_output(outs[i], spec, want)
         context = OutputContext(rows if scoreable(spec) else None, head if use_head else None,
-                                spec.shape[-1] if spec.shape else 0)
+                                spec.shape[-1] if spec.shape else 0, self.chunk_bytes)
         return transform_output(outs[i], spec, want, context)
 
     def _row_context(self, xs: list[torch.Tensor], works: Sequence[Work], outs: list[torch.Tensor],

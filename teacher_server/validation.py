@@ -54,6 +54,7 @@ def _output_options(params: Parameters, where: str, base: OutputTransform, reque
     """`base` with the transform parameters in `params` applied (each checked by its registry
     entry); `asked` collects the names set. Scheduling parameters are checked at request level."""
     changes: dict[str, object] = {}
+    misses: list[str] = []
     for key, value in params.items():
         param = PARAMETERS.get(key)
         if param is not None:
@@ -75,12 +76,14 @@ def _output_options(params: Parameters, where: str, base: OutputTransform, reque
         elif key == "classification":
             raise InvalidRequestError(f"{where}: 'classification' outputs are not served; ask for top_k instead")
         elif (meant := near_miss(key)) is not None:
-            raise InvalidRequestError(
-                f"{where}: unknown parameter {echo(key)}; did you mean {meant!r}? (parameters teacher-server does "
-                "not use are ignored, as Triton does, but near-misses of its own are refused so that a typo "
-                "cannot silently change the answer)")
+            misses.append(f"{echo(key)} (did you mean {meant!r}?)")
         else:
             _ignore(key, where.split(" ", 1)[0])
+    if misses:
+        raise InvalidRequestError(
+            f"{where}: unknown parameter{'s' if len(misses) > 1 else ''} {', '.join(sorted(misses))}; parameters "
+            "teacher-server does not use are ignored, as Triton does, but near-misses of its own are refused so "
+            "that a typo cannot silently change the answer")
     return base.replace(**changes) if changes else base
 
 
