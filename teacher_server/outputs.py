@@ -124,12 +124,12 @@ def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransfo
                 outs = rows.out
                 continue
             if not outs:
-                outs = [(s, torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=t.device)) for s, t in rows.out]
-            for (_, buf), (_, t) in zip(outs, rows.out, strict=True):
-                buf[row0 : row0 + len(t)].copy_(t)
+                outs = [(s, torch.empty((total, *o.shape[1:]), dtype=o.dtype, device=o.device)) for s, o in rows.out]
+            for (_, buf), (_, o) in zip(outs, rows.out, strict=True):
+                buf[row0 : row0 + len(o)].copy_(o)
     named: list[NamedTensor] = []
-    for suffix, t in outs:
-        shaped = t.reshape(*lead, *t.shape[1:])
+    for suffix, o in outs:
+        shaped = o.reshape(*lead, *o.shape[1:])
         if suffix == "" and x is not tensor:
             shaped = shaped.reshape(tensor.shape)
         named.append((spec.name + suffix, shaped))

@@ -261,7 +261,7 @@ class OutputTransform:
     def values(self) -> dict[str, object]:
         return dict(self._values)
 
-    def replace(self, name: str | None = None, **changes: object) -> OutputTransform:
+    def replace(self, name: str | None = None, /, **changes: object) -> OutputTransform:
         values = {**dict(self._values), **changes}
         dtype = values.pop("output_dtype")
         return OutputTransform(self.name if name is None else name, dtype, **values)  # type: ignore[arg-type]

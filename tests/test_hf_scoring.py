@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc.aio as tga
+from tritonclient.utils import InferenceServerException
 
 from teacher_server.instance import ModelInstance
 from teacher_server.model import load_model
@@ -186,7 +187,7 @@ def test_bad_ids_and_lengths_are_refused_and_the_batch_is_answered(
                 3: ("SCORE_IDS", f"id {VOCAB}", f"classes of {VOCAB}")}
     for i, words in refusals.items():
         err = results[i]
-        assert isinstance(err, Exception) and err.status() == "StatusCode.INVALID_ARGUMENT", err
+        assert isinstance(err, InferenceServerException) and err.status() == "StatusCode.INVALID_ARGUMENT", err
         assert all(w in err.message() for w in words), err.message()
 
 
