@@ -60,6 +60,7 @@ from distill.losses._common import (
     _number,
 )
 from distill.losses._divergence import dense_rows, sparse_rows
+from distill.losses.scored import ScoredTargets, support_rows
 from distill.losses.sparse import SparseTargets
 
 __all__ = [
@@ -75,8 +76,9 @@ _DIVERGENCES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 TokenReduction = Literal["token_mean", "sum", "none"]
 _TOKEN_REDUCTIONS: tuple[str, ...] = ("token_mean", "sum", "none")
 
-TokenTeacherTargets: TypeAlias = Tensor | SparseTargets | None
-"""What the token losses accept as the teacher: dense ``[B, T, V]`` values, top-k targets, or None."""
+TokenTeacherTargets: TypeAlias = Tensor | SparseTargets | ScoredTargets | None
+"""What the token losses accept as the teacher: dense ``[B, T, V]`` values, top-k targets, scored
+targets on a support (``distill.losses.scored``), or None."""
 
 
 def _beta(divergence: str, beta: float) -> float:
@@ -131,6 +133,11 @@ def _check_inputs(
                 "some; serve the tail (SparseTargets(..., tail=..., kind='logprobs')), or use divergence='jsd' "
                 "with beta < 1"
             )
+    elif isinstance(teacher, ScoredTargets):
+        if tuple(teacher.shape[:-1]) != positions:
+            raise ValueError(
+                f"student logits {tuple(student.shape)} and scored teacher targets {tuple(teacher.shape)} "
+                "do not fit: need [..., m] with the same positions")
     elif isinstance(teacher, Tensor):
         if not teacher.is_floating_point():
             raise ValueError(f"teacher values must be floating point, got {teacher.dtype}")
@@ -166,7 +173,7 @@ class _Spec:
 def _chunk_loss(
     student: Tensor,
     rows: Tensor | None,
-    teacher: Tensor | SparseTargets | None,
+    teacher: Tensor | SparseTargets | ScoredTargets | None,
     labels: Tensor | None,
     spec: _Spec,
 ) -> Tensor:
@@ -179,6 +186,8 @@ def _chunk_loss(
             values, indices = take_rows(teacher.values, rows), take_rows(teacher.indices, rows)
             picked = SparseTargets(values, indices, tail, teacher.kind)
             d = sparse_rows(s, picked, spec.temperature, spec.beta)
+        elif isinstance(teacher, ScoredTargets):
+            d = support_rows(s, teacher.rows(rows), spec.temperature, spec.beta)
         else:
             d = dense_rows(s, take_rows(teacher, rows), spec.kind, spec.temperature, spec.beta)
         loss = spec.soft_weight * d
@@ -195,7 +204,7 @@ class _Chunk:
     """Everything ``_chunk_loss`` needs besides the student rows."""
 
     rows: Tensor | None
-    teacher: Tensor | SparseTargets | None
+    teacher: Tensor | SparseTargets | ScoredTargets | None
     labels: Tensor | None
     spec: _Spec
 
@@ -230,6 +239,8 @@ def _token_loss(
     others: list[Tensor] = []
     if isinstance(teacher, SparseTargets):
         others = [teacher.values, teacher.indices] + ([] if teacher.tail is None else [teacher.tail.unsqueeze(-1)])
+    elif isinstance(teacher, ScoredTargets):
+        others = [teacher.ids, teacher.logprobs]
     elif isinstance(teacher, Tensor):
         others = [teacher]
     if labels is not None:
@@ -246,12 +257,14 @@ def _token_loss(
         if local.numel() == 0:
             continue
         rows = None if local.numel() == end - start else local.to(student.device, non_blocking=True)
-        t_chunk: Tensor | SparseTargets | None = None
+        t_chunk: Tensor | SparseTargets | ScoredTargets | None = None
         if isinstance(teacher, SparseTargets):
             tail = None if teacher.tail is None else plan.take(teacher.tail.unsqueeze(-1), start, end).squeeze(-1)
             t_chunk = SparseTargets(
                 plan.take(teacher.values, start, end), plan.take(teacher.indices, start, end), tail, teacher.kind
             )
+        elif isinstance(teacher, ScoredTargets):
+            t_chunk = ScoredTargets(plan.take(teacher.ids, start, end), plan.take(teacher.logprobs, start, end))
         elif teacher is not None:
             t_chunk = plan.take(teacher, start, end)
         y_chunk = None if labels is None else plan.take(labels.unsqueeze(-1), start, end).squeeze(-1)
@@ -274,7 +287,7 @@ def _token_loss(
 
 def token_divergence(
     student_logits: Tensor,
-    teacher: Tensor | SparseTargets,
+    teacher: Tensor | SparseTargets | ScoredTargets,
     *,
     divergence: Divergence = "forward_kl",
     beta: float = 0.5,
@@ -290,8 +303,9 @@ def token_divergence(
 
     Args:
         student_logits: ``[B, T, V]`` (or ``[N, V]``) logits, any float dtype; computed in float32 or wider.
-        teacher: dense ``[B, T, V]`` values (``teacher_kind`` says logits or log-probabilities) or
-            ``SparseTargets`` of shape ``[B, T, k]`` (which carries its own kind and optional tail).
+        teacher: dense ``[B, T, V]`` values (``teacher_kind`` says logits or log-probabilities),
+            ``SparseTargets`` of shape ``[B, T, k]`` (which carries its own kind and optional tail), or
+            ``ScoredTargets`` ``[B, T, m]`` (exact teacher log-probabilities on a support plus a tail bin).
         divergence: ``"forward_kl"`` ``KL(p ‖ q)``, ``"reverse_kl"`` ``KL(q ‖ p)``, or ``"jsd"``
             (generalized JSD with ``beta``; module docstring).
         beta: the JSD interpolation in ``[0, 1]``, used with ``divergence="jsd"`` only.
