@@ -160,7 +160,7 @@ def _check_top_k(want: OutputTransform, spec: TensorSpec, asked: frozenset[str])
 
 
 def _check_tail(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
-    if not want.top_k and "topk_tail" in asked:
+    if want.topk_tail and not want.top_k and "topk_tail" in asked:
         return f"output {want.name!r}: topk_tail is the probability mass outside the top-k; ask for top_k too"
     return None
 

@@ -145,3 +145,20 @@ def test_transforms_in_chunks_equal_the_whole(want: OutputTransform) -> None:
         assert [(n, t.shape, t.dtype) for n, t in whole] == [(n, t.shape, t.dtype) for n, t in chunked]
         for (name, a), (_, b) in zip(whole, chunked, strict=True):
             assert torch.equal(a, b), name
+
+
+def test_explicit_defaults_and_unsupported_scoring(server: ServerThread) -> None:
+    """topk_tail=False without top_k is fine (only asking for a tail without a top-k is refused);
+    token_logprobs and SCORE_IDS on a model without a padded token input are refused by name."""
+    x = _tokens()
+    inp = tg.InferInput("TOKENS", list(x.shape), "INT64")
+    inp.set_data_from_numpy(x)
+    scores = tg.InferInput("SCORE_IDS", [2, 5, 1], "INT32")
+    scores.set_data_from_numpy(np.zeros((2, 5, 1), dtype=np.int32))
+    with tg.InferenceServerClient(server.url) as c:
+        raw = c.infer("lm", [inp], parameters={"topk_tail": False, "top_k": 0, "logprobs": False})
+        assert raw.as_numpy("LOGITS").shape == (2, 5, VOCAB)
+        with pytest.raises(InferenceServerException, match="token_logprobs needs a floating per-position output"):
+            c.infer("lm", [inp], parameters={"token_logprobs": True})
+        with pytest.raises(InferenceServerException, match="SCORE_IDS: none of the wanted outputs"):
+            c.infer("lm", [inp, scores])
