@@ -56,8 +56,10 @@ class ModelInstance:
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
         self._split = head_split(model.module)
-        self._chunked = True
-        self.chunk_bytes = CHUNK_BYTES  # fp32 bytes of one chunk of positions (outputs.OutputContext)
+        # Whether a separable model's output projection runs a chunk of positions at a time, and
+        # the fp32 bytes of one chunk (outputs.OutputContext); benchmarks change them to compare.
+        self.chunked = True
+        self.chunk_bytes = CHUNK_BYTES
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
@@ -170,7 +172,7 @@ class ModelInstance:
         i = self._spec_index[want.name]
         spec = self.model.io.outputs[i]
         use_head = head is not None and self._split is not None and want.name == self._split.head_output
-        if not (use_head or (rows is not None and scoreable(spec))):
+        if not (use_head or (rows is not None and scoreable(spec)) or self.chunk_bytes != CHUNK_BYTES):
             return transform_output(outs[i], spec, want)
         context = OutputContext(rows if scoreable(spec) else None, head if use_head else None,
                                 spec.shape[-1] if spec.shape else 0, self.chunk_bytes)
@@ -188,16 +190,6 @@ class ModelInstance:
             return None
         return row_context(xs[self._token][:, :length],
                            None if self._mask is None else xs[self._mask][:, :length], works, length)
-
-    @property
-    def chunked(self) -> bool:
-        """Whether a separable model's output projection is applied chunk by chunk (benchmarks turn
-        it off to measure the difference)."""
-        return self._chunked
-
-    @chunked.setter
-    def chunked(self, value: bool) -> None:
-        self._chunked = value
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; with wait=False, return at once and leave a running batch behind (a

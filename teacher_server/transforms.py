@@ -4,7 +4,8 @@ A `Transform` entry declares
 * its request parameters (`Param`): wire name, Python type, KServe parameter field, server
   default, help text and check. Validation parses request-level and per-output parameters from
   them, near-misses of them (`topk`, `log_probs`) are refused by name, and the config/CLI layer
-  derives its flags and defaults from them (`Param.flag`, `Param.argparse_options()`);
+  derives its flags and defaults from them (`Param.flag`, `Param.argparse_options()`); see
+  `teacher_server.near_miss` for the names refused as misspellings;
 * the extra inputs it reads besides the model's (`AuxInput`, e.g. `SCORE_IDS`);
 * the output names it adds, `<OUT>` + each suffix (e.g. `LOGITS_TOPK_VALUES`);
 * whether it replaces the full tensor (`reduces`), and a check of a wanted output against the
@@ -377,49 +378,4 @@ def token_input(io: ModelIO) -> int | None:
     for i, s in enumerate(io.inputs):
         if s.pad_value is not None and not s.attention_mask and s.datatype.startswith(("INT", "UINT")):
             return i
-    return None
-
-
-def _normal(name: str) -> str:
-    return name.lower().replace("_", "").replace("-", "")
-
-
-def _distance(a: str, b: str, limit: int) -> int:
-    """Levenshtein distance of `a` and `b`, or `limit + 1` once it is known to exceed `limit`."""
-    if abs(len(a) - len(b)) > limit:
-        return limit + 1
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        if min(cur) > limit:
-            return limit + 1
-        prev = cur
-    return prev[-1]
-
-
-KNOWN_PARAMETERS: tuple[str, ...] = (*PARAMETERS, *OTHER_PARAMETERS)
-"""Every request parameter name the server reads."""
-
-
-def near_miss(key: str) -> str | None:
-    """The parameter of ours that `key` looks like a misspelling of, or None.
-
-    A near-miss differs from one of ours only in case, underscores and dashes (`topk`,
-    `log_probs`, `Output-Dtype`), or by one edit (two for names of 10 letters or more) when ours
-    has at least 5 letters; shorter names need the exact letters, so `top_p` stays foreign.
-    Parameters that are genuinely foreign (Triton's `sequence_id`, `binary_data_output`) return None.
-    """
-    if key in KNOWN_PARAMETERS or len(key) > 64:
-        return None
-    n = _normal(key)
-    for known in KNOWN_PARAMETERS:
-        if _normal(known) == n:
-            return known
-    for known in KNOWN_PARAMETERS:
-        m = _normal(known)
-        limit = 2 if len(m) >= 10 else 1 if len(m) >= 5 else 0
-        if limit and _distance(n, m, limit) <= limit:
-            return known
     return None

@@ -15,6 +15,7 @@ import torch
 from protos.kserve import DATATYPES, decode_tensor, decode_values, shape_numel
 from teacher_server.errors import InvalidRequestError, echo
 from teacher_server.infer_request import InferRequest, Parameters
+from teacher_server.near_miss import near_miss
 from teacher_server.spec import ModelIO, TensorSpec
 from teacher_server.transforms import (
     AUX_INPUTS,
@@ -22,7 +23,6 @@ from teacher_server.transforms import (
     REGISTRY,
     OutputDefaults,
     OutputTransform,
-    near_miss,
     scoreable,
     token_input,
 )

@@ -17,9 +17,10 @@ from tritonclient.utils import InferenceServerException
 
 from teacher_server import ServerConfig
 from teacher_server.cli import build_parser
+from teacher_server.near_miss import near_miss
 from teacher_server.outputs import OutputContext, OutputDefaults, OutputTransform, transform_output
 from teacher_server.spec import TensorSpec
-from teacher_server.transforms import PARAMETERS, REGISTRY, near_miss
+from teacher_server.transforms import PARAMETERS, REGISTRY
 from tests.models import tiny_lm
 from tests.servers import ServerThread
 
