@@ -10,8 +10,20 @@ A `Transform` entry declares
 * the output names it adds, `<OUT>` + each suffix (e.g. `LOGITS_TOPK_VALUES`);
 * whether it replaces the full tensor (`reduces`), and a check of a wanted output against the
   model's declaration;
-* its device-side `apply`, which `teacher_server.transform_exec` runs on chunks of positions,
-  before the device-to-host copy (module `teacher_server.transform_rows`).
+* its device-side `apply` (in `teacher_server.transform_rows`), which `teacher_server.outputs`
+  runs on chunks of positions, before the device-to-host copy.
+
+The full output is sent only when no active transform `reduces` it: asking for `top_k`,
+`token_logprobs` or sending `SCORE_IDS` replaces `<OUT>` by what those add. The scoring entries'
+wire contract, for any KServe v2 client:
+* `token_logprobs: true` (request or output parameter) adds `<OUT>_TOKEN_LOGPROBS` `[B, T]`: at
+  position t, log p(x[t+1] | x[<=t]) after `temperature` (aligned with the logits at t, as
+  Hugging Face labels after the shift), 0 at each sequence's last position and on padding;
+* input `SCORE_IDS` (INT32 `[B, T, m]`, padded like the ids) adds `<OUT>_SCORED_LOGPROBS`
+  `[B, T, m]`: the log-probabilities (after `temperature`) at those ids at each position, 0 on
+  padding. Both apply to floating per-position outputs of a model with a padded token input (an
+  `hf:` causal LM's LOGITS) and combine with `top_k`, `topk_tail`, `temperature` and `output_dtype`
+  (fp32 unless `output_dtype` says otherwise).
 
 Adding a transform is one entry in `REGISTRY` (in the order the transforms run) and its test on
 the teacher. For the config/CLI layer:

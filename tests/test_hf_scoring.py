@@ -221,3 +221,32 @@ def test_the_projection_runs_a_chunk_at_a_time_and_changes_nothing(llama_dir: Pa
             dtype = np.int32 if name.endswith("INDICES") else np.float32
             assert np.allclose(np.frombuffer(x, dtype), np.frombuffer(y, dtype), atol=1e-5), name
     assert [n for n, *_ in chunked[1]][-1] == "LOGITS_SCORED_LOGPROBS"
+
+
+def test_scoring_over_http_with_per_output_parameters(llama_dir: Path, reference: torch.nn.Module) -> None:
+    """KServe v2 HTTP/REST: token_logprobs as a parameter of the output, SCORE_IDS as binary data."""
+    import tritonclient.http as th
+
+    from teacher_server import ServerConfig
+    from tests.servers import ServerThread
+
+    ids = _sequences((13,), seed=11)[0]
+    sc = np.random.default_rng(12).integers(0, VOCAB, size=(1, 13, 3), dtype=np.int32)
+    with ServerThread(ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", http_port=0)) as s:
+        assert s.server is not None and s.server.http_port is not None
+        c = th.InferenceServerClient(f"127.0.0.1:{s.server.http_port}", network_timeout=60.0)
+        try:
+            i = th.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+            i.set_data_from_numpy(ids)
+            j = th.InferInput("SCORE_IDS", list(sc.shape), "INT32")
+            j.set_data_from_numpy(sc, binary_data=True)
+            out = th.InferRequestedOutput("LOGITS", binary_data=True)
+            out._parameters["token_logprobs"] = True
+            out._parameters["temperature"] = 1.5
+            result = c.infer("llama", [i, j], outputs=[out])
+        finally:
+            c.close()
+    lp = _log_probs(reference, ids, 1.5)
+    assert np.allclose(result.as_numpy("LOGITS_TOKEN_LOGPROBS"), _want_tokens(lp, ids), atol=1e-4)
+    assert np.allclose(result.as_numpy("LOGITS_SCORED_LOGPROBS"),
+                       lp.gather(-1, torch.from_numpy(sc).long()).numpy(), atol=1e-4)
