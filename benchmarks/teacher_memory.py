@@ -1,6 +1,7 @@
 """Teacher memory while scoring one long sequence at a large vocabulary: chunked vs whole.
 
-    .venv/bin/python -m benchmarks.teacher_memory [--device cpu|cuda] [--seq 4096] [--vocab 128256] [--quick]
+    .venv/bin/python -m benchmarks.teacher_memory [--device cpu|cuda] [--seq 4096] [--vocab 128256]
+        [--chunk-mib 64] [--quick]
 
 An `hf:` Llama with a tiny hidden size (64) and a 128k vocabulary, so that the logits dominate:
 `[1, 4096, 128256]` fp32 logits are 2.1 GB, against about 66 MB of weights. One request scores
@@ -53,7 +54,7 @@ def save_model(directory: Path, vocab: int, seq: int) -> None:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(str(directory))
 
 
-def child(mode: str, directory: str, device: str, seq: int) -> dict[str, Any]:
+def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int) -> dict[str, Any]:
     """Score one sequence in `mode`; return the memory figures (run in its own process)."""
     import torch
 
@@ -67,8 +68,7 @@ def child(mode: str, directory: str, device: str, seq: int) -> dict[str, Any]:
     weights = sum(p.numel() * p.element_size() for p in model.module.parameters())  # type: ignore[attr-defined]
     inst = ModelInstance(model, 0, max_batch_size=1)
     inst.chunked = mode == "chunked"
-    if mode == "whole":
-        inst.chunk_bytes = 1 << 62
+    inst.chunk_bytes = 1 << 62 if mode == "whole" else chunk_mib * MiB
     ids = torch.randint(1, model.io.outputs[0].shape[-1], (1, seq), generator=torch.Generator().manual_seed(1))
     want = [OutputTransform("LOGITS", None, 16, True, 1.0, True, token_logprobs=True)]
     work = Work([ids, torch.ones_like(ids)], 1, want, (), seq, pad_plan(model.io))
@@ -97,18 +97,20 @@ def child(mode: str, directory: str, device: str, seq: int) -> dict[str, Any]:
             "peak_bytes": peak, "scoring_bytes": peak - before, "seconds": seconds, "response_bytes": sent}
 
 
-def run(device: str, seq: int, vocab: int) -> dict[str, Any]:
+def run(device: str, seq: int, vocab: int, chunk_mib: int = 64) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="teacher-memory-") as tmp:
         save_model(Path(tmp), vocab, seq)
         for mode in MODES:
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.teacher_memory", "--child", mode, "--dir", tmp, "--device", device,
-                 "--seq", str(seq)], capture_output=True, text=True, timeout=900, check=False)
+                 "--seq", str(seq), "--chunk-mib", str(chunk_mib)],
+                capture_output=True, text=True, timeout=900, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"mode {mode} failed ({out.returncode}):\n{out.stderr[-4000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {"seq": seq, "vocab": vocab, "device": device, "modes": rows, "machine": machine_info()}
+    return {"seq": seq, "vocab": vocab, "device": device, "chunk_mib": chunk_mib, "modes": rows,
+            "machine": machine_info()}
 
 
 def report(data: dict[str, Any]) -> str:
@@ -125,15 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--chunk-mib", type=int, default=64, help="fp32 MiB of logits per chunk (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="512 tokens at a 32k vocabulary (a smoke run)")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.device, args.seq)))
+        print(json.dumps(child(args.child, args.dir, args.device, args.seq, args.chunk_mib)))
         return 0
     seq, vocab = (512, 32000) if args.quick else (args.seq, args.vocab)
-    data = run(args.device, seq, vocab)
+    data = run(args.device, seq, vocab, args.chunk_mib)
     if not args.quick:
         write_results("teacher_memory", data)
     print(report(data))

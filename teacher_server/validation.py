@@ -257,7 +257,8 @@ def check_limits(seen: dict[str, torch.Tensor], io: ModelIO) -> None:
 def _check_ids(name: str, t: torch.Tensor, limit: int, what: str) -> None:
     if t.numel() == 0:
         return
-    low, high = int(t.min()), int(t.max())
+    lo, hi = torch.aminmax(t)  # one pass; this runs on the event loop, before the request is queued
+    low, high = int(lo), int(hi)
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
         where = [int(i) for i in (t == bad).nonzero()[0]]
