@@ -246,9 +246,10 @@ def check_limits(seen: dict[str, torch.Tensor], io: ModelIO) -> None:
         t = seen.get(s.name)
         if t is None:
             continue
-        if s.max_length is not None and s.seq_axis is not None and t.shape[s.seq_axis + 1] > s.max_length:
+        axis = s.seq_axis if s.seq_axis is not None else s.shape.index(-1) if -1 in s.shape else None
+        if s.max_length is not None and axis is not None and t.shape[axis + 1] > s.max_length:
             raise InvalidRequestError(
-                f"input {s.name!r}: sequence length {t.shape[s.seq_axis + 1]} exceeds the model's context of "
+                f"input {s.name!r}: sequence length {t.shape[axis + 1]} exceeds the model's context of "
                 f"{s.max_length} positions; send at most {s.max_length} tokens per sequence")
         if s.max_value is not None:
             _check_ids(s.name, t, s.max_value, "the vocabulary")

@@ -250,3 +250,25 @@ def test_scoring_over_http_with_per_output_parameters(llama_dir: Path, reference
     assert np.allclose(result.as_numpy("LOGITS_TOKEN_LOGPROBS"), _want_tokens(lp, ids), atol=1e-4)
     assert np.allclose(result.as_numpy("LOGITS_SCORED_LOGPROBS"),
                        lp.gather(-1, torch.from_numpy(sc).long()).numpy(), atol=1e-4)
+
+
+def test_an_unpadded_classifier_declares_its_limits_too() -> None:
+    """A sequence classifier without a pad token has no padded axis; its context is checked all the same."""
+    from teacher_server.errors import InvalidRequestError
+    from teacher_server.hf_model import SEQUENCE_CLASSIFICATION, HFTeacher
+    from teacher_server.infer_request import InferRequest, InputTensor
+    from teacher_server.outputs import OutputDefaults
+    from teacher_server.validation import validate
+
+    io = HFTeacher(torch.nn.Identity(), SEQUENCE_CLASSIFICATION, 3, None, vocab_size=VOCAB, max_positions=16).io_spec
+    assert io.inputs[0].seq_axis is None and (io.inputs[0].max_value, io.inputs[0].max_length) == (VOCAB, 16)
+
+    def request(ids: list[int]) -> InferRequest:
+        return InferRequest("m", inputs=[InputTensor("INPUT_IDS", "INT64", [1, len(ids)], ids),
+                                         InputTensor("ATTENTION_MASK", "INT64", [1, len(ids)], [1] * len(ids))])
+
+    assert validate(request(list(range(1, 17))), io, 4, OutputDefaults()).batch_size == 1
+    with pytest.raises(InvalidRequestError, match="'INPUT_IDS': sequence length 17 exceeds the model's context of 16"):
+        validate(request(list(range(1, 18))), io, 4, OutputDefaults())
+    with pytest.raises(InvalidRequestError, match=rf"id -1 at \[0, 2\] is outside the vocabulary of {VOCAB}"):
+        validate(request([1, 2, -1]), io, 4, OutputDefaults())
