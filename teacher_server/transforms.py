@@ -124,7 +124,7 @@ class Transform:
     @property
     def names(self) -> frozenset[str]:
         """Its parameters' wire names."""
-        return frozenset(p.name for p in self.params)
+        return _NAMES.get(self.name) or frozenset(p.name for p in self.params)
 
 
 def _bool(name: str) -> Check:
@@ -235,8 +235,16 @@ REGISTRY: tuple[Transform, ...] = (
 PARAMETERS: dict[str, Param] = {p.name: p for t in REGISTRY for p in t.params}
 """Every transform parameter by wire name, in declaration order."""
 
+_NAMES: dict[str, frozenset[str]] = {t.name: frozenset(p.name for p in t.params) for t in REGISTRY}
+
 AUX_INPUTS: dict[str, AuxInput] = {i.name: i for t in REGISTRY for i in t.inputs}
 """Inputs the transforms read besides the model's, by name."""
+
+_DEFAULTS: dict[str, object] = {p.name: p.default for p in PARAMETERS.values()}
+
+# The active entries per distinct set of parameter values, shared by all requests that ask the same.
+_ACTIVE: dict[tuple[tuple[tuple[str, object], ...], bool], list[Transform]] = {}
+_MAX_ACTIVE = 4096
 
 OTHER_PARAMETERS = ("priority", "timeout")
 """Request parameters the server reads that are not transforms' (scheduling)."""
@@ -250,41 +258,56 @@ class OutputTransform:
     the named properties. Immutable, hashable and compared by value.
     """
 
-    __slots__ = ("_values", "name")
+    __slots__ = ("_active", "_map", "_values", "name")
 
     # Positional as it was before the registry, for callers that build one by hand.
     def __init__(self, name: str, datatype: str | None = None, top_k: int = 0, logprobs: bool = False,  # noqa: PLR0917
                  temperature: float = 1.0, topk_tail: bool = False, **more: object) -> None:
-        values = {p.name: p.default for p in PARAMETERS.values()}
+        values = dict(_DEFAULTS)
         values.update(output_dtype=datatype, top_k=top_k, logprobs=logprobs, temperature=temperature,
                       topk_tail=topk_tail)
         unknown = [k for k in more if k not in PARAMETERS]
         if unknown:
             raise TypeError(f"OutputTransform: unknown transform parameters {unknown}; known: {list(PARAMETERS)}")
         values.update(more)
+        self._set(name, values)
+
+    def _set(self, name: str, values: dict[str, object]) -> None:
         self.name = name
+        self._map = values
         self._values: tuple[tuple[str, object], ...] = tuple(values.items())
+        self._active: dict[bool, list[Transform]] = {}
 
     def __getitem__(self, key: str) -> object:
-        for k, v in self._values:
-            if k == key:
-                return v
-        raise KeyError(key)
+        return self._map[key]
 
     def values(self) -> dict[str, object]:
-        return dict(self._values)
+        return dict(self._map)
 
     def replace(self, name: str | None = None, /, **changes: object) -> OutputTransform:
-        values = {**dict(self._values), **changes}
-        dtype = values.pop("output_dtype")
-        return OutputTransform(self.name if name is None else name, dtype, **values)  # type: ignore[arg-type]
+        """A copy with another name and/or other parameter values (wire names, checked already)."""
+        unknown = [k for k in changes if k not in PARAMETERS]
+        if unknown:
+            raise TypeError(f"OutputTransform: unknown transform parameters {unknown}; known: {list(PARAMETERS)}")
+        out = OutputTransform.__new__(OutputTransform)
+        out._set(self.name if name is None else name, {**self._map, **changes} if changes else self._map)
+        return out
 
     def with_name(self, name: str) -> OutputTransform:
         return self.replace(name)
 
     def active(self, aux: bool = False) -> list[Transform]:
         """The registry entries this output runs (`aux`: the request sent the transforms' inputs)."""
-        return [t for t in REGISTRY if t.active(self, aux)]
+        found = self._active.get(aux)
+        if found is None:
+            key = (self._values, aux)
+            found = _ACTIVE.get(key)
+            if found is None:
+                found = [t for t in REGISTRY if t.active(self, aux)]
+                if len(_ACTIVE) < _MAX_ACTIVE:  # clients choose the values (temperature): bounded
+                    _ACTIVE[key] = found
+            self._active[aux] = found
+        return found
 
     def reduces(self, aux: bool = False) -> bool:
         """Some active transform replaces the full tensor (so the full output is not sent)."""

@@ -229,9 +229,9 @@ def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults, au
         spec = io.output(w.name)
         assert spec is not None
         set_here = frozenset(asked.get(w.name, request_asked))
-        active = w.active(aux and scoreable(spec))
+        active = {id(t) for t in w.active(aux and scoreable(spec))}
         for transform in REGISTRY:
-            if transform.check is None or (transform not in active and not set_here & transform.names):
+            if transform.check is None or (id(transform) not in active and not set_here & transform.names):
                 continue
             problem = transform.check(w, spec, set_here)
             if problem:
