@@ -272,3 +272,15 @@ def test_an_unpadded_classifier_declares_its_limits_too() -> None:
         validate(request(list(range(1, 18))), io, 4, OutputDefaults())
     with pytest.raises(InvalidRequestError, match=rf"id -1 at \[0, 2\] is outside the vocabulary of {VOCAB}"):
         validate(request([1, 2, -1]), io, 4, OutputDefaults())
+
+
+def test_a_model_that_caps_its_logits_is_not_split(tmp_path: Path) -> None:
+    """Gemma 2 soft-caps its logits after the projection: the split would change them, so the
+    teacher runs it whole (the check compares both on a short sequence at load)."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, pad_token_id=0, final_logit_softcapping=0.5)
+    torch.manual_seed(3)
+    transformers.Gemma2ForCausalLM(config).eval().save_pretrained(str(tmp_path))
+    model = load_model(f"hf:{tmp_path}", device="cpu")
+    assert head_split(model.module) is None
