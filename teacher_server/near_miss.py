@@ -4,7 +4,7 @@ A Triton server ignores parameters it does not know, and so does teacher-server:
 several of their own (`sequence_id`, `binary_data_output`, ...). But a misspelt parameter of ours
 (`topk`, `log_probs`, `outputdtype`) would then silently change the answer (raw fp32 logits
 instead of top-k log-probs, 250x the bytes), so validation refuses a name that `near_miss` finds
-close to one of `KNOWN_PARAMETERS` (the transform registry's and the scheduling ones) and names
+close to one of `known_parameters()` (the transform registry's and the scheduling ones) and names
 the one meant.
 """
 
@@ -32,8 +32,9 @@ def _distance(a: str, b: str, limit: int) -> int:
     return prev[-1]
 
 
-KNOWN_PARAMETERS: tuple[str, ...] = (*PARAMETERS, *OTHER_PARAMETERS)
-"""Every request parameter name the server reads."""
+def known_parameters() -> tuple[str, ...]:
+    """Every request parameter name the server reads (the registry may grow: read it each time)."""
+    return (*PARAMETERS, *OTHER_PARAMETERS)
 
 
 def near_miss(key: str) -> str | None:
@@ -44,13 +45,14 @@ def near_miss(key: str) -> str | None:
     has at least 5 letters; shorter names need the exact letters, so `top_p` stays foreign.
     Parameters that are genuinely foreign (Triton's `sequence_id`, `binary_data_output`) return None.
     """
-    if key in KNOWN_PARAMETERS or len(key) > 64:
+    known_names = known_parameters()
+    if key in known_names or len(key) > 64:
         return None
     n = _normal(key)
-    for known in KNOWN_PARAMETERS:
+    for known in known_names:
         if _normal(known) == n:
             return known
-    for known in KNOWN_PARAMETERS:
+    for known in known_names:
         m = _normal(known)
         limit = 2 if len(m) >= 10 else 1 if len(m) >= 5 else 0
         if limit and _distance(n, m, limit) <= limit:

@@ -26,7 +26,7 @@ wire contract, for any KServe v2 client:
   (fp32 unless `output_dtype` says otherwise).
 
 Adding a transform is one entry in `REGISTRY` (in the order the transforms run) and its test on
-the teacher. For the config/CLI layer:
+the teacher; `register(Transform(...))` adds one from outside this module. For the config/CLI layer:
 
     from teacher_server.transforms import PARAMETERS
     for p in PARAMETERS.values():          # declaration order; p.server_default is False for
@@ -193,7 +193,7 @@ SCORE_IDS = AuxInput("SCORE_IDS", "INT32",
                      "[B, T, m] token ids, padded like the ids: adds <OUT>_SCORED_LOGPROBS, the log-probabilities "
                      "(after temperature) at those ids at each position")
 
-REGISTRY: tuple[Transform, ...] = (
+REGISTRY: list[Transform] = [
     Transform(
         "temperature",
         (Param("temperature", float, 1.0, "divisor of floating outputs before log-softmax, top-k and scoring "
@@ -230,7 +230,8 @@ REGISTRY: tuple[Transform, ...] = (
         (Param("output_dtype", str, None, "dtype of floating outputs (request parameter output_dtype)", _dtype,
                "string_param", choices=tuple(FLOAT_OUTPUT_DTYPES)),),
         (), lambda w, aux: False, None),
-)
+]
+"""The transforms in the order they run; extend it with `register` (the tables below follow)."""
 
 PARAMETERS: dict[str, Param] = {p.name: p for t in REGISTRY for p in t.params}
 """Every transform parameter by wire name, in declaration order."""
@@ -248,6 +249,41 @@ _MAX_ACTIVE = 4096
 
 OTHER_PARAMETERS = ("priority", "timeout")
 """Request parameters the server reads that are not transforms' (scheduling)."""
+
+_MISSING = object()
+
+
+def register(transform: Transform) -> None:
+    """Add `transform` to the registry, after the built-in ones; its parameters, inputs and
+    outputs are then validated, applied and recognised like theirs. Parameters and inputs must
+    not clash with those already registered."""
+    if any(t.name == transform.name for t in REGISTRY):
+        raise ValueError(f"a transform named {transform.name!r} is registered already")
+    clash = [p.name for p in transform.params if p.name in PARAMETERS or p.name in OTHER_PARAMETERS]
+    clash += [i.name for i in transform.inputs if i.name in AUX_INPUTS]
+    if clash:
+        raise ValueError(f"transform {transform.name!r}: {clash} are taken by registered transforms")
+    REGISTRY.append(transform)
+    _index()
+
+
+def unregister(name: str) -> None:
+    """Remove the transform `name` (one added by `register`; tests use it to clean up)."""
+    REGISTRY[:] = [t for t in REGISTRY if t.name != name]
+    _index()
+
+
+def _index() -> None:
+    """Rebuild the tables derived from REGISTRY, in place (other modules hold them)."""
+    PARAMETERS.clear()
+    PARAMETERS.update({p.name: p for t in REGISTRY for p in t.params})
+    _NAMES.clear()
+    _NAMES.update({t.name: frozenset(p.name for p in t.params) for t in REGISTRY})
+    AUX_INPUTS.clear()
+    AUX_INPUTS.update({i.name: i for t in REGISTRY for i in t.inputs})
+    _DEFAULTS.clear()
+    _DEFAULTS.update({p.name: p.default for p in PARAMETERS.values()})
+    _ACTIVE.clear()
 
 
 class OutputTransform:
@@ -279,7 +315,8 @@ class OutputTransform:
         self._active: dict[bool, list[Transform]] = {}
 
     def __getitem__(self, key: str) -> object:
-        return self._map[key]
+        found = self._map.get(key, _MISSING)
+        return PARAMETERS[key].default if found is _MISSING else found
 
     def values(self) -> dict[str, object]:
         return dict(self._map)

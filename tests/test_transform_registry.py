@@ -20,7 +20,8 @@ from teacher_server.cli import build_parser
 from teacher_server.near_miss import near_miss
 from teacher_server.outputs import OutputContext, OutputDefaults, OutputTransform, transform_output
 from teacher_server.spec import TensorSpec
-from teacher_server.transforms import PARAMETERS, REGISTRY
+from teacher_server.transform_rows import Rows
+from teacher_server.transforms import PARAMETERS, REGISTRY, Param, Transform, register, unregister
 from tests.models import tiny_lm
 from tests.servers import ServerThread
 
@@ -163,3 +164,50 @@ def test_explicit_defaults_and_unsupported_scoring(server: ServerThread) -> None
             c.infer("lm", [inp], parameters={"token_logprobs": True})
         with pytest.raises(InferenceServerException, match="SCORE_IDS: none of the wanted outputs"):
             c.infer("lm", [inp, scores])
+
+
+# ---- a new transform is one entry ---------------------------------------------------------------
+def _apply_entropy(rows: Rows) -> None:
+    lp = rows.logprobs()
+    rows.emit("_ENTROPY", -(lp.exp() * lp).sum(dim=-1).to(rows.prob_dtype()))
+
+
+def _entropy_flag(value: object) -> object:
+    if not isinstance(value, bool):
+        raise ValueError(f"entropy must be a boolean (bool_param), got {value!r}")
+    return value
+
+
+ENTROPY = Transform(
+    "entropy", (Param("entropy", bool, False, "send <OUT>_ENTROPY, the entropy after temperature per position",
+                      _entropy_flag, "bool_param", server_default=False),),
+    ("_ENTROPY",), lambda w, aux: bool(w["entropy"]), _apply_entropy, reduces=True)
+
+
+def test_a_registered_transform_is_parsed_applied_and_its_near_misses_refused() -> None:
+    """One `Transform` entry: its parameter is checked (gRPC), applied on the device with the
+    temperature before it, its output named after the model's, and `entrpy` refused as a typo."""
+    register(ENTROPY)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register(ENTROPY)
+        cfg = ServerConfig(model="tests.models:tiny_lm", name="lm", device="cpu", model_args=ARGS)
+        x = _tokens()
+        inp = tg.InferInput("TOKENS", list(x.shape), "INT64")
+        inp.set_data_from_numpy(x)
+        with ServerThread(cfg) as s, tg.InferenceServerClient(s.url) as c:
+            result = c.infer("lm", [inp], parameters={"entropy": True, "temperature": 2.0, "top_k": 2})
+            with pytest.raises(InferenceServerException, match="did you mean 'entropy'"):
+                c.infer("lm", [inp], parameters={"entrpy": True})
+            with pytest.raises(InferenceServerException, match="entropy must be a boolean"):
+                c.infer("lm", [inp], parameters={"entropy": 1})
+            plain = c.infer("lm", [inp])
+    finally:
+        unregister("entropy")
+    assert near_miss("entrpy") is None
+    with torch.inference_mode():
+        lp = torch.log_softmax(tiny_lm(**ARGS).eval()(torch.from_numpy(x)) / 2.0, dim=-1)
+    assert [o.name for o in result.get_response().outputs] == ["LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES",
+                                                                 "LOGITS_ENTROPY"]
+    assert np.allclose(result.as_numpy("LOGITS_ENTROPY"), -(lp.exp() * lp).sum(-1).numpy(), atol=1e-5)
+    assert [o.name for o in plain.get_response().outputs] == ["LOGITS"]
