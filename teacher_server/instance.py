@@ -9,14 +9,25 @@ outputs. torch releases the GIL inside its kernels, so N instances overlap their
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from teacher_server.model import LoadedModel
-from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named, transform_output
+from teacher_server.outputs import (
+    CHUNK_BYTES,
+    EncodedOutput,
+    NamedTensor,
+    OutputContext,
+    encode_named,
+    transform_output,
+)
+from teacher_server.scoring import head_split, row_context
+from teacher_server.spec import TensorSpec
+from teacher_server.transform_rows import RowContext
+from teacher_server.transforms import OutputTransform, scoreable, token_input
 from teacher_server.work import Work, batch_input
 
 
@@ -44,6 +55,14 @@ class ModelInstance:
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
+        self._split = head_split(model.module)
+        # Whether a separable model's output projection runs a chunk of positions at a time, and
+        # the fp32 bytes of one chunk (outputs.OutputContext); benchmarks change them to compare.
+        self.chunked = True
+        self.chunk_bytes = CHUNK_BYTES
+        self._token = token_input(model.io)
+        mask = model.io.attention_mask
+        self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
         self._running = 0
 
     def _pinned_staging(self, max_batch_size: int) -> list[torch.Tensor | None]:
@@ -78,12 +97,22 @@ class ModelInstance:
         with torch.inference_mode():
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    outs = self.model.forward(self._gather_cuda(works))
-                    host = self._transform(outs, works)
+                    host = self._execute(self._gather_cuda(works), works)
             else:
-                host = self._transform(self.model.forward(self._gather(works)), works)
+                host = self._execute(self._gather(works), works)
             per_request = [encode_named(named) for named in host]
         return BatchResult(per_request, time.perf_counter_ns() - start)
+
+    def _execute(self, xs: list[torch.Tensor], works: Sequence[Work]) -> list[list[NamedTensor]]:
+        """The forward pass and the transforms. A model with a separable output projection (an
+        hf: causal LM) returns its final hidden states instead when every request wants that
+        output reduced (top-k, scores): the transforms then apply the projection a chunk of
+        positions at a time, and the full logits never exist."""
+        split = self._split
+        if split is not None and self.chunked and all(
+                want.reduces(bool(w.aux)) for w in works for want in w.outputs if want.name == split.head_output):
+            return self._transform(split.hidden(*xs), works, xs, split.head)
+        return self._transform(self.model.forward(xs), works, xs, None)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
         if len(works) == 1:
@@ -104,39 +133,75 @@ class ModelInstance:
             xs.append(host.to(self.model.device, non_blocking=True))
         return xs
 
-    def _transform(self, outs: list[torch.Tensor], works: Sequence[Work]) -> list[list[NamedTensor]]:
+    def _transform(self, outs: list[torch.Tensor], works: Sequence[Work], xs: list[torch.Tensor],
+                   head: Callable[[torch.Tensor], torch.Tensor] | None) -> list[list[NamedTensor]]:
         """Each request's transformed outputs as host tensors. The transforms run on the device
         the outputs live on; only their results are copied to the host. When every request of the
         batch wants the same transforms (the usual case), they run once on the whole batch and the
         host tensors are split after the one copy."""
         specs = self.model.io.outputs
         first = works[0].outputs
-        if all(w.outputs == first for w in works[1:]):
+        if all(w.outputs == first and w.aux.keys() == works[0].aux.keys() for w in works[1:]):
+            rows = self._row_context(xs, works, outs, first)
             whole = [
                 (name, copy_to_host(t), specs[self._spec_index[want.name]])
                 for want in first
-                for name, t in transform_output(outs[self._spec_index[want.name]],
-                                                specs[self._spec_index[want.name]], want)
+                for name, t in self._apply(outs, want, rows, head)
             ]
             result: list[list[NamedTensor]] = []
             offset = 0
             for w in works:  # per-position outputs (and their top-k) cut back to each request's length
-                result.append([(name, w.cut(t[offset : offset + w.batch_size], spec)) for name, t, spec in whole])
+                result.append([(name, _cut(w, name, t[offset : offset + w.batch_size], spec))
+                               for name, t, spec in whole])
                 offset += w.batch_size
             return result
         result = []
         offset = 0
         for w in works:
             named: list[NamedTensor] = []
+            cut = [w.cut(o[offset : offset + w.batch_size], s) for o, s in zip(outs, specs, strict=True)]
+            rows = self._row_context([x[offset : offset + w.batch_size] for x in xs], [w], cut, w.outputs)
             for want in w.outputs:
-                i = self._spec_index[want.name]
-                part = w.cut(outs[i][offset : offset + w.batch_size], specs[i])
-                named.extend((name, copy_to_host(t)) for name, t in transform_output(part, specs[i], want))
+                named.extend((name, copy_to_host(t)) for name, t in self._apply(cut, want, rows, head))
             result.append(named)
             offset += w.batch_size
         return result
+
+    def _apply(self, outs: list[torch.Tensor], want: OutputTransform, rows: RowContext | None,
+               head: Callable[[torch.Tensor], torch.Tensor] | None) -> list[NamedTensor]:
+        i = self._spec_index[want.name]
+        spec = self.model.io.outputs[i]
+        use_head = head is not None and self._split is not None and want.name == self._split.head_output
+        if not (use_head or (rows is not None and scoreable(spec)) or self.chunk_bytes != CHUNK_BYTES):
+            return transform_output(outs[i], spec, want)
+        context = OutputContext(rows if scoreable(spec) else None, head if use_head else None,
+                                spec.shape[-1] if spec.shape else 0, self.chunk_bytes)
+        return transform_output(outs[i], spec, want, context)
+
+    def _row_context(self, xs: list[torch.Tensor], works: Sequence[Work], outs: list[torch.Tensor],
+                     wants: Sequence[OutputTransform]) -> RowContext | None:
+        """The scoring transforms' view of the batch's positions (flattened [rows x length]): next
+        tokens, which positions are real, and the score ids padded to the longest m."""
+        if self._token is None or not (any(w.token_logprobs for w in wants) or works[0].aux):
+            return None
+        length = next((o.shape[s.shape.index(-1) + 1] for o, s in zip(outs, self.model.io.outputs, strict=True)
+                       if scoreable(s)), None)
+        if length is None:
+            return None
+        return row_context(xs[self._token][:, :length],
+                           None if self._mask is None else xs[self._mask][:, :length], works, length)
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; with wait=False, return at once and leave a running batch behind (a
         forward pass cannot be interrupted; its thread ends when the pass does)."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A request's rows of a whole-batch output, cut back to its length (and its own number of
+    score ids)."""
+    t = w.cut(t, spec)
+    scores = w.aux.get("SCORE_IDS")
+    if scores is not None and name.endswith("_SCORED_LOGPROBS") and t.shape[-1] != scores.shape[-1]:
+        t = t.narrow(-1, 0, scores.shape[-1])
+    return t

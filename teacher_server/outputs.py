@@ -1,99 +1,139 @@
 """The last step of a request's data path: each output sliced from the batch, transformed as the
 request asked and encoded as raw little-endian bytes for the wire.
 
-The transforms (temperature, log-softmax, top-k over the last dimension, the probability mass
-outside the top-k, floating dtype) run on the model's device, in the instance thread, BEFORE the
-device-to-host copy: on a GPU a `[B, T, V]` logits tensor is reduced to `[B, T, k]` values and
-indices there, and only those cross PCIe. Encoding then runs on host tensors. No tensor work
-reaches the event loop.
+The transforms (registered in `teacher_server.transforms`: temperature, log-softmax, top-k, the
+mass outside the top-k, the log-probabilities of the next tokens or of given ids, dtype) run on
+the model's device, in the instance thread, BEFORE the device-to-host copy: on a GPU a
+`[B, T, V]` logits tensor is reduced to `[B, T, k]` values and indices there, and only those
+cross PCIe. Encoding then runs on host tensors. No tensor work reaches the event loop.
+
+Memory: an output is transformed in chunks of positions (`OutputContext.chunk_bytes` of fp32
+values per chunk, 64 MiB by default), so the fp32 copies, log-softmax and top-k of a long
+sequence at a large vocabulary never exist whole. With `OutputContext.head` the tensor handed in
+is the model's final hidden states `[B, T, H]` and each chunk's logits are computed from them
+(an `hf:` causal LM's output projection, see `teacher_server.hf_model`): when only reduced
+outputs are wanted, the `[B, T, V]` logits never exist at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from protos.kserve import datatype, encode_tensor
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, TensorSpec
+from teacher_server.transform_rows import RowContext, Rows
+from teacher_server.transforms import OutputDefaults, OutputTransform
 
-
-@dataclass(frozen=True)
-class OutputTransform:
-    """One output a request wants, and how.
-
-    datatype: FP32/FP16/BF16 for floating outputs (None keeps the model's dtype).
-    top_k: send the k largest values of the last dimension and their int32 indices (0: the full tensor).
-    logprobs: send log_softmax(x / temperature) over the last dimension instead of raw values.
-    temperature: divides floating values before anything else (1.0: unchanged).
-    topk_tail: with top_k, also send `<OUT>_TOPK_TAIL`, the probability mass outside the top-k
-    (of softmax(x / temperature)) per position.
-    """
-
-    name: str
-    datatype: str | None = None  # None: keep the model's dtype
-    top_k: int = 0
-    logprobs: bool = False
-    temperature: float = 1.0
-    topk_tail: bool = False
-
-    def with_name(self, name: str) -> OutputTransform:
-        return OutputTransform(name, self.datatype, self.top_k, self.logprobs, self.temperature, self.topk_tail)
-
-
-@dataclass(frozen=True)
-class OutputDefaults:
-    """Server-wide defaults for outputs; requests override them with parameters."""
-
-    datatype: str | None = None  # FP32/FP16/BF16 for floating outputs; None keeps the model's
-    top_k: int = 0
-    logprobs: bool = False
-    temperature: float = 1.0
-    topk_tail: bool = False
-
-    def transform(self, name: str = "") -> OutputTransform:
-        return OutputTransform(name, self.datatype, self.top_k, self.logprobs, self.temperature, self.topk_tail)
-
+__all__ = ["CHUNK_BYTES", "EncodedOutput", "NamedTensor", "OutputContext", "OutputDefaults", "OutputTransform",
+           "encode_named", "encode_output", "transform_output"]
 
 # (name, datatype, shape, raw bytes) of one encoded output tensor, ready for the response.
 EncodedOutput = tuple[str, str, list[int], bytes]
 # (name, tensor) of one transformed output, still on the model's device.
 NamedTensor = tuple[str, torch.Tensor]
 
+CHUNK_BYTES = 64 << 20
+"""fp32 bytes of values per chunk of positions (one `[n, V]` float32 slice)."""
 
-def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransform) -> list[NamedTensor]:
+
+@dataclass(frozen=True)
+class OutputContext:
+    """What one output's transforms need besides the tensor.
+
+    rows: per position of the tensor (flattened over its leading dimensions): the next tokens
+    and the score ids; None when no scoring transform is wanted.
+    head: when set, the tensor is the final hidden states and `head(h)` gives the output's rows
+    (its last dimension is `width`).
+    """
+
+    rows: RowContext | None = None
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    width: int = 0
+    chunk_bytes: int = CHUNK_BYTES
+
+
+_NO_CONTEXT = OutputContext()
+
+
+def _row_blocks(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """`x` `[..., D]` as `(first row, [r, D])` blocks, views where the layout allows (a request's
+    slice cut back to its length is not one flat view, but each of its sequences is)."""
+    d = x.shape[-1]
+    try:
+        return [(0, x.view(-1, d))]
+    except RuntimeError:
+        pass
+    per = x[0].numel() // d if x.shape[0] else 0
+    return [(i * per, x[i].reshape(-1, d)) for i in range(x.shape[0])]
+
+
+def _full(values: torch.Tensor, rows: Rows, spec: TensorSpec) -> torch.Tensor:
+    """The output itself, as sent when no transform replaced it."""
+    if rows.floating:
+        target = rows.value_dtype()
+        return values if target is None else values.to(target)
+    return values if values.dtype == spec.torch_dtype else values.to(datatype(spec.datatype).torch_dtype)
+
+
+def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransform,
+                     context: OutputContext | None = None) -> list[NamedTensor]:
     """Apply `want` to one output on whatever device it lives on; return the tensors to send.
 
-    Floating math runs in fp32 (a bf16/fp16 forward pass is upcast first), and the result is cast
-    to the wanted dtype last. Non-floating outputs are only top-k'd.
+    Floating math runs in fp32 (a bf16/fp16 forward pass is upcast first, a chunk at a time), and
+    results are cast to the wanted dtype last. Non-floating outputs are only top-k'd.
     """
-    floating = tensor.is_floating_point()
-    target = FLOAT_OUTPUT_DTYPES.get(want.datatype or spec.datatype) if floating else None
-    if floating and (want.logprobs or want.temperature != 1.0 or want.topk_tail):
-        x = tensor.float()
-        if want.temperature != 1.0:
-            x = x / want.temperature
-        if want.logprobs:
-            x = torch.log_softmax(x, dim=-1)
-        tensor = x
-    if want.top_k:
-        k = min(want.top_k, tensor.shape[-1])
-        values, indices = torch.topk(tensor, k, dim=-1, sorted=True)
-        out: list[NamedTensor] = [
-            (f"{spec.name}_TOPK_VALUES", values if target is None else values.to(target)),
-            (f"{spec.name}_TOPK_INDICES", indices.to(torch.int32)),
-        ]
-        if want.topk_tail and floating:
-            logp = values if want.logprobs else values - torch.logsumexp(tensor, dim=-1, keepdim=True)
-            tail = (1.0 - logp.float().exp().sum(dim=-1)).clamp_(min=0.0)
-            tail_dtype = torch.float32 if want.datatype is None else FLOAT_OUTPUT_DTYPES[want.datatype]
-            out.append((f"{spec.name}_TOPK_TAIL", tail.to(tail_dtype)))
-        return out
-    if target is not None:
-        tensor = tensor.to(target)
-    elif not floating and tensor.dtype != spec.torch_dtype:
-        tensor = tensor.to(datatype(spec.datatype).torch_dtype)
-    return [(spec.name, tensor)]
+    ctx = context or _NO_CONTEXT
+    scored = ctx.rows is not None and ctx.rows.score_ids is not None
+    active = [t for t in want.active(scored) if t.apply is not None]
+    floating = ctx.head is not None or tensor.is_floating_point()
+    if ctx.head is None and not active:
+        target = FLOAT_OUTPUT_DTYPES.get(want.datatype or spec.datatype) if floating else None
+        if target is not None:
+            return [(spec.name, tensor.to(target))]
+        if not floating and tensor.dtype != spec.torch_dtype:
+            return [(spec.name, tensor.to(datatype(spec.datatype).torch_dtype))]
+        return [(spec.name, tensor)]
+    fp32 = floating and any(t.floating for t in active)
+    x = tensor.unsqueeze(-1) if tensor.dim() < 2 and ctx.head is None else tensor
+    lead = tuple(x.shape[:-1])
+    total = 1
+    for d in lead:
+        total *= d
+    width = ctx.width if ctx.head is not None else x.shape[-1]
+    per_chunk = max(1, ctx.chunk_bytes // (max(width, 1) * 4))
+    blocks = _row_blocks(x)
+    single = len(blocks) == 1 and total <= per_chunk
+    outs: list[tuple[str, torch.Tensor]] = []
+    for first, block in blocks:
+        for a in range(0, block.shape[0], per_chunk):
+            raw = block[a : a + per_chunk]
+            if ctx.head is not None:
+                raw = ctx.head(raw)
+            row0 = first + a
+            rows = Rows(raw, want, spec.datatype, None if ctx.rows is None else ctx.rows.rows(row0, row0 + len(raw)),
+                        fp32)
+            for t in active:
+                assert t.apply is not None
+                t.apply(rows)
+            if not rows.reduced:
+                rows.emit("", _full(rows.values, rows, spec))
+            if single:
+                outs = rows.out
+                continue
+            if not outs:
+                outs = [(s, torch.empty((total, *o.shape[1:]), dtype=o.dtype, device=o.device)) for s, o in rows.out]
+            for (_, buf), (_, o) in zip(outs, rows.out, strict=True):
+                buf[row0 : row0 + len(o)].copy_(o)
+    named: list[NamedTensor] = []
+    for suffix, o in outs:
+        shaped = o.reshape(*lead, *o.shape[1:])
+        if suffix == "" and x is not tensor:
+            shaped = shaped.reshape(tensor.shape)
+        named.append((spec.name + suffix, shaped))
+    return named
 
 
 def encode_named(tensors: list[NamedTensor]) -> list[EncodedOutput]:

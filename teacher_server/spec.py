@@ -44,6 +44,10 @@ class TensorSpec:
     pad_value: float | None = None  # inputs: requests of different lengths are padded with it
     per_position: bool = False  # outputs: one entry per input position, cut back per request
     attention_mask: bool = False  # inputs: 1 at real positions, padded with 0, built when not sent
+    # Integer inputs: values must be in 0..max_value-1 (token ids: the vocabulary); padded inputs: at
+    # most max_length positions (the model's context). Checked before a request is queued.
+    max_value: int | None = None
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

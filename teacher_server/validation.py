@@ -8,7 +8,6 @@ wrapped, not copied.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
@@ -16,12 +15,18 @@ import torch
 from protos.kserve import DATATYPES, decode_tensor, decode_values, shape_numel
 from teacher_server.errors import InvalidRequestError, echo
 from teacher_server.infer_request import InferRequest, Parameters
-from teacher_server.outputs import OutputDefaults, OutputTransform
-from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO
+from teacher_server.near_miss import near_miss
+from teacher_server.spec import ModelIO, TensorSpec
+from teacher_server.transforms import (
+    AUX_INPUTS,
+    PARAMETERS,
+    REGISTRY,
+    OutputDefaults,
+    OutputTransform,
+    scoreable,
+    token_input,
+)
 from teacher_server.work import PadPlan, Work
-
-REQUEST_PARAMETERS = ("output_dtype", "top_k", "logprobs", "temperature", "topk_tail", "priority", "timeout")
-OUTPUT_PARAMETERS = ("output_dtype", "top_k", "logprobs", "temperature", "topk_tail")
 
 log = logging.getLogger(__name__)
 
@@ -44,50 +49,42 @@ def _non_negative_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _output_options(params: Parameters, where: str, base: OutputTransform,
-                    allowed: tuple[str, ...]) -> OutputTransform:
-    dtype, top_k = base.datatype, base.top_k
-    logprobs, temperature, topk_tail = base.logprobs, base.temperature, base.topk_tail
+def _output_options(params: Parameters, where: str, base: OutputTransform, request_level: bool,
+                    asked: set[str]) -> OutputTransform:
+    """`base` with the transform parameters in `params` applied (each checked by its registry
+    entry); `asked` collects the names set. Scheduling parameters are checked at request level."""
+    changes: dict[str, object] = {}
+    misses: list[str] = []
     for key, value in params.items():
-        if key == "output_dtype":
-            if not isinstance(value, str) or value.upper() not in FLOAT_OUTPUT_DTYPES:
-                raise InvalidRequestError(
-                    f"{where}: output_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {echo(value)}")
-            dtype = value.upper()
-        elif key == "top_k":
-            if not _non_negative_int(value):
-                raise InvalidRequestError(
-                    f"{where}: top_k must be a non-negative integer (int64_param), got {echo(value)}")
-            assert isinstance(value, int)
-            top_k = value
-        elif key in ("logprobs", "topk_tail"):
-            if not isinstance(value, bool):
-                raise InvalidRequestError(f"{where}: {key} must be a boolean (bool_param), got {echo(value)}")
-            if key == "logprobs":
-                logprobs = value
-            else:
-                topk_tail = value
-        elif key == "temperature":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    math.isfinite(value) and value > 0):
-                raise InvalidRequestError(
-                    f"{where}: temperature must be a finite number > 0 (double_param), got {echo(value)}")
-            temperature = float(value)
-        elif key == "priority" and key in allowed:
+        param = PARAMETERS.get(key)
+        if param is not None:
+            try:
+                changes[key] = param.check(value)
+            except ValueError as e:
+                raise InvalidRequestError(f"{where}: {e}") from None
+            asked.add(key)
+        elif key == "priority" and request_level:
             if not _non_negative_int(value):
                 raise InvalidRequestError(
                     f"{where}: priority must be a non-negative integer (uint64_param or int64_param; "
                     f"0 is the default priority), got {echo(value)}")
-        elif key == "timeout" and key in allowed:
+        elif key == "timeout" and request_level:
             if not _non_negative_int(value):
                 raise InvalidRequestError(
                     f"{where}: timeout must be a non-negative integer of microseconds (int64_param; "
                     f"0 means none), got {echo(value)}")
         elif key == "classification":
             raise InvalidRequestError(f"{where}: 'classification' outputs are not served; ask for top_k instead")
+        elif (meant := near_miss(key)) is not None:
+            misses.append(f"{echo(key)} (did you mean {meant!r}?)")
         else:
             _ignore(key, where.split(" ", 1)[0])
-    return OutputTransform(base.name, dtype, top_k, logprobs, temperature, topk_tail)
+    if misses:
+        raise InvalidRequestError(
+            f"{where}: unknown parameter{'s' if len(misses) > 1 else ''} {', '.join(sorted(misses))}; parameters "
+            "teacher-server does not use are ignored, as Triton does, but near-misses of its own are refused so "
+            "that a typo cannot silently change the answer")
+    return base.replace(**changes) if changes else base
 
 
 def _uses_shared_memory(req: InferRequest) -> bool:
@@ -108,13 +105,16 @@ def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: Outp
             "send one raw buffer per input, in the same order"
         )
     seen: dict[str, torch.Tensor] = {}
+    aux: dict[str, torch.Tensor] = {}
     batch: int | None = None
     for i, t in enumerate(req.inputs):
         spec = io.input(t.name)
+        if spec is None and t.name in AUX_INPUTS:
+            spec = TensorSpec(t.name, AUX_INPUTS[t.name].datatype, (-1, -1))
         if spec is None:
             raise InvalidRequestError(
                 f"unknown input {echo(t.name)}; the model's inputs are {[s.name for s in io.inputs]}")
-        if t.name in seen:
+        if t.name in seen or t.name in aux:
             raise InvalidRequestError(f"input {t.name!r} appears twice")
         if t.datatype != spec.datatype:
             raise InvalidRequestError(
@@ -136,6 +136,7 @@ def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: Outp
             raise InvalidRequestError(f"input {t.name!r}: batch size {n} differs from the other inputs' {batch}")
         batch = n
         dt = DATATYPES[spec.datatype]
+        into = seen if io.input(t.name) is not None else aux
         if raws:
             buf = raws[i]
             want = shape_numel(shape) * dt.itemsize
@@ -143,21 +144,25 @@ def validate(req: InferRequest, io: ModelIO, max_batch_size: int, defaults: Outp
                 raise InvalidRequestError(
                     f"input {t.name!r}: {len(buf)} bytes received, shape {shape} of {spec.datatype} needs {want}"
                 )
-            seen[t.name] = decode_tensor(buf, dt, shape)
+            into[t.name] = decode_tensor(buf, dt, shape)
         else:
             try:
-                seen[t.name] = decode_values(t.values, dt, shape)
+                into[t.name] = decode_values(t.values, dt, shape)
             except ValueError as e:
                 raise InvalidRequestError(f"input {t.name!r}: {e}") from None
     missing = [s.name for s in io.inputs if s.name not in seen and s.name != io.attention_mask]
     if missing:
         raise InvalidRequestError(f"missing inputs {missing}; the model's inputs are {[s.name for s in io.inputs]}")
     assert batch is not None
-    wanted = _wanted_outputs(req, io, defaults)
+    check_limits(seen, io)
+    wanted = _wanted_outputs(req, io, defaults, bool(aux))
+    check_scoring(seen, aux, io, wanted)
     if not io.padded:
         key = tuple(tuple(seen[s.name].shape[1:]) for s in io.inputs if -1 in s.shape)
-        return Work([seen[s.name] for s in io.inputs], batch, wanted, key)
-    return _padded_work(seen, batch, io, wanted)
+        return Work([seen[s.name] for s in io.inputs], batch, wanted, key, aux=aux)
+    work = _padded_work(seen, batch, io, wanted)
+    work.aux = aux
+    return work
 
 
 def _padded_work(seen: dict[str, torch.Tensor], batch: int, io: ModelIO, wanted: list[OutputTransform]) -> Work:
@@ -200,42 +205,97 @@ def _shape_text(shape: Sequence[int]) -> str:
     return f"[{', '.join(map(str, shape[:16]))}, ...] ({len(shape)} dimensions)"
 
 
-def _asks_tail(req: InferRequest, name: str) -> bool:
-    """The request itself (not the server's --topk-tail default) asks for output `name`'s tail."""
-    if req.parameters.get("topk_tail") is True:
-        return True
-    return any(o.name == name and o.parameters.get("topk_tail") is True for o in req.outputs)
-
-
-def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults) -> list[OutputTransform]:
-    base = _output_options(req.parameters, "request", defaults.transform(), REQUEST_PARAMETERS)
+def _wanted_outputs(req: InferRequest, io: ModelIO, defaults: OutputDefaults, aux: bool) -> list[OutputTransform]:
+    """Each wanted output with its transforms: the server's defaults, then the request's
+    parameters, then the output's own; each checked against the output by its registry entries."""
+    request_asked: set[str] = set()
+    base = _output_options(req.parameters, "request", defaults.transform(), True, request_asked)
+    asked: dict[str, set[str]] = {}
     if req.outputs:
         wanted = []
-        names = set()
         for o in req.outputs:
             spec = io.output(o.name)
             if spec is None:
                 raise InvalidRequestError(
                     f"unknown output {echo(o.name)}; the model's outputs are {[s.name for s in io.outputs]}")
-            if o.name in names:
+            if o.name in asked:
                 raise InvalidRequestError(f"output {o.name!r} requested twice")
-            names.add(o.name)
+            asked[o.name] = set(request_asked)
             inherited = base.with_name(o.name)
-            wanted.append(_output_options(o.parameters, f"output {o.name!r}", inherited, OUTPUT_PARAMETERS))
+            wanted.append(_output_options(o.parameters, f"output {o.name!r}", inherited, False, asked[o.name]))
     else:
         wanted = [base.with_name(s.name) for s in io.outputs]
     for w in wanted:
         spec = io.output(w.name)
         assert spec is not None
-        if w.top_k and not spec.shape:
-            raise InvalidRequestError(f"output {w.name!r} has no class dimension; top_k needs one")
-        if w.top_k and spec.shape[-1] != -1 and w.top_k > spec.shape[-1]:
-            raise InvalidRequestError(
-                f"output {w.name!r}: top_k {w.top_k} exceeds its last dimension {spec.shape[-1]}")
-        floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
-        if w.logprobs and floating and not spec.shape:
-            raise InvalidRequestError(f"output {w.name!r} has no class dimension; logprobs needs one")
-        if w.topk_tail and not w.top_k and _asks_tail(req, w.name):
-            raise InvalidRequestError(
-                f"output {w.name!r}: topk_tail is the probability mass outside the top-k; ask for top_k too")
+        set_here = frozenset(asked.get(w.name, request_asked))
+        active = {id(t) for t in w.active(aux and scoreable(spec))}
+        for transform in REGISTRY:
+            if transform.check is None or (id(transform) not in active and not set_here & transform.names):
+                continue
+            problem = transform.check(w, spec, set_here)
+            if problem:
+                raise InvalidRequestError(problem)
     return wanted
+
+
+def check_limits(seen: dict[str, torch.Tensor], io: ModelIO) -> None:
+    """Token ids within the vocabulary and sequences within the context the model declares, so a
+    bad request is refused here instead of failing the whole batch it would join."""
+    for s in io.inputs:
+        t = seen.get(s.name)
+        if t is None:
+            continue
+        axis = s.seq_axis if s.seq_axis is not None else s.shape.index(-1) if -1 in s.shape else None
+        if s.max_length is not None and axis is not None and t.shape[axis + 1] > s.max_length:
+            raise InvalidRequestError(
+                f"input {s.name!r}: sequence length {t.shape[axis + 1]} exceeds the model's context of "
+                f"{s.max_length} positions; send at most {s.max_length} tokens per sequence")
+        if s.max_value is not None:
+            _check_ids(s.name, t, s.max_value, "the vocabulary")
+
+
+def _check_ids(name: str, t: torch.Tensor, limit: int, what: str) -> None:
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)  # one pass; this runs on the event loop, before the request is queued
+    low, high = int(lo), int(hi)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        where = [int(i) for i in (t == bad).nonzero()[0]]
+        raise InvalidRequestError(
+            f"input {name!r}: id {bad} at {where} is outside {what} of {limit} (ids must be in 0..{limit - 1})")
+
+
+def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], io: ModelIO,
+                  wanted: list[OutputTransform]) -> None:
+    """The scoring transforms' inputs fit the model: a token input to read next tokens from, and
+    SCORE_IDS `[B, T, m]` with the request's length and ids that index the scored outputs."""
+    scored = [io.output(w.name) for w in wanted if aux and scoreable(io.output(w.name))]  # type: ignore[arg-type]
+    tokens = any(w.token_logprobs for w in wanted)
+    if not scored and not tokens:
+        if aux:
+            raise InvalidRequestError(
+                f"input SCORE_IDS: none of the wanted outputs {[w.name for w in wanted]} is a floating per-position "
+                "output [T, V] to score; SCORE_IDS is for causal LMs (an hf: causal LM's LOGITS)")
+        return
+    index = token_input(io)
+    if index is None or not io.padded:
+        raise InvalidRequestError(
+            "token_logprobs and SCORE_IDS need a model with a padded token input (an hf: causal LM, or "
+            "--input IDS:INT64:-1:pad=0) and per-position outputs")
+    ids = seen[io.inputs[index].name]
+    if tokens:
+        width = min(s.shape[-1] for s in (io.output(w.name) for w in wanted if w.token_logprobs) if s is not None)
+        if width > 0:
+            _check_ids(io.inputs[index].name, ids, width, "the scored output's classes")
+    for name, t in aux.items():
+        if t.dim() != 3 or t.shape[1] != ids.shape[1] or t.shape[2] < 1:
+            raise InvalidRequestError(
+                f"input {name!r}: shape {list(t.shape)}; it must be [B, T, m] with T = {ids.shape[1]}, the request's "
+                "sequence length (pad it like the ids), and m >= 1")
+        width = min((s.shape[-1] for s in scored if s is not None), default=0)
+        if width > 0:
+            _check_ids(name, t, width, "the scored output's classes")
+
+

@@ -26,6 +26,7 @@ class Work:
     `shape_key` holds the per-sample shapes of the inputs the client sized (-1 dimensions) and
     not padded: only requests with equal keys may be concatenated. `length` is the sequence
     length of a padded model's request (None otherwise); `pads` says which inputs are padded.
+    `aux` holds inputs that only the output transforms read (never passed to the model).
     """
 
     inputs: list[torch.Tensor]
@@ -34,6 +35,7 @@ class Work:
     shape_key: tuple[tuple[int, ...], ...] = ()
     length: int | None = None
     pads: PadPlan = field(default=())
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # inputs the output transforms read (SCORE_IDS)
 
     @property
     def tokens(self) -> int:

@@ -43,15 +43,14 @@ Conventions (the classifier losses' conventions carry over, with positions in pl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
+from distill.losses._chunks import Chunks, Recomputed, take_rows
 from distill.losses._common import (
     ValueKind,
     _check_kind,
@@ -61,6 +60,7 @@ from distill.losses._common import (
     _number,
 )
 from distill.losses._divergence import dense_rows, sparse_rows
+from distill.losses.scored import ScoredTargets, support_rows
 from distill.losses.sparse import SparseTargets
 
 __all__ = [
@@ -76,8 +76,9 @@ _DIVERGENCES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 TokenReduction = Literal["token_mean", "sum", "none"]
 _TOKEN_REDUCTIONS: tuple[str, ...] = ("token_mean", "sum", "none")
 
-TokenTeacherTargets: TypeAlias = Tensor | SparseTargets | None
-"""What the token losses accept as the teacher: dense ``[B, T, V]`` values, top-k targets, or None."""
+TokenTeacherTargets: TypeAlias = Tensor | SparseTargets | ScoredTargets | None
+"""What the token losses accept as the teacher: dense ``[B, T, V]`` values, top-k targets, scored
+targets on a support (``distill.losses.scored``), or None."""
 
 
 def _beta(divergence: str, beta: float) -> float:
@@ -132,6 +133,11 @@ def _check_inputs(
                 "some; serve the tail (SparseTargets(..., tail=..., kind='logprobs')), or use divergence='jsd' "
                 "with beta < 1"
             )
+    elif isinstance(teacher, ScoredTargets):
+        if tuple(teacher.shape[:-1]) != positions:
+            raise ValueError(
+                f"student logits {tuple(student.shape)} and scored teacher targets {tuple(teacher.shape)} "
+                "do not fit: need [..., m] with the same positions")
     elif isinstance(teacher, Tensor):
         if not teacher.is_floating_point():
             raise ValueError(f"teacher values must be floating point, got {teacher.dtype}")
@@ -155,57 +161,6 @@ def _check_inputs(
         raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
 
 
-def _as3(x: Tensor) -> Tensor:
-    """``[..., P, D]`` as ``[B, P, D]`` (a view whenever the layout allows it)."""
-    return x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 2 else x.unsqueeze(0)
-
-
-def _flat_view(x: Tensor) -> Tensor | None:
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return None
-
-
-class _Chunks:
-    """One plan of position chunks applied to the student and to every teacher tensor, as views.
-
-    Positions are flattened when all tensors allow a flat view; otherwise (e.g. ``logits[:, :-1]``)
-    chunks stay inside one batch row, so a shifted student or teacher is not copied either. The
-    student is cut with one ``split`` (or ``unbind`` then ``split``): their backward assembles the
-    full gradient once, where per-chunk slicing would allocate a full-size gradient per chunk.
-    """
-
-    def __init__(self, student: Tensor, others: list[Tensor], chunk_size: int):
-        self.chunk_size = chunk_size
-        self.student3 = _as3(student)
-        self.flat = all(_flat_view(_as3(x)) is not None for x in [student, *others])
-        self.per_row = self.student3.shape[1]
-
-    def student_chunks(self) -> Iterator[tuple[int, Tensor]]:
-        """``(first flat position, [n, V] view)`` over all positions."""
-        n = self.chunk_size
-        if self.flat:
-            for i, chunk in enumerate(torch.split(self.student3.view(-1, self.student3.shape[-1]), n)):
-                yield i * n, chunk
-            return
-        for b, row in enumerate(torch.unbind(self.student3, 0)):
-            for i, chunk in enumerate(torch.split(row, n)):
-                yield b * self.per_row + i * n, chunk
-
-    def take(self, x: Tensor, start: int, end: int) -> Tensor:
-        """Positions ``[start, end)`` of ``x`` (``[..., D]`` with the student's positions) as a view."""
-        x3 = _as3(x)
-        if self.flat:
-            return x3.view(-1, x3.shape[-1])[start:end]
-        b, i = divmod(start, self.per_row)
-        return x3[b, i : i + end - start]
-
-
-def _rows(t: Tensor, rows: Tensor | None) -> Tensor:
-    return t if rows is None else t.index_select(0, rows.to(t.device, non_blocking=True))
-
-
 @dataclass(frozen=True)
 class _Spec:
     kind: ValueKind
@@ -218,23 +173,26 @@ class _Spec:
 def _chunk_loss(
     student: Tensor,
     rows: Tensor | None,
-    teacher: Tensor | SparseTargets | None,
+    teacher: Tensor | SparseTargets | ScoredTargets | None,
     labels: Tensor | None,
     spec: _Spec,
 ) -> Tensor:
     """``soft_weight · D + hard_weight · CE`` for the chunk's positions that count, ``[n]``."""
-    s = _compute(_rows(student, rows))
+    s = _compute(take_rows(student, rows))
     loss: Tensor | None = None
     if spec.soft_weight != 0.0 and teacher is not None:
         if isinstance(teacher, SparseTargets):
-            tail = None if teacher.tail is None else _rows(teacher.tail, rows)
-            picked = SparseTargets(_rows(teacher.values, rows), _rows(teacher.indices, rows), tail, teacher.kind)
+            tail = None if teacher.tail is None else take_rows(teacher.tail, rows)
+            values, indices = take_rows(teacher.values, rows), take_rows(teacher.indices, rows)
+            picked = SparseTargets(values, indices, tail, teacher.kind)
             d = sparse_rows(s, picked, spec.temperature, spec.beta)
+        elif isinstance(teacher, ScoredTargets):
+            d = support_rows(s, teacher.rows(rows), spec.temperature, spec.beta)
         else:
-            d = dense_rows(s, _rows(teacher, rows), spec.kind, spec.temperature, spec.beta)
+            d = dense_rows(s, take_rows(teacher, rows), spec.kind, spec.temperature, spec.beta)
         loss = spec.soft_weight * d
     if spec.hard_weight != 0.0 and labels is not None:
-        y = _rows(labels, rows).to(s.device, torch.int64, non_blocking=True)
+        y = take_rows(labels, rows).to(s.device, torch.int64, non_blocking=True)
         ce = F.cross_entropy(s, y, reduction="none")
         loss = spec.hard_weight * ce if loss is None else loss + spec.hard_weight * ce
     assert loss is not None
@@ -246,37 +204,12 @@ class _Chunk:
     """Everything ``_chunk_loss`` needs besides the student rows."""
 
     rows: Tensor | None
-    teacher: Tensor | SparseTargets | None
+    teacher: Tensor | SparseTargets | ScoredTargets | None
     labels: Tensor | None
     spec: _Spec
 
     def loss(self, student: Tensor) -> Tensor:
         return _chunk_loss(student, self.rows, self.teacher, self.labels, self.spec)
-
-
-class _Recomputed(torch.autograd.Function):
-    """A chunk's loss that keeps nothing but its (viewed) student input for the backward pass.
-
-    The forward runs without a graph; the backward recomputes the chunk with one and takes its
-    gradient. This is activation checkpointing done by hand: ``torch.utils.checkpoint`` would do
-    the same, but it imports the compiler stack (seconds) on first use.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, student: Tensor, chunk: _Chunk) -> Tensor:
-        ctx.save_for_backward(student)
-        ctx.chunk = chunk
-        with torch.no_grad():
-            return chunk.loss(student)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (student,) = ctx.saved_tensors
-        with torch.enable_grad():
-            x = student.detach().requires_grad_(True)
-            (g,) = torch.autograd.grad(ctx.chunk.loss(x), x, grad)
-        return g, None
 
 
 def _token_loss(
@@ -306,11 +239,13 @@ def _token_loss(
     others: list[Tensor] = []
     if isinstance(teacher, SparseTargets):
         others = [teacher.values, teacher.indices] + ([] if teacher.tail is None else [teacher.tail.unsqueeze(-1)])
+    elif isinstance(teacher, ScoredTargets):
+        others = [teacher.ids, teacher.logprobs]
     elif isinstance(teacher, Tensor):
         others = [teacher]
     if labels is not None:
         others.append(labels.unsqueeze(-1))
-    plan = _Chunks(student, others, chunk_size)
+    plan = Chunks(student, others, chunk_size)
     track = torch.is_grad_enabled() and student.requires_grad
     spec = _Spec(kind, temperature, beta, soft_weight, hard_weight)
 
@@ -322,17 +257,19 @@ def _token_loss(
         if local.numel() == 0:
             continue
         rows = None if local.numel() == end - start else local.to(student.device, non_blocking=True)
-        t_chunk: Tensor | SparseTargets | None = None
+        t_chunk: Tensor | SparseTargets | ScoredTargets | None = None
         if isinstance(teacher, SparseTargets):
             tail = None if teacher.tail is None else plan.take(teacher.tail.unsqueeze(-1), start, end).squeeze(-1)
             t_chunk = SparseTargets(
                 plan.take(teacher.values, start, end), plan.take(teacher.indices, start, end), tail, teacher.kind
             )
+        elif isinstance(teacher, ScoredTargets):
+            t_chunk = ScoredTargets(plan.take(teacher.ids, start, end), plan.take(teacher.logprobs, start, end))
         elif teacher is not None:
             t_chunk = plan.take(teacher, start, end)
         y_chunk = None if labels is None else plan.take(labels.unsqueeze(-1), start, end).squeeze(-1)
         chunk = _Chunk(rows, t_chunk, y_chunk, spec)
-        part = _Recomputed.apply(s_chunk, chunk) if track else chunk.loss(s_chunk)
+        part = Recomputed.apply(s_chunk, chunk) if track else chunk.loss(s_chunk)
         parts.append(part)
         starts.append(local + start)
 
@@ -350,7 +287,7 @@ def _token_loss(
 
 def token_divergence(
     student_logits: Tensor,
-    teacher: Tensor | SparseTargets,
+    teacher: Tensor | SparseTargets | ScoredTargets,
     *,
     divergence: Divergence = "forward_kl",
     beta: float = 0.5,
@@ -366,8 +303,9 @@ def token_divergence(
 
     Args:
         student_logits: ``[B, T, V]`` (or ``[N, V]``) logits, any float dtype; computed in float32 or wider.
-        teacher: dense ``[B, T, V]`` values (``teacher_kind`` says logits or log-probabilities) or
-            ``SparseTargets`` of shape ``[B, T, k]`` (which carries its own kind and optional tail).
+        teacher: dense ``[B, T, V]`` values (``teacher_kind`` says logits or log-probabilities),
+            ``SparseTargets`` of shape ``[B, T, k]`` (which carries its own kind and optional tail), or
+            ``ScoredTargets`` ``[B, T, m]`` (exact teacher log-probabilities on a support plus a tail bin).
         divergence: ``"forward_kl"`` ``KL(p ‖ q)``, ``"reverse_kl"`` ``KL(q ‖ p)``, or ``"jsd"``
             (generalized JSD with ``beta``; module docstring).
         beta: the JSD interpolation in ``[0, 1]``, used with ``divergence="jsd"`` only.

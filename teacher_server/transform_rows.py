@@ -1,0 +1,140 @@
+"""The device-side half of each output transform: what it does to one chunk of positions.
+
+`teacher_server.outputs.transform_output` cuts an output into chunks of rows `[n, C]` (positions
+x classes), wraps each in a `Rows` and runs the active registry entries' `apply` on it in
+registry order (`teacher_server.transforms`); each apply reads `Rows.values` (the chunk as the
+earlier transforms left it) and adds its outputs with `Rows.emit`. Floating math runs in fp32
+whatever the model computed in; results are cast to the wanted dtype as they are emitted. All of
+it runs on the model's device, so only the emitted (reduced) tensors are copied to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES
+
+
+class Want(Protocol):
+    """What the applies read of an `OutputTransform`."""
+
+    @property
+    def datatype(self) -> str | None: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def logprobs(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def topk_tail(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What the scoring transforms read about a run of positions, on the model's device."""
+
+    next_ids: Tensor | None = None  # [n] int64: the token after each position (0 where there is none)
+    next_valid: Tensor | None = None  # [n] bool: the position has a real next token in its sequence
+    real: Tensor | None = None  # [n] bool: the position is a real token, not padding
+    score_ids: Tensor | None = None  # [n, m] int64: ids whose log-probabilities are wanted
+
+    def rows(self, start: int, end: int) -> RowContext:
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[start:end]
+        return RowContext(cut(self.next_ids), cut(self.next_valid), cut(self.real), cut(self.score_ids))
+
+
+class Rows:
+    """One chunk `[n, C]` of one output while its transforms run."""
+
+    def __init__(self, raw: Tensor, want: Want, spec_datatype: str, context: RowContext | None, fp32: bool) -> None:
+        self.floating = raw.is_floating_point()
+        self.values = raw.float() if self.floating and fp32 else raw
+        self.want = want
+        self.spec_datatype = spec_datatype
+        self.context = context
+        self.reduced = False  # some transform replaced the full tensor
+        self.is_logprobs = False  # `values` are log-probabilities
+        self.topk: tuple[Tensor, Tensor] | None = None
+        self.out: list[tuple[str, Tensor]] = []
+        self._logp: Tensor | None = None
+
+    def emit(self, suffix: str, tensor: Tensor) -> None:
+        self.out.append((suffix, tensor))
+
+    def value_dtype(self) -> torch.dtype | None:
+        """The dtype of values taken from the output itself (the full tensor, top-k values)."""
+        if not self.floating:
+            return None
+        return FLOAT_OUTPUT_DTYPES.get(self.want.datatype or self.spec_datatype)
+
+    def prob_dtype(self) -> torch.dtype:
+        """The dtype of derived probabilities (tail mass, token log-probs): fp32 unless asked otherwise."""
+        return FLOAT_OUTPUT_DTYPES[self.want.datatype] if self.want.datatype else torch.float32
+
+    def logprobs(self) -> Tensor:
+        """log_softmax(x / temperature) of the chunk, fp32, computed once."""
+        if self.is_logprobs:
+            return self.values
+        if self._logp is None:
+            self._logp = torch.log_softmax(self.values.float(), dim=-1)
+        return self._logp
+
+    def context_or_refuse(self) -> RowContext:
+        if self.context is None:
+            raise RuntimeError("a scoring transform ran without the positions' token context")
+        return self.context
+
+
+def apply_temperature(rows: Rows) -> None:
+    if rows.floating:
+        rows.values = rows.values / rows.want.temperature
+
+
+def apply_logprobs(rows: Rows) -> None:
+    if rows.floating:
+        rows.values = torch.log_softmax(rows.values, dim=-1)
+        rows.is_logprobs = True
+
+
+def apply_top_k(rows: Rows) -> None:
+    k = min(rows.want.top_k, rows.values.shape[-1])
+    values, indices = torch.topk(rows.values, k, dim=-1, sorted=True)
+    rows.topk = (values, indices)
+    target = rows.value_dtype()
+    rows.emit("_TOPK_VALUES", values if target is None else values.to(target))
+    rows.emit("_TOPK_INDICES", indices.to(torch.int32))
+    rows.reduced = True
+
+
+def apply_topk_tail(rows: Rows) -> None:
+    if not rows.floating or rows.topk is None:
+        return
+    values = rows.topk[0]
+    logp = values if rows.is_logprobs else values - torch.logsumexp(rows.values, dim=-1, keepdim=True)
+    tail = (1.0 - logp.float().exp().sum(dim=-1)).clamp_(min=0.0)
+    rows.emit("_TOPK_TAIL", tail.to(rows.prob_dtype()))
+
+
+def apply_token_logprobs(rows: Rows) -> None:
+    ctx = rows.context_or_refuse()
+    assert ctx.next_ids is not None and ctx.next_valid is not None
+    picked = rows.logprobs().gather(-1, ctx.next_ids.unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(ctx.next_valid, picked, torch.zeros_like(picked))
+    rows.emit("_TOKEN_LOGPROBS", picked.to(rows.prob_dtype()))
+    rows.reduced = True
+
+
+def apply_scored(rows: Rows) -> None:
+    ctx = rows.context_or_refuse()
+    assert ctx.score_ids is not None
+    picked = rows.logprobs().gather(-1, ctx.score_ids)
+    if ctx.real is not None:
+        picked = torch.where(ctx.real.unsqueeze(-1), picked, torch.zeros_like(picked))
+    rows.emit("_SCORED_LOGPROBS", picked.to(rows.prob_dtype()))
+    rows.reduced = True
