@@ -568,7 +568,10 @@ def test_field_bomb_does_not_stall_the_event_loop() -> None:
             req.raw_input_contents.append(x.tobytes())
             ok = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
         worst = s.call(finish(stop, task))
-    assert worst < 0.5, f"the event loop stalled {worst:.3f} s on a field bomb"
+    # The time is the behaviour: a bomb must not hold the loop. Parsed on the loop it held it ~3 s;
+    # refused before parsing the stall is 10-30 ms. The bound sits 3x under the first and 30x over
+    # the second, so a busy machine's scheduling delays do not fail it and the old parse still does.
+    assert worst < 1.0, f"the event loop stalled {worst:.3f} s on a field bomb"
     for name, (code, details) in codes.items():
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed ModelInferRequest" in details, (name, details)
     got = torch.frombuffer(bytearray(ok.raw_output_contents[0]), dtype=torch.float32).reshape(2, 4)
