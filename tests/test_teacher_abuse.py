@@ -7,8 +7,10 @@ MB, error codes and their sizes, what the log says; each one fails on the code b
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,7 +245,7 @@ def test_overload_is_resource_exhausted_and_counted(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def affine_server() -> Iterator[TeacherProcess]:
     args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1",
-            "--log-level", "DEBUG"]
+            "--log-level", "DEBUG", "--http-port", "0"]
     with TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, ready_timeout=90, stop_grace=10) as t:
         yield t
 
@@ -271,6 +273,51 @@ def test_oversized_parameter_value_is_invalid_argument_with_a_short_message(affi
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), details[:200])
     assert "output_dtype must be one of" in details and len(details) < 300, details
     assert e2.value.code() == grpc.StatusCode.NOT_FOUND and len(e2.value.details() or "") < 300
+
+
+def _with_tensor_parameters(where: str, n: int) -> bytes:
+    req = service_pb2.ModelInferRequest(model_name="affine", id="p")
+    tensor = req.inputs.add(name="X", datatype="FP32", shape=[1, 8])
+    if where == "output":
+        tensor = req.outputs.add(name="Y")
+    for i in range(n):
+        tensor.parameters[f"p{i}"].int64_param = i
+    return serialize_infer_request(req, [torch.zeros(8).numpy().tobytes()])
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_at_most_64_parameters_per_tensor(affine_server: TeacherProcess, where: str) -> None:
+    """64 parameters on one tensor are served (unknown names are ignored, as Triton does); 65 are
+    refused INVALID_ARGUMENT before any is converted, over gRPC and over HTTP alike."""
+    name = "X" if where == "input" else "Y"
+    with grpc.insecure_channel(affine_server.endpoint) as ch:
+        ok = _unary(ch)(_with_tensor_parameters(where, 64), timeout=10)
+        assert len(ok.raw_output_contents[0]) == 16
+        with pytest.raises(grpc.RpcError) as e:
+            _unary(ch)(_with_tensor_parameters(where, 65), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert f"{where} {name!r} carries 65 parameters; at most 64" in (e.value.details() or ""), e.value.details()
+
+    def http(n: int) -> tuple[int, str]:
+        tensor = {"name": name, "parameters": {f"p{i}": i for i in range(n)}}
+        body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 8], "data": [0.0] * 8}],
+                "outputs": [{"name": "Y"}]}
+        if where == "input":
+            body["inputs"][0].update(tensor)  # type: ignore[index]
+        else:
+            body["outputs"] = [tensor]
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{affine_server.ready['http_port']}/v2/models/affine/infer",
+            data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    assert http(64)[0] == 200
+    status, text = http(65)
+    assert status == 400 and "carries 65 parameters; at most 64" in text, (status, text)
 
 
 @pytest.mark.parametrize(("name", "value", "hint"), [
