@@ -199,3 +199,24 @@ def test_the_cli_serves_hf_dir_with_server_side_logprobs(
     assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-4)
     assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
     assert result.as_numpy("LOGITS_TOPK_TAIL").shape == (3, 9)
+
+
+def test_the_cli_serves_in_fp16_end_to_end(llama_dir: Path, tmp_path: Path) -> None:
+    """`teacher-server --model hf:DIR --compute-dtype FP16`: the process loads the weights in fp16
+    and its LOGITS (declared FP32) are the same model run in fp16 in process, to one fp16 step
+    (2**-10 of the value); a wrong dtype (fp32 or bf16 weights) is further off than that."""
+    args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--instances", "1",
+            "--compute-dtype", "FP16"]
+    ids, mask = _batch()
+    with teacher_process(args, tmp_path) as (_, info), tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as c:
+        result = c.infer("llama", _inputs(ids, mask))
+    got = torch.from_numpy(result.as_numpy("LOGITS"))
+    assert result.get_output("LOGITS").datatype == "FP32" and got.shape == (3, 9, VOCAB)
+    in_fp16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama_dir), local_files_only=True, dtype=torch.float16).eval()
+    want = _reference_logits(in_fp16, ids, mask)
+    assert want.dtype == torch.float16
+    torch.testing.assert_close(got, want.float(), rtol=2**-10, atol=1e-6)
+    in_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama_dir), local_files_only=True, dtype=torch.bfloat16).eval()
+    assert not torch.allclose(got, _reference_logits(in_bf16, ids, mask).float(), rtol=2**-10, atol=1e-6)
