@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _batches(order: list[int], rows: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _pass(data: list[dict[str, torch.Tensor]], **kw: object) -> list[dict[str, torch.Tensor]]:
+def _pass(data: list[dict[str, torch.Tensor]], **kw: Any) -> list[dict[str, torch.Tensor]]:
     with DistillReader(data, inputs=["TOKENS", "MASK"], outputs=["LOGITS"], top_k=5, key="index",
                        no_teacher_timeout=5.0, **kw) as reader:
         got = [(batch, out) for batch, out in reader]
