@@ -70,6 +70,8 @@ from benchmarks.scale_sim_worker import (
     RESYNC_S,
     TTL_S,
     _quantiles,
+    events_check,
+    nominal,
     worker_main,
 )
 from teacher_server.launch import pdeathsig_argv, stop
@@ -86,21 +88,6 @@ class Settings:
     ramp_s: float = 8.0
     settle_s: float = 4.0
     reports: str = "steady"
-
-
-def nominal(students: int, teachers: int) -> dict[str, float]:
-    """What the code's constants predict per second (see docs/scale.md for the derivation)."""
-    leases = students + teachers
-    return {
-        "keepalives_per_s": leases / (TTL_S / 3.0),
-        "load_puts_per_s": teachers / LOAD_INTERVAL_S,
-        "demand_puts_per_s": students / DEMAND_INTERVAL_S,
-        "writes_per_s": teachers / LOAD_INTERVAL_S + students / DEMAND_INTERVAL_S,
-        # Students watch membership only; the one autoscaler also watches load/.
-        "watch_events_per_s": teachers / LOAD_INTERVAL_S,
-        "resync_ranges_per_s": (students + 1) / RESYNC_S,
-        "autoscaler_ranges_per_s": 1.0 / AUTOSCALER_PERIOD_S,
-    }
 
 
 # ==== the benchmark ================================================================================
@@ -197,7 +184,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
     expected_rate = n_s * (1.0 / 0.25)  # a watcher publishes load-only snapshots at most every 0.25 s
     row: dict[str, Any] = {
         "fraction": fraction, "students": n_s, "teachers": n_t, "window_s": round(wall, 2),
-        "nominal": nominal(n_s, n_t),
+        "nominal": nominal(n_s, n_t, s.probe_every),
         "measured": {
             "grpc_requests_per_s": round(rate["grpc_server_started_total"], 1),
             "grpc_started_per_method_per_s": per_method,
@@ -230,6 +217,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
             "autoscaler_read_errors": sum(r.get("autoscaler_read_errors", 0) for r in results),
         },
     }
+    row["events"] = events_check(results, n_s, wall, rate["etcd_debugging_mvcc_events_total"])
     meas: dict[str, Any] = row["measured"]
     # A simulator process near a full core, or its loop lagging by > 0.5 s at p99, cannot keep up.
     meas["clients_saturated"] = bool(max(meas["worker_cores"], default=0) > 0.85
@@ -262,12 +250,21 @@ def _read_event(proc: subprocess.Popen[str], kind: str, timeout: float) -> dict[
 
 
 def _print_fraction(row: dict[str, Any]) -> None:
-    m, n = row["measured"], row["nominal"]
+    m, n, ev = row["measured"], row["nominal"], row["events"]
     lat = m["watch_latency_s"]
     print(f"  etcd: {m['grpc_requests_per_s']:.0f} gRPC calls/s, puts {m['puts_per_s']:.0f}/s "
           f"(nominal {n['writes_per_s']:.0f}), renewals {m['lease_renewals_per_s']:.0f}/s "
           f"(nominal {n['keepalives_per_s']:.0f}), watch events {m['watch_events_per_s']:.0f}/s "
           f"(nominal {n['watch_events_per_s']:.0f}), CPU {m['etcd_cores']:.2f} cores", flush=True)
+    src, mod, got = ev["sources_per_s"], ev["model"], ev["measured"]
+    print(f"  sources: load puts {src['load_puts_per_s']:.1f}/s, demand puts {src['demand_puts_per_s']:.1f}/s, "
+          f"membership changes {src['membership_changes_per_s']:.2f}/s", flush=True)
+    print("  events/s by source (measured / model): " + ", ".join(
+        f"{k} {got['events_by_source'][k]:.0f} / {mod['events_by_source'][k]:.0f}" for k in mod["events_by_source"])
+        + f"; etcd counted {got['etcd_total']:.0f} / {mod['total']:.0f}", flush=True)
+    print("  events/s by watcher kind (measured / model): " + ", ".join(
+        f"{k} {got['events_by_watcher'][k]:.0f} / {mod['events_by_watcher'][k]:.0f} (x{ev['ratio_by_watcher'][k]})"
+        for k in mod["events_by_watcher"]), flush=True)
     print(f"  watch latency p50 {lat['p50'] * 1000:.0f} ms p99 {lat['p99'] * 1000:.0f} ms (n={lat['n']}); "
           f"workers {m['worker_cores']} cores; saturated={m['clients_saturated']}", flush=True)
 
@@ -301,14 +298,17 @@ def extrapolate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         x, y, c = max(pts, key=lambda p: p[1])
         a = b = c / max(x + y, 1.0)
         method = "ratio at the largest event rate measured: cores per (operation + event)"
+    ten = nominal(10 * FULL_STUDENTS, 10 * FULL_TEACHERS)  # 10,000 x 2,000, the same probe churn
+    ten_ops, ten_events = ten["writes_per_s"] + ten["keepalives_per_s"], ten["watch_events_per_s"]
     return {"method": method, "cores_per_op": a, "cores_per_event": b,
             "full_ops_per_s": full_ops, "full_events_per_s": full_events,
-            "full_etcd_cores": a * full_ops + b * full_events}
+            "full_etcd_cores": a * full_ops + b * full_events,
+            "x10_ops_per_s": ten_ops, "x10_events_per_s": ten_events, "x10_etcd_cores": a * ten_ops + b * ten_events}
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale_sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fractions", default="0.1,0.5,1.0", help="of 1,000 students x 200 teachers")
+    p.add_argument("--fractions", default="0.1,0.5,1.0", help="of 1,000 students x 200 teachers, up to 10")
     p.add_argument("--seconds", type=float, default=20.0, help="measurement window per fraction")
     p.add_argument("--workers", type=int, default=2, help="simulator processes (one per core)")
     p.add_argument("--clients", type=int, default=8, help="etcd connections per simulator process")
@@ -324,8 +324,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         fractions = tuple(float(x) for x in a.fractions.split(","))
     except ValueError:
         p.error("--fractions must be comma-separated numbers, e.g. 0.1,0.5,1.0")
-    if not fractions or any(not 0 < f <= 2 for f in fractions) or a.seconds <= 0 or a.workers < 1:
-        p.error("fractions must be in (0, 2], --seconds > 0, --workers >= 1")
+    if not fractions or any(not 0 < f <= 10 for f in fractions) or a.seconds <= 0 or a.workers < 1:
+        p.error("fractions must be in (0, 10] (10: 10,000 students x 2,000 teachers), --seconds > 0, --workers >= 1")
     return Settings(fractions=fractions, seconds=a.seconds, workers=a.workers, clients=a.clients, sampled=a.sampled,
                     probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports)
 
@@ -343,26 +343,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(run_fraction(s, f))
             except RuntimeError as e:  # a fraction the machine cannot even ramp up: say so, go on
                 print(f"  {f:.0%} failed: {e}", flush=True)
-                rows.append({"fraction": f, "error": str(e), "nominal": nominal(round(FULL_STUDENTS * f),
-                                                                                round(FULL_TEACHERS * f))})
+                rows.append({"fraction": f, "error": str(e), "nominal": nominal(
+                    round(FULL_STUDENTS * f), round(FULL_TEACHERS * f), s.probe_every)})
     ok = [r for r in rows if "measured" in r]
     # etcd's CPU against etcd's own counters is valid even where the clients saturated (it is the
     # work etcd did); saturated fractions delivered fewer events than nominal, which the fit sees.
     extra = extrapolate(ok)
-    headers = ["load", "students", "teachers", "gRPC/s", "puts/s", "renew/s", "events/s", "events nominal",
-               "etcd cores", "sim cores", "lat p50 ms", "lat p99 ms", "slow watchers", "saturated"]
+    headers = ["load", "students", "teachers", "gRPC/s", "puts/s", "renew/s", "events/s", "model", "nominal",
+               "student ev/s (model)", "autoscaler ev/s (model)", "etcd cores", "sim cores", "lat p50 ms",
+               "lat p99 ms", "slow watchers", "saturated"]
     table = []
     for r in ok:
-        m = r["measured"]
+        m, ev = r["measured"], r["events"]
         lat = m["watch_latency_s"]
+        kinds = [f"{ev['measured']['events_by_watcher'][k]:.0f} ({ev['model']['events_by_watcher'][k]:.0f})"
+                 for k in ("student", "autoscaler")]
         table.append([f"{r['fraction']:.0%}", r["students"], r["teachers"], m["grpc_requests_per_s"],
-                      m["puts_per_s"], m["lease_renewals_per_s"], m["watch_events_per_s"],
-                      r["nominal"]["watch_events_per_s"], m["etcd_cores"], round(sum(m["worker_cores"]), 2),
-                      lat["p50"] * 1000, lat["p99"] * 1000, m["slow_watchers_end"], m["clients_saturated"]])
+                      m["puts_per_s"], m["lease_renewals_per_s"], m["watch_events_per_s"], ev["model"]["total"],
+                      round(r["nominal"]["watch_events_per_s"]), *kinds, m["etcd_cores"],
+                      round(sum(m["worker_cores"]), 2), lat["p50"] * 1000, lat["p99"] * 1000,
+                      m["slow_watchers_end"], m["clients_saturated"]])
     print("\n" + format_table(headers, table))
     if extra:
         print(f"\nextrapolation ({extra['method']}): etcd at 100 % = {extra['full_ops_per_s']:.0f} writes+renewals/s "
-              f"and {extra['full_events_per_s']:,.0f} watch events/s -> about {extra['full_etcd_cores']:.1f} cores")
+              f"and {extra['full_events_per_s']:,.0f} watch events/s -> about {extra['full_etcd_cores']:.1f} cores; "
+              f"at 10x {extra['x10_ops_per_s']:,.0f} and {extra['x10_events_per_s']:,.0f} -> about "
+              f"{extra['x10_etcd_cores']:.1f} cores (worst-case writes: every sample written)")
     doc = {"benchmark": "scale_sim", "machine": info, "settings": asdict(s),
            "notes": ("Development figures on a shared 2-core machine unless stated otherwise; etcd and the "
                      "simulated clients share the cores. Final figures must be measured on a quiet machine."),
