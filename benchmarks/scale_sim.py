@@ -88,6 +88,7 @@ class Settings:
     ramp_s: float = 8.0
     settle_s: float = 4.0
     reports: str = "steady"
+    proxies: int = 0
 
 
 # ==== the benchmark ================================================================================
@@ -115,6 +116,32 @@ def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def start_proxies(stack: contextlib.ExitStack, etcd_endpoint: str, n: int) -> list[str]:
+    """``n`` etcd gRPC proxies (``etcd grpc-proxy start``, the binary etcd ships) in front of the
+    etcd at ``etcd_endpoint``: each coalesces the identical watches and the lease keepalives of the
+    clients behind it. Returns their endpoints once each accepts connections."""
+    import socket
+
+    from discovery.local_etcd import find_etcd, free_port
+
+    endpoints = []
+    for _ in range(n):
+        port = free_port()
+        argv = [find_etcd(), "grpc-proxy", "start", f"--endpoints={etcd_endpoint}", f"--listen-addr=127.0.0.1:{port}"]
+        proc = subprocess.Popen(pdeathsig_argv(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        stack.callback(stop, proc, 10.0)
+        deadline = time.monotonic() + 30.0
+        while True:  # bounded: until it listens, or 30 s
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd grpc-proxy on port {port} did not start (exit code {proc.poll()})")
+            time.sleep(0.1)
+        endpoints.append(f"127.0.0.1:{port}")
+    return endpoints
+
+
 def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
     """One fraction on a fresh etcd: ramp up, measure for s.seconds, tear down."""
     from discovery.local_etcd import LocalEtcd
@@ -127,10 +154,12 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
         stack.callback(etcd.close)
         etcd.start()
         assert etcd.pid is not None
+        proxies = start_proxies(stack, etcd.endpoint, s.proxies) if s.proxies else []
         for w in range(s.workers):
             share_t = n_t // s.workers + (1 if w < n_t % s.workers else 0)
             share_s = n_s // s.workers + (1 if w < n_s % s.workers else 0)
-            argv = [sys.executable, "-m", "benchmarks.scale_sim", "_worker", "--endpoint", etcd.endpoint,
+            endpoint = proxies[w % len(proxies)] if proxies else etcd.endpoint  # a worker: one node pool
+            argv = [sys.executable, "-m", "benchmarks.scale_sim", "_worker", "--endpoint", endpoint,
                     "--index", str(w), "--teachers", str(share_t), "--students", str(share_s),
                     "--clients", str(s.clients), "--sampled", str(s.sampled), "--ramp", str(s.ramp_s),
                     "--probe-every", str(s.probe_every if w == 0 else 0.0),
@@ -183,7 +212,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
     snapshots = sum(r.get("snapshots", 0) for r in results)
     expected_rate = n_s * (1.0 / 0.25)  # a watcher publishes load-only snapshots at most every 0.25 s
     row: dict[str, Any] = {
-        "fraction": fraction, "students": n_s, "teachers": n_t, "window_s": round(wall, 2),
+        "fraction": fraction, "students": n_s, "teachers": n_t, "window_s": round(wall, 2), "proxies": s.proxies,
         "nominal": nominal(n_s, n_t, s.probe_every),
         "measured": {
             "grpc_requests_per_s": round(rate["grpc_server_started_total"], 1),
@@ -319,6 +348,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--reports", choices=("steady", "moving"), default="steady",
                    help="steady: loads and demand jitter around an operating point (most samples are not "
                         "written); moving: every sample changes (every one is a write)")
+    p.add_argument("--proxies", type=int, default=0,
+                   help="etcd gRPC proxies in front of etcd (worker i uses proxy i %% N); 0: clients talk to etcd")
     a = p.parse_args(argv)
     try:
         fractions = tuple(float(x) for x in a.fractions.split(","))
@@ -327,7 +358,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     if not fractions or any(not 0 < f <= 10 for f in fractions) or a.seconds <= 0 or a.workers < 1:
         p.error("fractions must be in (0, 10] (10: 10,000 students x 2,000 teachers), --seconds > 0, --workers >= 1")
     return Settings(fractions=fractions, seconds=a.seconds, workers=a.workers, clients=a.clients, sampled=a.sampled,
-                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports)
+                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports,
+                    proxies=max(0, a.proxies))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -376,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "resync_s": RESYNC_S, "autoscaler_period_s": AUTOSCALER_PERIOD_S},
            "full_scale_nominal": nominal(FULL_STUDENTS, FULL_TEACHERS), "rows": rows, "extrapolation": extra}
     name = "scale_sim" if s.reports == "steady" else f"scale_sim_{s.reports}"
+    name += f"_proxy{s.proxies}" if s.proxies else ""
     print(f"wrote {write_results(name, doc)}")
     return 0 if ok else 1
 

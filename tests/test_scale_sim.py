@@ -55,3 +55,23 @@ def test_a_small_run_matches_the_model_per_watcher_kind(tmp_path: Path) -> None:
         assert ratio is not None and 0.8 <= ratio <= 1.2, (kind, events)
     assert 0.8 <= events["ratio_etcd_total"] <= 1.2, events
     assert "events/s by watcher kind (measured / model)" in proc.stdout
+
+
+def test_through_an_etcd_grpc_proxy_every_student_still_gets_every_change(tmp_path: Path) -> None:
+    """The same run with the students and teachers behind one `etcd grpc-proxy`: the discovery
+    code works through it unchanged (every watcher gets the events the model says), while etcd
+    itself sends a small fraction of them (the proxy coalesces the identical watches) and starts
+    no keepalive stream per refresh."""
+    env = {**os.environ, "DISTILL_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale_sim", "--fractions", "0.02", "--seconds", "5", "--ramp", "2",
+         "--settle", "1", "--workers", "1", "--clients", "2", "--proxies", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=200, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [row] = json.loads((tmp_path / "scale_sim_proxy1.json").read_text())["rows"]
+    events = row["events"]
+    assert row["proxies"] == 1 and events["sources_per_s"]["membership_changes_per_s"] > 0, events
+    for kind, ratio in events["ratio_by_watcher"].items():
+        assert ratio is not None and 0.8 <= ratio <= 1.2, (kind, events)
+    assert events["ratio_etcd_total"] < 0.5, events  # 20 student watches became a few at etcd
+    assert row["measured"]["grpc_started_per_method_per_s"].get("LeaseKeepAlive", 0) == 0, row["measured"]
