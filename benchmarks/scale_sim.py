@@ -70,6 +70,8 @@ from benchmarks.scale_sim_worker import (
     RESYNC_S,
     TTL_S,
     _quantiles,
+    events_check,
+    nominal,
     worker_main,
 )
 from teacher_server.launch import pdeathsig_argv, stop
@@ -86,21 +88,7 @@ class Settings:
     ramp_s: float = 8.0
     settle_s: float = 4.0
     reports: str = "steady"
-
-
-def nominal(students: int, teachers: int) -> dict[str, float]:
-    """What the code's constants predict per second (see docs/scale.md for the derivation)."""
-    leases = students + teachers
-    return {
-        "keepalives_per_s": leases / (TTL_S / 3.0),
-        "load_puts_per_s": teachers / LOAD_INTERVAL_S,
-        "demand_puts_per_s": students / DEMAND_INTERVAL_S,
-        "writes_per_s": teachers / LOAD_INTERVAL_S + students / DEMAND_INTERVAL_S,
-        # Students watch membership only; the one autoscaler also watches load/.
-        "watch_events_per_s": teachers / LOAD_INTERVAL_S,
-        "resync_ranges_per_s": (students + 1) / RESYNC_S,
-        "autoscaler_ranges_per_s": 1.0 / AUTOSCALER_PERIOD_S,
-    }
+    proxies: int = 0
 
 
 # ==== the benchmark ================================================================================
@@ -128,6 +116,32 @@ def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def start_proxies(stack: contextlib.ExitStack, etcd_endpoint: str, n: int) -> list[str]:
+    """``n`` etcd gRPC proxies (``etcd grpc-proxy start``, the binary etcd ships) in front of the
+    etcd at ``etcd_endpoint``: each coalesces the identical watches and the lease keepalives of the
+    clients behind it. Returns their endpoints once each accepts connections."""
+    import socket
+
+    from discovery.local_etcd import find_etcd, free_port
+
+    endpoints = []
+    for _ in range(n):
+        port = free_port()
+        argv = [find_etcd(), "grpc-proxy", "start", f"--endpoints={etcd_endpoint}", f"--listen-addr=127.0.0.1:{port}"]
+        proc = subprocess.Popen(pdeathsig_argv(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        stack.callback(stop, proc, 10.0)
+        deadline = time.monotonic() + 30.0
+        while True:  # bounded: until it listens, or 30 s
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd grpc-proxy on port {port} did not start (exit code {proc.poll()})")
+            time.sleep(0.1)
+        endpoints.append(f"127.0.0.1:{port}")
+    return endpoints
+
+
 def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
     """One fraction on a fresh etcd: ramp up, measure for s.seconds, tear down."""
     from discovery.local_etcd import LocalEtcd
@@ -140,10 +154,12 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
         stack.callback(etcd.close)
         etcd.start()
         assert etcd.pid is not None
+        proxies = start_proxies(stack, etcd.endpoint, s.proxies) if s.proxies else []
         for w in range(s.workers):
             share_t = n_t // s.workers + (1 if w < n_t % s.workers else 0)
             share_s = n_s // s.workers + (1 if w < n_s % s.workers else 0)
-            argv = [sys.executable, "-m", "benchmarks.scale_sim", "_worker", "--endpoint", etcd.endpoint,
+            endpoint = proxies[w % len(proxies)] if proxies else etcd.endpoint  # a worker: one node pool
+            argv = [sys.executable, "-m", "benchmarks.scale_sim", "_worker", "--endpoint", endpoint,
                     "--index", str(w), "--teachers", str(share_t), "--students", str(share_s),
                     "--clients", str(s.clients), "--sampled", str(s.sampled), "--ramp", str(s.ramp_s),
                     "--probe-every", str(s.probe_every if w == 0 else 0.0),
@@ -196,8 +212,8 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
     snapshots = sum(r.get("snapshots", 0) for r in results)
     expected_rate = n_s * (1.0 / 0.25)  # a watcher publishes load-only snapshots at most every 0.25 s
     row: dict[str, Any] = {
-        "fraction": fraction, "students": n_s, "teachers": n_t, "window_s": round(wall, 2),
-        "nominal": nominal(n_s, n_t),
+        "fraction": fraction, "students": n_s, "teachers": n_t, "window_s": round(wall, 2), "proxies": s.proxies,
+        "nominal": nominal(n_s, n_t, s.probe_every),
         "measured": {
             "grpc_requests_per_s": round(rate["grpc_server_started_total"], 1),
             "grpc_started_per_method_per_s": per_method,
@@ -230,6 +246,7 @@ def run_fraction(s: Settings, fraction: float) -> dict[str, Any]:
             "autoscaler_read_errors": sum(r.get("autoscaler_read_errors", 0) for r in results),
         },
     }
+    row["events"] = events_check(results, n_s, wall, rate["etcd_debugging_mvcc_events_total"])
     meas: dict[str, Any] = row["measured"]
     # A simulator process near a full core, or its loop lagging by > 0.5 s at p99, cannot keep up.
     meas["clients_saturated"] = bool(max(meas["worker_cores"], default=0) > 0.85
@@ -262,12 +279,21 @@ def _read_event(proc: subprocess.Popen[str], kind: str, timeout: float) -> dict[
 
 
 def _print_fraction(row: dict[str, Any]) -> None:
-    m, n = row["measured"], row["nominal"]
+    m, n, ev = row["measured"], row["nominal"], row["events"]
     lat = m["watch_latency_s"]
     print(f"  etcd: {m['grpc_requests_per_s']:.0f} gRPC calls/s, puts {m['puts_per_s']:.0f}/s "
           f"(nominal {n['writes_per_s']:.0f}), renewals {m['lease_renewals_per_s']:.0f}/s "
           f"(nominal {n['keepalives_per_s']:.0f}), watch events {m['watch_events_per_s']:.0f}/s "
           f"(nominal {n['watch_events_per_s']:.0f}), CPU {m['etcd_cores']:.2f} cores", flush=True)
+    src, mod, got = ev["sources_per_s"], ev["model"], ev["measured"]
+    print(f"  sources: load puts {src['load_puts_per_s']:.1f}/s, demand puts {src['demand_puts_per_s']:.1f}/s, "
+          f"membership changes {src['membership_changes_per_s']:.2f}/s", flush=True)
+    print("  events/s by source (measured / model): " + ", ".join(
+        f"{k} {got['events_by_source'][k]:.0f} / {mod['events_by_source'][k]:.0f}" for k in mod["events_by_source"])
+        + f"; etcd counted {got['etcd_total']:.0f} / {mod['total']:.0f}", flush=True)
+    print("  events/s by watcher kind (measured / model): " + ", ".join(
+        f"{k} {got['events_by_watcher'][k]:.0f} / {mod['events_by_watcher'][k]:.0f} (x{ev['ratio_by_watcher'][k]})"
+        for k in mod["events_by_watcher"]), flush=True)
     print(f"  watch latency p50 {lat['p50'] * 1000:.0f} ms p99 {lat['p99'] * 1000:.0f} ms (n={lat['n']}); "
           f"workers {m['worker_cores']} cores; saturated={m['clients_saturated']}", flush=True)
 
@@ -301,14 +327,17 @@ def extrapolate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         x, y, c = max(pts, key=lambda p: p[1])
         a = b = c / max(x + y, 1.0)
         method = "ratio at the largest event rate measured: cores per (operation + event)"
+    ten = nominal(10 * FULL_STUDENTS, 10 * FULL_TEACHERS)  # 10,000 x 2,000, the same probe churn
+    ten_ops, ten_events = ten["writes_per_s"] + ten["keepalives_per_s"], ten["watch_events_per_s"]
     return {"method": method, "cores_per_op": a, "cores_per_event": b,
             "full_ops_per_s": full_ops, "full_events_per_s": full_events,
-            "full_etcd_cores": a * full_ops + b * full_events}
+            "full_etcd_cores": a * full_ops + b * full_events,
+            "x10_ops_per_s": ten_ops, "x10_events_per_s": ten_events, "x10_etcd_cores": a * ten_ops + b * ten_events}
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale_sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fractions", default="0.1,0.5,1.0", help="of 1,000 students x 200 teachers")
+    p.add_argument("--fractions", default="0.1,0.5,1.0", help="of 1,000 students x 200 teachers, up to 10")
     p.add_argument("--seconds", type=float, default=20.0, help="measurement window per fraction")
     p.add_argument("--workers", type=int, default=2, help="simulator processes (one per core)")
     p.add_argument("--clients", type=int, default=8, help="etcd connections per simulator process")
@@ -319,15 +348,18 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--reports", choices=("steady", "moving"), default="steady",
                    help="steady: loads and demand jitter around an operating point (most samples are not "
                         "written); moving: every sample changes (every one is a write)")
+    p.add_argument("--proxies", type=int, default=0,
+                   help="etcd gRPC proxies in front of etcd (worker i uses proxy i %% N); 0: clients talk to etcd")
     a = p.parse_args(argv)
     try:
         fractions = tuple(float(x) for x in a.fractions.split(","))
     except ValueError:
         p.error("--fractions must be comma-separated numbers, e.g. 0.1,0.5,1.0")
-    if not fractions or any(not 0 < f <= 2 for f in fractions) or a.seconds <= 0 or a.workers < 1:
-        p.error("fractions must be in (0, 2], --seconds > 0, --workers >= 1")
+    if not fractions or any(not 0 < f <= 10 for f in fractions) or a.seconds <= 0 or a.workers < 1:
+        p.error("fractions must be in (0, 10] (10: 10,000 students x 2,000 teachers), --seconds > 0, --workers >= 1")
     return Settings(fractions=fractions, seconds=a.seconds, workers=a.workers, clients=a.clients, sampled=a.sampled,
-                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports)
+                    probe_every=a.probe_every, ramp_s=a.ramp, settle_s=a.settle, reports=a.reports,
+                    proxies=max(0, a.proxies))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -343,26 +375,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(run_fraction(s, f))
             except RuntimeError as e:  # a fraction the machine cannot even ramp up: say so, go on
                 print(f"  {f:.0%} failed: {e}", flush=True)
-                rows.append({"fraction": f, "error": str(e), "nominal": nominal(round(FULL_STUDENTS * f),
-                                                                                round(FULL_TEACHERS * f))})
+                rows.append({"fraction": f, "error": str(e), "nominal": nominal(
+                    round(FULL_STUDENTS * f), round(FULL_TEACHERS * f), s.probe_every)})
     ok = [r for r in rows if "measured" in r]
     # etcd's CPU against etcd's own counters is valid even where the clients saturated (it is the
     # work etcd did); saturated fractions delivered fewer events than nominal, which the fit sees.
     extra = extrapolate(ok)
-    headers = ["load", "students", "teachers", "gRPC/s", "puts/s", "renew/s", "events/s", "events nominal",
-               "etcd cores", "sim cores", "lat p50 ms", "lat p99 ms", "slow watchers", "saturated"]
+    headers = ["load", "students", "teachers", "gRPC/s", "puts/s", "renew/s", "events/s", "model", "nominal",
+               "student ev/s (model)", "autoscaler ev/s (model)", "etcd cores", "sim cores", "lat p50 ms",
+               "lat p99 ms", "slow watchers", "saturated"]
     table = []
     for r in ok:
-        m = r["measured"]
+        m, ev = r["measured"], r["events"]
         lat = m["watch_latency_s"]
+        kinds = [f"{ev['measured']['events_by_watcher'][k]:.0f} ({ev['model']['events_by_watcher'][k]:.0f})"
+                 for k in ("student", "autoscaler")]
         table.append([f"{r['fraction']:.0%}", r["students"], r["teachers"], m["grpc_requests_per_s"],
-                      m["puts_per_s"], m["lease_renewals_per_s"], m["watch_events_per_s"],
-                      r["nominal"]["watch_events_per_s"], m["etcd_cores"], round(sum(m["worker_cores"]), 2),
-                      lat["p50"] * 1000, lat["p99"] * 1000, m["slow_watchers_end"], m["clients_saturated"]])
+                      m["puts_per_s"], m["lease_renewals_per_s"], m["watch_events_per_s"], ev["model"]["total"],
+                      round(r["nominal"]["watch_events_per_s"]), *kinds, m["etcd_cores"],
+                      round(sum(m["worker_cores"]), 2), lat["p50"] * 1000, lat["p99"] * 1000,
+                      m["slow_watchers_end"], m["clients_saturated"]])
     print("\n" + format_table(headers, table))
     if extra:
         print(f"\nextrapolation ({extra['method']}): etcd at 100 % = {extra['full_ops_per_s']:.0f} writes+renewals/s "
-              f"and {extra['full_events_per_s']:,.0f} watch events/s -> about {extra['full_etcd_cores']:.1f} cores")
+              f"and {extra['full_events_per_s']:,.0f} watch events/s -> about {extra['full_etcd_cores']:.1f} cores; "
+              f"at 10x {extra['x10_ops_per_s']:,.0f} and {extra['x10_events_per_s']:,.0f} -> about "
+              f"{extra['x10_etcd_cores']:.1f} cores (worst-case writes: every sample written)")
     doc = {"benchmark": "scale_sim", "machine": info, "settings": asdict(s),
            "notes": ("Development figures on a shared 2-core machine unless stated otherwise; etcd and the "
                      "simulated clients share the cores. Final figures must be measured on a quiet machine."),
@@ -370,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "resync_s": RESYNC_S, "autoscaler_period_s": AUTOSCALER_PERIOD_S},
            "full_scale_nominal": nominal(FULL_STUDENTS, FULL_TEACHERS), "rows": rows, "extrapolation": extra}
     name = "scale_sim" if s.reports == "steady" else f"scale_sim_{s.reports}"
+    name += f"_proxy{s.proxies}" if s.proxies else ""
     print(f"wrote {write_results(name, doc)}")
     return 0 if ok else 1
 

@@ -259,14 +259,19 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for t in list(tasks):
                 t.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
-            # Answers computed and never sent: give their bytes back to the shared budget.
-            unsent = held
-            while not out.empty():
-                rest = out.get_nowait()
-                if rest is not None:
-                    unsent += rest[1]
-            shared.release(unsent)
+            try:
+                await asyncio.gather(reader, *tasks, return_exceptions=True)
+            finally:
+                # Answers computed and never sent: give their bytes back to the shared budget, also
+                # when grpc cancels this handler again during the wait above (a cancelled stream
+                # would otherwise keep its share of the budget for the server's life). A cancelled
+                # task charges nothing, so none is charged after this.
+                unsent = held
+                while not out.empty():
+                    rest = out.get_nowait()
+                    if rest is not None:
+                        unsent += rest[1]
+                shared.release(unsent)
 
 
 async def _write(context: Any, message: Any) -> bool:

@@ -144,6 +144,10 @@ def test_logits_with_attention_masks_match_the_in_process_model(
 
 
 def test_compute_dtype_loads_the_weights_in_it(llama_dir: Path, reference: torch.nn.Module) -> None:
+    """The served BF16 model is the same model run in BF16 in process, to one bf16 step (2**-7 of
+    the value: a different kernel order may round one step apart), and as far from fp32 as bf16's
+    precision allows at these logits' scale. Logits of this tiny model are small (|x| < 0.5), so an
+    absolute tolerance of 0.1 would accept the logits scaled by 0.75; these bounds are relative."""
     model = load_model(f"hf:{llama_dir}", device="cpu", compute_dtype="BF16")
     assert isinstance(model.module, torch.nn.Module)
     assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}
@@ -151,7 +155,15 @@ def test_compute_dtype_loads_the_weights_in_it(llama_dir: Path, reference: torch
     with torch.inference_mode():
         [out] = model.forward([torch.from_numpy(ids), torch.from_numpy(mask)])
     assert out.shape == (3, 9, VOCAB)
-    assert torch.allclose(out.float(), _reference_logits(reference, ids, mask), atol=0.1, rtol=0.05)
+    in_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama_dir), local_files_only=True, dtype=torch.bfloat16).eval()
+    want = _reference_logits(in_bf16, ids, mask)
+    assert want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-6)
+    fp32 = _reference_logits(reference, ids, mask)
+    scale = float(fp32.abs().max())
+    # bf16 keeps 8 significant bits; two layers of rounding stay within a few steps at this scale.
+    torch.testing.assert_close(out.float(), fp32, rtol=0, atol=16 * 2**-8 * scale)
 
 
 def test_a_sequence_classifier_declares_class_logits(tmp_path: Path) -> None:
@@ -187,3 +199,24 @@ def test_the_cli_serves_hf_dir_with_server_side_logprobs(
     assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-4)
     assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
     assert result.as_numpy("LOGITS_TOPK_TAIL").shape == (3, 9)
+
+
+def test_the_cli_serves_in_fp16_end_to_end(llama_dir: Path, tmp_path: Path) -> None:
+    """`teacher-server --model hf:DIR --compute-dtype FP16`: the process loads the weights in fp16
+    and its LOGITS (declared FP32) are the same model run in fp16 in process, to one fp16 step
+    (2**-10 of the value); a wrong dtype (fp32 or bf16 weights) is further off than that."""
+    args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--instances", "1",
+            "--compute-dtype", "FP16"]
+    ids, mask = _batch()
+    with teacher_process(args, tmp_path) as (_, info), tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as c:
+        result = c.infer("llama", _inputs(ids, mask))
+    got = torch.from_numpy(result.as_numpy("LOGITS"))
+    assert result.get_output("LOGITS").datatype == "FP32" and got.shape == (3, 9, VOCAB)
+    in_fp16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama_dir), local_files_only=True, dtype=torch.float16).eval()
+    want = _reference_logits(in_fp16, ids, mask)
+    assert want.dtype == torch.float16
+    torch.testing.assert_close(got, want.float(), rtol=2**-10, atol=1e-6)
+    in_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(llama_dir), local_files_only=True, dtype=torch.bfloat16).eval()
+    assert not torch.allclose(got, _reference_logits(in_bf16, ids, mask).float(), rtol=2**-10, atol=1e-6)

@@ -78,9 +78,12 @@ def _with_bad_shape(n: int, bad: int) -> list[dict[str, torch.Tensor]]:
 
 def test_a_misshapen_batch_fails_alone_and_the_teachers_stay() -> None:
     data = _with_bad_shape(10, bad=4)
+    # A long no-teacher timeout here: the old code waited all of it before failing the batch (and
+    # then failed every later batch), so the bound below separates the two by a wide margin.
+    no_teacher_s = 30.0
     with _server() as a, _server() as b, DistillReader(
             data, teachers=f"{a.url},{b.url}", inputs=["X"], timeout=DEADLINE_S,
-            no_teacher_timeout=NO_TEACHER_S) as reader:
+            no_teacher_timeout=no_teacher_s) as reader:
         t0 = time.monotonic()
         seen, errors, _ = _drain(iter(reader))
         first_pass_s = time.monotonic() - t0
@@ -88,10 +91,11 @@ def test_a_misshapen_batch_fails_alone_and_the_teachers_stay() -> None:
         text = str(errors[4])
         assert "batch 4" in text and "FP32[9] per sample here, the teacher expects FP32[8]" in text, text
         assert seen == [i for i in range(10) if i != 4], f"lost or reordered batches: {seen}"
-        # The bound: the whole pass, refused batch included, takes less than the no-teacher timeout
-        # the old code waited before failing (it then failed every later batch too).
+        # The time is the behaviour here: a refused batch must not cost the no-teacher timeout. The
+        # whole pass, refused batch included, takes well under a second on an idle machine; the
+        # bound is a third of the timeout, so only the old wait (30 s) fails it, not a busy machine.
         print(f"[abuse] misshapen batch: pass of 10 in {first_pass_s:.2f} s")
-        assert first_pass_s < NO_TEACHER_S, f"a refused batch cost {first_pass_s:.2f} s"
+        assert first_pass_s < no_teacher_s / 3, f"a refused batch cost {first_pass_s:.2f} s"
         states = _teacher_states(reader)
         assert all(s["usable"] for s in states.values()), states
         seen2, errors2, _ = _drain(iter(reader))  # the next pass: the same, not "no teacher" at once
@@ -132,7 +136,9 @@ def test_a_poison_batch_fails_with_the_teachers_message_and_the_next_batch_succe
     text = str(caught.value)
     print(f"[abuse] poison batch: failed {poison_s:.2f} s after the previous batch")
     assert "batch 5" in text and "model execution failed: poison marker in the input" in text, text
-    assert poison_s < NO_TEACHER_S, f"the poison batch took {poison_s:.2f} s to fail"
+    # The event, not a time: the batch was tried on the other teacher once, and both refusals are
+    # quoted (the old code ejected every teacher in turn and ended in NoTeacherError).
+    assert f"{a.url} said" in text and f"{b.url} said" in text, text
     assert not errors and seen + rest == [i for i in range(12) if i != 5], "every other batch, once, in order"
     assert all(s["usable"] and s["ejections"] == 0 for s in states.values()), states
 
@@ -303,8 +309,9 @@ SLEEPY = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu
 
 
 def test_every_teacher_hung_raises_no_teacher_counted_from_the_hang(tmp_path: Path) -> None:
-    """Both teachers SIGSTOPped: NoTeacherError comes within no_teacher_timeout + 3 s of the stop
-    (the old code took the chunk deadline plus no_teacher_timeout: 13 s here)."""
+    """Both teachers SIGSTOPped: NoTeacherError comes soon after no_teacher_timeout counted from the
+    stop, not after the chunk deadline plus no_teacher_timeout (the old code's 33 s here)."""
+    deadline_s = 30.0  # long, so the old wait and the bound below are far apart
 
     class Paced:
         def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -317,7 +324,7 @@ def test_every_teacher_hung_raises_no_teacher_counted_from_the_hang(tmp_path: Pa
         for proc, _ in procs:  # let a stopped teacher be killed quickly at the end
             stack.callback(lambda p=proc: p.poll() is None and p.send_signal(signal.SIGCONT))
         reader = stack.enter_context(DistillReader(
-            Paced(), teachers=",".join(info["endpoint"] for _, info in procs), inputs=["X"], timeout=DEADLINE_S,
+            Paced(), teachers=",".join(info["endpoint"] for _, info in procs), inputs=["X"], timeout=deadline_s,
             no_teacher_timeout=NO_TEACHER_S))
         seen: list[int] = []
         stopped_at = 0.0
@@ -333,7 +340,10 @@ def test_every_teacher_hung_raises_no_teacher_counted_from_the_hang(tmp_path: Pa
         stats = reader.stats()
     print(f"[abuse] every teacher hung: NoTeacherError {after_s:.2f} s after the SIGSTOP")
     assert stopped_at > 0, "the teachers were never stopped"
-    assert after_s < NO_TEACHER_S + 3.0, f"NoTeacherError came {after_s:.2f} s after the stop"
+    # The time is the behaviour: the clock starts at the hang (a late chunk's 1 s readiness probe
+    # finds it), not at the chunk deadline. About 4.3 s on an idle machine; the bound leaves 3x for a
+    # busy one and still fails the old deadline_s + NO_TEACHER_S by more than 2x.
+    assert after_s < NO_TEACHER_S + 12.0, f"NoTeacherError came {after_s:.2f} s after the stop"
     assert stats.hung_ejections >= 1, "the hung teachers were found by a late chunk's probe"
     assert "ejected" in str(caught.value), str(caught.value)
     assert_delivered_once_in_order(seen, len(seen))

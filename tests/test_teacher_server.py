@@ -233,7 +233,9 @@ def test_concurrent_clients_are_batched_together(ref_server: ServerThread, ref_m
     def stats() -> tuple[int, int]:
         with tg.InferenceServerClient(ref_server.url) as c:
             s = c.get_inference_statistics("ref_teacher", as_json=True)["model_stats"][0]
-        return int(s["inference_stats"]["success"]["count"]), int(s["execution_count"])
+        # protobuf's JSON leaves out fields at their default: a count of 0 is absent, not "0".
+        success = s.get("inference_stats", {}).get("success", {})
+        return int(success.get("count", 0)), int(s.get("execution_count", 0))
 
     req0, exec0 = stats()
     n_clients, per_client = 16, 4
@@ -263,9 +265,14 @@ def test_concurrent_clients_are_batched_together(ref_server: ServerThread, ref_m
 
 
 # ---- output options ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,torch_dtype,atol", [("FP16", torch.float16, 2e-2), ("BF16", torch.bfloat16, 1.5e-1)])
+@pytest.mark.parametrize("dtype,torch_dtype,step", [("FP16", torch.float16, 2**-10), ("BF16", torch.bfloat16, 2**-7)])
 def test_reduced_precision_outputs(client: tg.InferenceServerClient, ref_model: torch.nn.Module,
-                                   dtype: str, torch_dtype: torch.dtype, atol: float) -> None:
+                                   dtype: str, torch_dtype: torch.dtype, step: float) -> None:
+    """The server computes in fp32 and casts once: each value is the in-process fp32 logit rounded
+    to `dtype`, or one rounding step away (fp32 results a last bit apart can round to neighbours).
+    `step` is one unit in the last place relative to the value (2**-7 for bf16's 8 significant bits,
+    2**-10 for fp16's 11). These logits are small (|x| < 0.3): an absolute tolerance of 0.15 would
+    accept them scaled by 0.5."""
     x = _images(5, seed=7)
     result = client.infer("ref_teacher", [_input(x)], parameters={"output_dtype": dtype})
     out = result.get_output("LOGITS")
@@ -273,7 +280,8 @@ def test_reduced_precision_outputs(client: tg.InferenceServerClient, ref_model: 
     raw = result.get_response().raw_output_contents[0]
     assert len(raw) == 5 * 100 * 2  # half the bytes of FP32 on the wire
     got = torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(5, 100).float()
-    assert torch.allclose(got, _expected(ref_model, x).to(torch_dtype).float(), atol=atol)
+    want = _expected(ref_model, x).to(torch_dtype).float()
+    torch.testing.assert_close(got, want, rtol=step, atol=1e-6)
 
 
 def test_top_k_outputs(client: tg.InferenceServerClient, ref_model: torch.nn.Module) -> None:
@@ -597,7 +605,10 @@ def test_field_bomb_does_not_stall_the_event_loop() -> None:
             req.raw_input_contents.append(x.tobytes())
             ok = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
         worst = s.call(finish(stop, task))
-    assert worst < 0.5, f"the event loop stalled {worst:.3f} s on a field bomb"
+    # The time is the behaviour: a bomb must not hold the loop. Parsed on the loop it held it ~3 s;
+    # refused before parsing the stall is 10-30 ms. The bound sits 3x under the first and 30x over
+    # the second, so a busy machine's scheduling delays do not fail it and the old parse still does.
+    assert worst < 1.0, f"the event loop stalled {worst:.3f} s on a field bomb"
     for name, (code, details) in codes.items():
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed ModelInferRequest" in details, (name, details)
     got = torch.frombuffer(bytearray(ok.raw_output_contents[0]), dtype=torch.float32).reshape(2, 4)
