@@ -38,14 +38,15 @@ import os
 import time
 from collections import deque
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 
 from discovery import Registry, open_registry
-from distill.batches import END_OF_LOADER, Chunk, Delivery, FieldArray, Job, LoaderThread, Sink, extract_inputs
+from distill.batches import END_OF_LOADER, Chunk, Delivery, Job, LoaderThread, Sink, extract_inputs
 from distill.cache.errors import require_store
 from distill.liveness import CallWatch
+from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
 from distill.router import TeacherState
 from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
@@ -58,10 +59,7 @@ from distill.teacher_client import (
     TeacherOverloadedError,
     grpc_connector,
 )
-
-if TYPE_CHECKING:
-    from distill.cache.reader_side import CachedRows, ReaderCache
-    from distill.reader import ReaderOptions
+from distill.types import FieldArray, OutputCache, StoredRows
 
 log = logging.getLogger("distill.reader")
 
@@ -134,7 +132,7 @@ class Engine:
         self.rejected_batches = 0
         self.retries = 0
         self.hedges = 0
-        self.cache: ReaderCache | None = None  # opened in start() when options.cache is set
+        self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
         self._closed = False
 
@@ -159,6 +157,12 @@ class Engine:
                                                  student_id=opts.student_id)
                 await demand.__aenter__()
                 self._closing.append(demand)
+        if opts.offline:
+            # cache_mode="read" never waits for a teacher: a stored sample needs none, and a teacher
+            # list left on the command line must not hold up (or fail) a fully stored replay. Teachers
+            # that come are asked for the samples the store lacks.
+            await self._open_cache(os.fspath(opts.cache))
+            return
         for svc in self._services.values():
             await svc.pool.wait_first()
         if opts.cache is not None:
@@ -166,14 +170,20 @@ class Engine:
 
     async def _open_cache(self, path: str) -> None:
         """Open the teacher-output store (on the loader thread: it reads files). Its namespace is built
-        from the first teacher's metadata; with no teacher, the store's own must match the options."""
-        from distill.cache.reader_side import ReaderCache
+        from the first teacher's metadata; reading only (or with no teacher), the store's own must
+        match the options, and a teacher serves this reader only if what it answers would carry
+        the store's namespace (its answers join stored rows in one batch)."""
+        from distill.cache.reader_side import ReaderCache, teacher_mismatch
 
-        meta = next((t.meta for svc in self._services.values() for t in svc.router.teachers.values()
-                     if t.meta is not None), None)
+        meta = None if self.opts.offline else next(
+            (t.meta for svc in self._services.values() for t in svc.router.teachers.values() if t.meta is not None),
+            None)
         loop = asyncio.get_running_loop()
-        self.cache = await self._loader.submit(loop, lambda: ReaderCache.open(path, self.opts, meta))
-        self._delivery.cache = self.cache
+        cache = await self._loader.submit(loop, lambda: ReaderCache.open(path, self.opts, meta))
+        self.cache = self._delivery.cache = cache
+        if meta is None:
+            for svc in self._services.values():
+                svc.pool.admit(functools.partial(teacher_mismatch, self.opts, cache.store.namespace))
 
     def _registry_for(self, service: str) -> Registry:
         if self.opts.static is not None:
@@ -215,7 +225,7 @@ class Engine:
 
         cache = self.cache
 
-        def next_batch() -> tuple[Any, int, dict[str, FieldArray], CachedRows | None] | object:
+        def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None] | object:
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -301,7 +311,7 @@ class Engine:
             exclude = set(chunk.tried) if chunk.sends else set()
             if chunk.refusals and any(u.key not in chunk.refusals for u in router.usable()):
                 exclude |= set(chunk.refusals)
-            t = router.pick(frozenset(exclude))
+            t = router.pick(frozenset(exclude), chunk.size)
             if t is not None:
                 reason = router.misfit(t, chunk.job.signature)
                 if reason is None:
@@ -359,7 +369,7 @@ class Engine:
         """The chunk is late: if another teacher has a free slot, race it there."""
         if chunk.done or chunk.job.epoch != self.epoch or not chunk.sends or chunk.suspect:
             return  # a suspect (refused once) is never raced: it may make a second teacher raise
-        t = svc.router.pick(frozenset(chunk.tried))
+        t = svc.router.pick(frozenset(chunk.tried), chunk.size)
         if t is None or svc.router.misfit(t, chunk.job.signature) is not None:
             return
         assert t.meta is not None
@@ -374,9 +384,8 @@ class Engine:
         return ChunkRequest(
             model_name=t.meta.model_name, model_version=self.opts.model_version,
             request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
-            stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), top_k=self.opts.top_k,
-            output_dtype=self.opts.output_dtype, logprobs=self.opts.logprobs, temperature=self.opts.temperature,
-            topk_tail=self.opts.topk_tail, declared=t.meta.outputs,
+            stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
+            parameters=self.opts.request_parameters,
         )
 
     def _call_cancelled(self, svc: _Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:

@@ -21,28 +21,25 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from distill.batches import FieldArray
 from distill.cache.errors import CacheError, NamespaceMismatchError, SchemaMismatchError, StoreNotFoundError
 from distill.cache.format import id_dtype
 from distill.cache.namespace import Namespace
 from distill.cache.store import TeacherOutputStore
 from distill.cache.values import Ragged
-from distill.reader import CACHE_MODES
+from distill.checks import CACHE_MODES
+from distill.options import ReaderOptions
+from distill.outputs import base_output, derived_names, ids_output, is_ids_output
+from distill.types import FieldArray, TeacherMetadata
 
-if TYPE_CHECKING:
-    from distill.teacher_client import TeacherMetadata
-
-__all__ = ["CACHE_MODES", "CacheMissError", "CachedRows", "ReaderCache", "batch_keys", "reader_namespace"]
+__all__ = ["CACHE_MODES", "CacheMissError", "CachedRows", "ReaderCache", "batch_keys", "reader_namespace",
+           "teacher_mismatch"]
 
 log = logging.getLogger("distill.cache")
-
-_WIRE_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
-
 
 class CacheMissError(CacheError):
     """A sample is not in the store and no teacher may compute it (``cache_mode="read"`` without
@@ -53,47 +50,26 @@ class CacheMissError(CacheError):
         self.key = key
 
 
-def reader_namespace(options: Any, meta: TeacherMetadata) -> Namespace:
+def reader_namespace(options: ReaderOptions, meta: TeacherMetadata) -> Namespace:
     """The namespace of what this reader receives from a teacher serving `meta`: its model name and
-    version, the outputs asked for, their dtype and top-k (see docs/cache.md)."""
+    version, the outputs asked for, and the fields naming every output setting (dtype, top-k, value
+    transforms: ``ReaderOptions.store_fields``; see docs/cache.md)."""
     outputs = tuple(options.outputs) if options.outputs else tuple(sorted(meta.outputs))
-    return Namespace(
-        model_name=meta.model_name,
-        model_version=options.model_version or meta.model_version,
-        outputs=outputs,
-        dtype=_WIRE_DTYPES.get(options.output_dtype or "", "native"),
-        top_k=options.top_k or None,
-        **_transforms(options),
-    )
+    return Namespace(model_name=meta.model_name, model_version=options.model_version or meta.model_version,
+                     outputs=outputs, **options.store_fields())
 
 
-def _transforms(options: Any) -> dict[str, Any]:
-    """The value transforms the reader states (logprobs, temperature, topk_tail), as namespace fields;
-    one left to the server's default (None) keeps the field as a store made without it has it."""
-    logprobs = getattr(options, "logprobs", None)
-    tail = getattr(options, "topk_tail", None)
-    temperature = getattr(options, "temperature", None)
-    return {
-        "values": "logprobs" if logprobs else "logits",
-        "temperature": None if temperature == 1.0 else temperature,  # 1 is no temperature at all
-        "extra": (("topk_tail", str(tail).lower()),) if tail is not None else (),
-    }
-
-
-def _check_options(options: Any, stored: Namespace, where: str) -> None:
+def _check_options(options: ReaderOptions, stored: Namespace, where: str) -> None:
     """Without a teacher to ask, the store's own namespace must agree with every output setting the
     reader was given (model, version, outputs, dtype, top-k, logprobs, temperature, tail)."""
-    asked: dict[str, Any] = {
-        "dtype": _WIRE_DTYPES.get(options.output_dtype or "", "native"),
-        "top_k": options.top_k or None,
-        **_transforms(options),
-    }
+    asked: dict[str, Any] = options.store_fields()
     if options.model:
         asked["model_name"] = options.model
     if options.model_version:
         asked["model_version"] = options.model_version
     if options.outputs:
         asked["outputs"] = tuple(options.outputs)
+    asked["extra"] = tuple(sorted(asked["extra"]))
     differ = tuple(f for f, v in asked.items() if getattr(stored, f) != v)
     if differ:
         parts = ", ".join(f"{f}: store has {getattr(stored, f)!r}, asked for {asked[f]!r}" for f in differ)
@@ -102,6 +78,17 @@ def _check_options(options: Any, stored: Namespace, where: str) -> None:
             "settings the store was recorded with (`distill cache info PATH` prints them), or another cache path",
             differ,
         )
+
+
+def teacher_mismatch(options: ReaderOptions, stored: Namespace, meta: TeacherMetadata) -> str | None:
+    """Why a teacher serving `meta` must not answer for a store of namespace `stored` (what it
+    answers this reader would be named otherwise); None when it may."""
+    asked = reader_namespace(options, meta)
+    differ = asked.diff(stored)
+    if not differ:
+        return None
+    return ("its answers would not match the teacher-output store's (" + ", ".join(
+        f"{f}: store has {getattr(stored, f)!r}, this teacher gives {getattr(asked, f)!r}" for f in differ) + ")")
 
 
 def batch_keys(batch: Any, key: str | int) -> Any:
@@ -243,12 +230,13 @@ class ReaderCache:
         self._thread.start()
 
     @classmethod
-    def open(cls, path: str, options: Any, meta: TeacherMetadata | None) -> ReaderCache:
+    def open(cls, path: str, options: ReaderOptions, meta: TeacherMetadata | None) -> ReaderCache:
         """Open the store at `path` for a reader (blocking: call it off the event loop). With a
         teacher's metadata the namespace is built from it and checked; without one (offline, `read`
         mode) the store must exist and its namespace must agree with the reader's options."""
         mode: str = options.cache_mode
-        key: str | int = options.key
+        key = options.key
+        assert key is not None  # ReaderOptions requires key= with cache=
         if meta is not None:
             ns = reader_namespace(options, meta)
             variable, seq_inputs = _per_position(ns, meta)
@@ -303,7 +291,7 @@ class ReaderCache:
                     t = padded if width is None else fit_width(padded, width)
                 else:
                     t = value
-                if name.endswith(_IDS) and t.dtype in (torch.int16, torch.uint16):
+                if is_ids_output(name) and t.dtype in (torch.int16, torch.uint16):
                     t = t.to(torch.int32)  # stored narrow (id_dtype): the teacher's dtype again
                 outputs[name] = t
         return CachedRows(keys, found.hit, outputs, frozenset(variable))
@@ -474,15 +462,11 @@ def _per_position(ns: Namespace, meta: TeacherMetadata) -> tuple[frozenset[str],
         return frozenset(), None
     variable = set()
     for name in ns.outputs:
-        for stored in (name, f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES", f"{name}_TOPK_TAIL"):
-            base = stored.rsplit("_TOPK_", 1)[0]
-            out = meta.outputs.get(base)
+        for stored in derived_names(name):
+            out = meta.outputs.get(base_output(stored))
             if out is not None and out.shape[:1] == (-1,):
                 variable.add(stored)
     return frozenset(variable), seq_inputs
-
-
-_IDS = "_TOPK_INDICES"
 
 
 def _id_dtypes(ns: Namespace, meta: TeacherMetadata) -> dict[str, torch.dtype]:
@@ -493,8 +477,8 @@ def _id_dtypes(ns: Namespace, meta: TeacherMetadata) -> dict[str, torch.dtype]:
         return {}
     out: dict[str, torch.dtype] = {}
     for name in ns.outputs:
-        stored = name if name.endswith(_IDS) else f"{name}{_IDS}"
-        full = meta.outputs.get(stored[: -len(_IDS)])
+        stored = ids_output(name)
+        full = meta.outputs.get(base_output(stored))
         if full is not None and full.shape and full.shape[-1] > 0:
             dtype = id_dtype(full.shape[-1])
             if dtype in (torch.int16, torch.uint16):
