@@ -17,12 +17,13 @@ entry in ``help(ReaderOptions)``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-__all__ = ["SAME", "Declared", "Flag", "Option", "declared", "document", "option"]
+__all__ = ["SAME", "Declared", "Flag", "Option", "declared", "document", "option", "read_flags"]
 
 SAME: Any = object()
 """A flag's default when it is the option's own."""
@@ -135,6 +136,43 @@ def declared(cls: type) -> Iterator[Declared]:
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
         yield Declared(f.name, default, opt)
+
+
+def _flag_value(args: argparse.Namespace, flag: Flag, default: Any, parse: Callable[[Any], Any] | None) -> Any:
+    if flag.required:
+        try:
+            value = getattr(args, flag.dest)
+        except AttributeError:
+            raise ValueError(
+                f"args has no {flag.dest!r}; build the parser with distill.add_distill_args(parser)") from None
+    else:  # a flag added later: a namespace built by hand for an older flag set gets its default
+        value = getattr(args, flag.dest, default)
+    if value is not None and parse is not None:
+        try:
+            value = ([v if not isinstance(v, str) else parse(v) for v in value] if flag.repeat
+                     else parse(value))
+        except ValueError as e:
+            raise ValueError(f"{flag.name}: {e}") from None
+    return flag.to_option(value) if flag.to_option is not None else value
+
+
+def read_flags(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """{option: value} for every option of `cls` that has flags, read from a parsed namespace and
+    checked by each flag's rule (ValueError naming the flag); an option that `needs` another one
+    unset gets its default without its flags being read."""
+    out: dict[str, Any] = {}
+    for d in declared(cls):
+        flags = d.flags
+        if not flags:
+            continue
+        if d.option.needs is not None and out.get(d.option.needs) is None:
+            out[d.name] = d.default
+            continue
+        single = len(flags) == 1
+        values = [_flag_value(args, f, d.flag_default(f), f.parse or (d.option.check if single else None))
+                  for f in flags]
+        out[d.name] = d.option.combine(*values) if d.option.combine is not None else values[0]
+    return out
 
 
 def document(cls: type) -> str:

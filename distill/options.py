@@ -18,7 +18,6 @@ import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from discovery.options import etcd_options
@@ -40,59 +39,16 @@ from distill.checks import (
     service_name,
     teacher_list,
 )
-from distill.declare import Flag, declared, document, option
+from distill.config import ClientTLS, RouterConfig
+from distill.declare import Flag, declared, document, option, read_flags
 from distill.headers import HeaderArg, headers_map
 from distill.routing import PolicySpec, policy_spec
 from distill.types import ParameterValue
 
-if TYPE_CHECKING:  # imported where used: the flags (distill --help) need neither
-    import grpc
+if TYPE_CHECKING:  # imported where used: the flags (distill --help) need no torch
     import torch
 
 __all__ = ["CACHE_MODES", "ClientTLS", "ReaderOptions", "RouterConfig", "default_student_id", "options_from_args"]
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's tuning: in-flight limits, ejection backoff, the probe deadline."""
-
-    initial_limit: float = 2.0
-    max_limit: int = 16
-    backoff_base_s: float = 0.25
-    backoff_max_s: float = 30.0
-    probe_timeout_s: float = 1.0
-    outpaced_eject: int = 3
-    stale_after_s: float = 1.0
-    overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
-    overload_backoff_max_s: float = 2.0
-    reject_strikes: int = 3  # refusals in a row of inputs other teachers accepted: incompatible
-
-
-@dataclass(frozen=True)
-class ClientTLS:
-    """TLS towards teachers: the CA that signed their certificates, and this student's own
-    certificate and key when teachers require mutual TLS. `server_name` overrides the name checked
-    against the teacher's certificate (when endpoints are IPs the certificate does not list)."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
-            raise ValueError("a client certificate for mutual TLS needs both tls_cert and tls_key")
-        for label, path in (("tls_ca", self.ca), ("tls_cert", self.cert), ("tls_key", self.key)):
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{label} {path} does not exist")
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        import grpc
-
-        def read(path: str | None) -> bytes | None:
-            return Path(path).read_bytes() if path else None
-
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 def default_student_id() -> str:
@@ -406,23 +362,6 @@ ReaderOptions.__doc__ = (ReaderOptions.__doc__ or "") + document(ReaderOptions)
 
 
 # ---- the --distill_* flags read back ------------------------------------------------------------------
-def _flag_value(args: argparse.Namespace, flag: Flag, default: Any, parse: Callable[[Any], Any] | None) -> Any:
-    if flag.required:
-        try:
-            value = getattr(args, flag.dest)
-        except AttributeError:
-            raise ValueError(
-                f"args has no {flag.dest!r}; build the parser with distill.add_distill_args(parser)") from None
-    else:  # a flag added later: a namespace built by hand for an older flag set gets its default
-        value = getattr(args, flag.dest, default)
-    if value is not None and parse is not None:
-        if flag.repeat:
-            value = [v if not isinstance(v, str) else checked(parse, flag.name, v) for v in value]
-        else:
-            value = checked(parse, flag.name, value)
-    return flag.to_option(value) if flag.to_option is not None else value
-
-
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``DistillReader`` from the flags ``add_distill_args`` added.
 
@@ -433,19 +372,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     rule (a script may build the namespace itself); the rules between flags raise ``ValueError``
     naming the flag to pass or fix.
     """
-    out: dict[str, Any] = {}
-    for d in declared(ReaderOptions):
-        flags = d.flags
-        if not flags:
-            continue
-        if d.option.needs is not None and out.get(d.option.needs) is None:
-            out[d.name] = d.default
-            continue
-        single = len(flags) == 1
-        values = [_flag_value(args, f, d.flag_default(f), f.parse or (d.option.check if single else None))
-                  for f in flags]
-        out[d.name] = d.option.combine(*values) if d.option.combine is not None else values[0]
-
+    out = read_flags(ReaderOptions, args)
     teachers, registry, service = out["teachers"], out["registry"], out["service"]
     offline = out["cache"] is not None and out["cache_mode"] == "read"
     if teachers is None and registry is None and not offline:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from discovery.aio import deadline
-from distill.options import RouterConfig
+from distill.config import RouterConfig
 from distill.routing import PolicySpec, RouteRequest, RoutingPolicy, make_policy
 from distill.teacher_client import InferenceClient
 from distill.types import Signature, TeacherMetadata

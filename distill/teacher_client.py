@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from distill.options import ClientTLS
+from distill.config import ClientTLS
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
