@@ -27,6 +27,7 @@ import pstats
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,23 +61,33 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"X": torch.randn(ROWS, WIDTH, generator=g)} for _ in range(n)]
 
 
-def reader_rate(endpoint: str, batches: list[dict[str, torch.Tensor]]) -> float:
-    """Batches/s of one pass of a started DistillReader (connecting is not timed)."""
+@dataclass(frozen=True)
+class Pass:
+    """One measured pass: batches per second of wall time, and this process's CPU time per batch
+    (all its threads: the loop's, the loader's, gRPC's), which other processes on the machine
+    barely disturb."""
+
+    batches_per_s: float
+    cpu_us_per_batch: float
+
+
+def reader_rate(endpoint: str, batches: list[dict[str, torch.Tensor]]) -> Pass:
+    """One pass of a started DistillReader (connecting is not timed)."""
     from distill import DistillReader
 
     with DistillReader(batches, teachers=endpoint, inputs=["X"], outputs=["Y"], prefetch=IN_FLIGHT,
                        hedge_after=None) as reader:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         n = 0
         last: Any = None
         for _, last in reader:  # noqa: B007 (the last answer is checked below)
             n += 1
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     assert n == len(batches) and last["Y"].shape == (ROWS, WIDTH)
-    return n / elapsed
+    return Pass(n / elapsed, cpu / n * 1e6)
 
 
-async def _triton_pass(endpoint: str, arrays: list[np.ndarray]) -> float:
+async def _triton_pass(endpoint: str, arrays: list[np.ndarray]) -> Pass:
     from tritonclient.grpc import InferInput, InferRequestedOutput
     from tritonclient.grpc.aio import InferenceServerClient
 
@@ -96,13 +107,13 @@ async def _triton_pass(endpoint: str, arrays: list[np.ndarray]) -> float:
                 done += 1
             return done
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     finally:
         await client.close()
     assert sum(counts) == len(arrays)
-    return len(arrays) / elapsed
+    return Pass(len(arrays) / elapsed, cpu / len(arrays) * 1e6)
 
 
 def _input(cls: Any, x: np.ndarray) -> Any:
@@ -111,7 +122,7 @@ def _input(cls: Any, x: np.ndarray) -> Any:
     return inp
 
 
-def triton_rate(endpoint: str, batches: list[dict[str, torch.Tensor]]) -> float:
+def triton_rate(endpoint: str, batches: list[dict[str, torch.Tensor]]) -> Pass:
     """Batches/s of tritonclient.grpc.aio with IN_FLIGHT requests in flight, on its own event loop."""
     arrays = [b["X"].numpy() for b in batches]
     return asyncio.run(_triton_pass(endpoint, arrays))
@@ -154,12 +165,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reader_rate(endpoint, batches[: args.batches // 10])  # warm both paths (imports, the server's batcher)
         triton_rate(endpoint, batches[: args.batches // 10])
 
-        def show(rep: int, name: str, rate: float) -> None:
-            print(f"rep {rep}  {name:<13} {rate:8.0f} batches/s", flush=True)
+        def show(rep: int, name: str, p: Pass) -> None:
+            print(f"rep {rep}  {name:<13} {p.batches_per_s:8.0f} batches/s  {p.cpu_us_per_batch:6.0f} us CPU/batch",
+                  flush=True)
 
-        per_rep = interleave(args.reps, {"reader": lambda: reader_rate(endpoint, batches),
-                                         "tritonclient": lambda: triton_rate(endpoint, batches)}, show)
+        passes = interleave(args.reps, {"reader": lambda: reader_rate(endpoint, batches),
+                                        "tritonclient": lambda: triton_rate(endpoint, batches)}, show)
+    per_rep = {name: [p.batches_per_s for p in ps] for name, ps in passes.items()}
+    cpu = {name: [p.cpu_us_per_batch for p in ps] for name, ps in passes.items()}
     ratios = paired_ratios(per_rep["reader"], per_rep["tritonclient"])
+    cpu_ratios = paired_ratios(cpu["tritonclient"], cpu["reader"])
     return {
         "benchmark": "reader_overhead",
         "settings": {"batches": args.batches, "rows_per_batch": ROWS, "sample": f"FP32[{WIDTH}]",
@@ -169,6 +184,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_batches_per_s": {name: round(median(rates), 1) for name, rates in per_rep.items()},
         "ratios": [round(r, 3) for r in ratios],
         "ratio_reader_vs_tritonclient": round(median(ratios), 3),
+        "cpu_us_per_batch": {name: [round(c, 1) for c in cs] for name, cs in cpu.items()},
+        "median_cpu_us_per_batch": {name: round(median(cs), 1) for name, cs in cpu.items()},
+        "cpu_ratios": [round(r, 3) for r in cpu_ratios],
+        "cpu_ratio_tritonclient_vs_reader": round(median(cpu_ratios), 3),
         "goal": ">= 1.0",
     }
 
@@ -179,7 +198,11 @@ def report(doc: dict[str, Any]) -> str:
     return (f"reader        {med['reader']:8.0f} batches/s (median; per rep {rates['reader']})\n"
             f"tritonclient  {med['tritonclient']:8.0f} batches/s (median; per rep {rates['tritonclient']})\n"
             f"ratio         {doc['ratio_reader_vs_tritonclient']:.3f} (median of per-rep ratios {doc['ratios']}; "
-            f"goal {doc['goal']})")
+            f"goal {doc['goal']})\n"
+            f"CPU per batch reader {doc['median_cpu_us_per_batch']['reader']:.0f} us, tritonclient "
+            f"{doc['median_cpu_us_per_batch']['tritonclient']:.0f} us: the reader costs "
+            f"{1 / doc['cpu_ratio_tritonclient_vs_reader']:.3f}x the client's CPU per batch "
+            f"(median of per-rep ratios {doc['cpu_ratios']})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

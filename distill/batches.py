@@ -255,7 +255,13 @@ class Delivery:
         cached = job.cached
         rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
+        # One chunk answers the whole batch (the common case): a copy of the answer, out of the
+        # response's read-only buffer, is the batch's tensor (one torch call, not an allocation and a copy).
+        whole = rows is None and chunk.size == job.size and not self.pin_memory
         for name, value in outputs.items():
+            if whole:
+                dest[name] = value.clone()
+                continue
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)

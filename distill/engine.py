@@ -36,6 +36,8 @@ import contextlib
 import functools
 import logging
 import os
+import threading
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any, cast
 
@@ -53,6 +55,52 @@ from distill.teacher_client import (
 from distill.types import FieldArray, OutputCache, StoredRows
 
 log = logging.getLogger("distill.reader")
+
+
+class ReadAhead:
+    """The read-ahead slots of one pass: taken on the event loop before a batch is read, given back
+    from the training loop's thread when it takes a batch. Giving back wakes the event loop only
+    when it waits for a slot, not once per batch."""
+
+    def __init__(self, epoch: int, slots: int) -> None:
+        self.epoch = epoch
+        self._free = slots
+        self._lock = threading.Lock()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def try_take(self) -> bool:
+        """A slot if one is free now (event loop thread)."""
+        with self._lock:
+            if self._free > 0:
+                self._free -= 1
+                return True
+            return False
+
+    async def take(self) -> None:
+        """A slot, waiting for one (event loop thread)."""
+        with self._lock:
+            if self._free > 0:
+                self._free -= 1
+                return
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter  # give_back handed its slot straight to this waiter
+
+    def give_back(self) -> None:
+        """One slot back (any thread)."""
+        with self._lock:
+            waiter, self._waiter = self._waiter, None
+            if waiter is None or waiter.done():
+                self._free += 1
+                return
+        try:
+            waiter.get_loop().call_soon_threadsafe(_wake, waiter)
+        except RuntimeError:  # the event loop closed: nobody waits any more
+            pass
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Engine:
@@ -76,7 +124,7 @@ class Engine:
         self._loader = LoaderThread()
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
-        self._slots = asyncio.Semaphore(options.prefetch)
+        self._slots = ReadAhead(0, options.prefetch)
         self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
         self._dispatcher = Dispatcher(options, self._delivery, self._watch, self._spawn, self._fatal)
@@ -148,7 +196,7 @@ class Engine:
             self._epoch_task.cancel()
         self.epoch += 1
         self._dispatcher.epoch = self.epoch
-        self._slots = asyncio.Semaphore(self.opts.prefetch)
+        self._slots = ReadAhead(self.epoch, self.opts.prefetch)
         self._delivery.reset(self.epoch)
         for svc in self._services.values():
             svc.clear()
@@ -156,9 +204,11 @@ class Engine:
         return self.epoch
 
     def consumed(self, epoch: int) -> None:
-        """The training loop took a batch of `epoch`: one more may be read ahead."""
-        if epoch == self.epoch:
-            self._slots.release()
+        """The training loop took a batch of `epoch`: one more may be read ahead. Thread-safe: the
+        training loop's thread calls it directly, and the event loop is woken only when it waits."""
+        slots = self._slots
+        if slots.epoch == epoch:
+            slots.give_back()
 
     async def _read(self, epoch: int, loader: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -170,45 +220,65 @@ class Engine:
             return
 
         cache = self.cache
+        over = False  # the loader ended or raised (or the pass was dropped): queued jobs call it no more
 
         def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None] | object:
+            nonlocal over
+            if over:
+                return END_OF_LOADER
             try:
                 batch = next(iterator)
+                size, fields = extract_inputs(batch, inputs)
+                if cache is None:
+                    return batch, size, fields, None
+                return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
             except StopIteration:
+                over = True
                 return END_OF_LOADER
-            size, fields = extract_inputs(batch, inputs)
-            if cache is None:
-                return batch, size, fields, None
-            return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
+            except BaseException:
+                over = True
+                raise
 
+        # One loader job per free read-ahead slot is queued at once: the loader thread then takes
+        # several batches in a row whenever it holds the GIL, instead of waiting for the event loop
+        # to ask for each (a handoff per batch between two busy threads). Jobs run in order.
+        pending: deque[asyncio.Future[Any]] = deque()
+        slots = self._slots
         seq = 0
-        while True:
-            await self._slots.acquire()
-            if epoch != self.epoch:
-                return
-            try:
-                item = await self._loader.submit(loop, next_batch)
-            except Exception as e:  # the user's loader raised, or a batch could not be split
-                self._finish_with_error(epoch, seq, e)
-                return
-            if epoch != self.epoch:
-                return
-            if item is END_OF_LOADER:
-                self._delivery.end_at(seq)
-                return
-            batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
-            job = Job(epoch, seq, batch, size, fields,
-                      tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
-            seq += 1
-            if cached is not None:
-                settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")
-                if settled == "hard_labels":
-                    self._dispatcher.fallback_batches += 1
-                if settled:
-                    continue
-            for svc in self._services.values():
-                job.remaining[svc.name] = job.sent
-                svc.push(Chunk(job, svc.name, 0, job.sent))
+        try:
+            while True:
+                if not pending:
+                    await slots.take()
+                    pending.append(self._loader.submit(loop, next_batch))
+                while slots.try_take():
+                    pending.append(self._loader.submit(loop, next_batch))
+                try:
+                    item = await pending.popleft()
+                except Exception as e:  # the user's loader raised, or a batch could not be split
+                    self._finish_with_error(epoch, seq, e)
+                    return
+                if epoch != self.epoch:
+                    return
+                if item is END_OF_LOADER:
+                    self._delivery.end_at(seq)
+                    return
+                batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
+                job = Job(epoch, seq, batch, size, fields,
+                          tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
+                seq += 1
+                if cached is not None:
+                    settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")
+                    if settled == "hard_labels":
+                        self._dispatcher.fallback_batches += 1
+                    if settled:
+                        continue
+                for svc in self._services.values():
+                    job.remaining[svc.name] = job.sent
+                    svc.push(Chunk(job, svc.name, 0, job.sent))
+        finally:
+            over = True
+            for fut in pending:
+                fut.cancel()
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
         self._delivery.fail_at(epoch, seq, error)

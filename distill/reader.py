@@ -225,7 +225,7 @@ class DistillReader:
             raise StopIteration
         if kind == ERROR:
             raise payload
-        p.loop.call_soon_threadsafe(p.engine.consumed, p.epoch)
+        p.engine.consumed(p.epoch)  # thread-safe; wakes the engine only when it waits for read-ahead room
         if kind == REJECTED:
             raise payload
         assert kind == BATCH
