@@ -101,7 +101,7 @@ class LoaderThread:
     event loop and never keeps the interpreter from exiting."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # put/get in C
         self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
         self._thread.start()
 

@@ -51,7 +51,7 @@ class Outbox:
     training loop's thread reads with `items`."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int, str, Any]] = queue.Queue()
+        self._queue: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()  # put/get in C
 
     def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None:
         self._queue.put((epoch, BATCH, (batch, outputs, size)))
