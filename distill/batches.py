@@ -200,6 +200,14 @@ class Chunk:
 END_OF_LOADER = object()
 
 
+def _owned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A writable copy of an answer's tensor, made by numpy where it can: on the engine's thread a
+    torch operation releases and retakes the GIL (a handoff to the training loop's thread)."""
+    if t.dtype is torch.bfloat16:
+        return t.clone()
+    return torch.from_numpy(t.numpy().copy())
+
+
 class Delivery:
     """Answers into a batch's tensors, and finished batches to the sink exactly once: in loader
     order (`ordered`), or as they finish. One per engine; `reset` at each epoch."""
@@ -260,7 +268,7 @@ class Delivery:
         whole = rows is None and chunk.size == job.size and not self.pin_memory
         for name, value in outputs.items():
             if whole:
-                dest[name] = value.clone()
+                dest[name] = _owned_copy(value)
                 continue
             buf = dest.get(name)
             if buf is None:

@@ -23,12 +23,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 import torch
 
 from distill.config import ClientTLS
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
-from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
+from protos.kserve import DATATYPES, Datatype, decode_tensor, serialize_infer_request, service_pb2, shape_numel
 
 # The request and metadata types live in distill.types (below this client and the engine alike);
 # they are re-exported here, where the client's users have always found them.
@@ -170,6 +171,14 @@ def encode_request(req: ChunkRequest) -> bytes:
     return serialize_infer_request(header, raws)
 
 
+def _tensor(raw: bytes, dt: Datatype, shape: list[int]) -> torch.Tensor:
+    """A tensor over an answer's buffer (no copy), shaped by numpy: on the engine's thread a torch
+    operation releases and retakes the GIL, a handoff to the training loop's thread every time."""
+    if dt.torch_dtype is torch.bfloat16:  # numpy has no bfloat16: torch views the 16-bit words
+        return decode_tensor(raw, dt, shape)
+    return torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).reshape(shape))
+
+
 def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> dict[str, torch.Tensor]:
     """The wanted outputs as tensors over the answer's buffers; MalformedAnswerError when they do not
     fit the request (a teacher that does, and keeps serving, is broken for this reader)."""
@@ -185,7 +194,7 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
             raise MalformedAnswerError(f"output {spec.name!r} has shape {shape} for a chunk of {req.size}")
         if len(raw) != shape_numel(shape) * dt.itemsize:
             raise MalformedAnswerError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
-        out[spec.name] = decode_tensor(raw, dt, shape)
+        out[spec.name] = _tensor(raw, dt, shape)
     wanted = wanted_outputs(req.outputs, req.parameters)
     missing = [n for n in wanted if n not in out]
     if missing:
