@@ -32,12 +32,13 @@ _EXPORTS = {
     "TokenKDLoss": "distill.losses",
     "token_divergence": "distill.losses",
     "DistillReader": "distill.reader",
-    "ReaderOptions": "distill.reader",
-    "RouterConfig": "distill.router",
+    "ReaderOptions": "distill.options",
+    "RouterConfig": "distill.config",
     "ReaderStats": "distill.stats",
 }
 
 if TYPE_CHECKING:
+    from distill.config import RouterConfig
     from distill.errors import (
         BatchRejectedError,
         DistillError,
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
     )
     from distill.flags import add_distill_args, distill_options_from_args
     from distill.losses import KDLoss, SparseTargets, TeacherTargets, TokenKDLoss, average_teachers, token_divergence
-    from distill.reader import DistillReader, ReaderOptions
-    from distill.router import RouterConfig
+    from distill.options import ReaderOptions
+    from distill.reader import DistillReader
     from distill.stats import ReaderStats
 
 

@@ -18,58 +18,19 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from distill.errors import BatchRejectedError
 from distill.teacher_client import MalformedAnswerError
+from distill.types import FieldArray, OutputCache, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
-
-if TYPE_CHECKING:
-    from distill.cache.reader_side import CachedRows, ReaderCache
-    from distill.router import Signature
 
 log = logging.getLogger("distill.reader")
 
-InputSpec = str | Sequence[str] | Mapping[str, str | int]
-
 _NUMPY_TO_WIRE = {d.numpy_dtype: d.name for d in DATATYPES.values() if d.name != "BF16"}
-
-
-@dataclass(frozen=True)
-class FieldArray:
-    """One teacher input of one batch: a contiguous array and its wire datatype."""
-
-    array: np.ndarray
-    datatype: str
-
-    @property
-    def sample_shape(self) -> tuple[int, ...]:
-        return tuple(self.array.shape[1:])
-
-
-def normalize_inputs(inputs: InputSpec) -> dict[str, str | int]:
-    """`inputs` as teacher input name -> batch field (key or position)."""
-    if isinstance(inputs, str):
-        return {inputs: inputs}
-    if isinstance(inputs, Mapping):
-        if not inputs:
-            raise ValueError("inputs is empty: name at least one batch field to send to the teachers")
-        for name, field in inputs.items():
-            if not isinstance(name, str) or not isinstance(field, (str, int)):
-                raise TypeError(f"inputs maps teacher input names to batch keys or positions; got {name!r}: {field!r}")
-        return dict(inputs)
-    names = list(inputs)
-    if not names:
-        raise ValueError("inputs is empty: name at least one batch field to send to the teachers")
-    if not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"inputs {names!r}: a list names fields that are also the teacher's input names; for tuple "
-            "batches map names to positions, e.g. inputs={'INPUT': 0}"
-        )
-    return {n: n for n in names}
 
 
 def _pick(batch: Any, name: str, field: str | int, single: bool) -> Any:
@@ -140,7 +101,7 @@ class LoaderThread:
     event loop and never keeps the interpreter from exiting."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # put/get in C
         self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
         self._thread.start()
 
@@ -210,7 +171,7 @@ class Job:
     outputs: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
     error: BaseException | None = None
     delivered: bool = False
-    cached: CachedRows | None = None  # with a cache: the batch's keys, and what the store held
+    cached: StoredRows | None = None  # with a cache: the batch's keys, and what the store held
 
     @property
     def sent(self) -> int:
@@ -239,6 +200,14 @@ class Chunk:
 END_OF_LOADER = object()
 
 
+def _owned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A writable copy of an answer's tensor, made by numpy where it can: on the engine's thread a
+    torch operation releases and retakes the GIL (a handoff to the training loop's thread)."""
+    if t.dtype is torch.bfloat16:
+        return t.clone()
+    return torch.from_numpy(t.numpy().copy())
+
+
 class Delivery:
     """Answers into a batch's tensors, and finished batches to the sink exactly once: in loader
     order (`ordered`), or as they finish. One per engine; `reset` at each epoch."""
@@ -248,7 +217,7 @@ class Delivery:
         self.ordered = ordered
         self.services = tuple(services)
         self.pin_memory = pin_memory
-        self.cache: ReaderCache | None = None  # the teacher-output store, when the reader has one
+        self.cache: OutputCache | None = None  # the teacher-output store, when the reader has one
         self.epoch = 0
         self.ready: dict[int, Job] = {}
         self.next_seq = 0
@@ -292,9 +261,15 @@ class Delivery:
         if dest is None:  # this service already fell back to hard labels for the batch
             return
         cached = job.cached
-        rows = None if cached is None or cached.hit.sum() == 0 else torch.from_numpy(
+        rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
+        # One chunk answers the whole batch (the common case): a copy of the answer, out of the
+        # response's read-only buffer, is the batch's tensor (one torch call, not an allocation and a copy).
+        whole = rows is None and chunk.size == job.size and not self.pin_memory
         for name, value in outputs.items():
+            if whole:
+                dest[name] = _owned_copy(value)
+                continue
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)

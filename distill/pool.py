@@ -16,11 +16,12 @@ import logging
 import re
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from discovery import TeacherSet, subset
 from discovery.aio import bounded
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
+from distill.options import ReaderOptions
 from distill.router import Router, TeacherState
 from distill.teacher_client import (
     InferenceClient,
@@ -30,9 +31,6 @@ from distill.teacher_client import (
     TeacherRefusedError,
     access_refused,
 )
-
-if TYPE_CHECKING:
-    from distill.reader import ReaderOptions
 
 log = logging.getLogger("distill.reader")
 
@@ -60,13 +58,14 @@ class TeacherPool:
     def __init__(self, service: str, options: ReaderOptions, connect: Connect, spawn: Spawn) -> None:
         self.service = service
         self.opts = options
-        self.router = Router(service, options.router)
+        self.router = Router(service, options.router, options.routing)
         self._connect = connect
         self._spawn = spawn
         # Teachers that refused this student access: key -> "RPC answered CODE: server's message".
         self._refused: dict[str, str] = {}
         # Teachers whose model the reader cannot pick (none or several served, no model= given).
         self._unnamed: set[str] = set()
+        self._admit: Callable[[TeacherMetadata], str | None] | None = None  # see admit()
 
     # ---- membership -------------------------------------------------------------------------
     async def follow(self, watch: Any) -> None:
@@ -125,6 +124,13 @@ class TeacherPool:
         self.router.teachers.clear()  # release the channels now, not at the next garbage collection
 
     # ---- metadata ---------------------------------------------------------------------------
+    def admit(self, check: Callable[[TeacherMetadata], str | None]) -> None:
+        """From now on a teacher serves this pool only if `check(its metadata)` finds nothing wrong
+        (returns None; else the reason it is refused). Applied to the members known already too."""
+        self._admit = check
+        for t in list(self.router.teachers.values()):
+            self._check_model(t)
+
     def _check_model(self, t: TeacherState) -> None:
         if t.meta is None:
             return
@@ -137,6 +143,8 @@ class TeacherPool:
             if missing:
                 self.router.mark_incompatible(
                     t, f"it has no output {missing[0]!r} (outputs: {sorted(t.meta.outputs)})")
+            elif self._admit is not None and (reason := self._admit(t.meta)) is not None:
+                self.router.mark_incompatible(t, reason)
 
     async def _fetch_metadata(self, t: TeacherState) -> None:
         delay = 0.2

@@ -1,13 +1,9 @@
 """Choosing a teacher for each chunk, and learning how much each teacher can take.
 
 Per teacher the router keeps: requests in flight, an adaptive in-flight limit, an EWMA of chunk
-latency, and a failure streak. Choice is power-of-two-choices on expected completion time
-((in_flight + 1) x EWMA latency) among teachers with a free slot, so a slow teacher gets less
-work without the herd effect of always picking the single best. An idle teacher's estimate goes
-stale (`stale_after_s` without a result): it then counts at most the pool's median, so a teacher
-whose last answers were slow (a cold start, a passing hiccup) is tried again instead of starving
-of the very work that would correct its estimate. The price is about one chunk per
-`stale_after_s` on a teacher that really is slow, which hedging bounds.
+latency, and a failure streak. Which of the teachers with a free slot takes a chunk is the routing
+policy's choice (``distill.routing``; by default power-of-two choices on expected completion time,
+``routing=`` selects another); health and limits stay here, whatever the policy.
 
 The in-flight limit follows the latency gradient: it grows by about one per round trip while
 latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
@@ -40,7 +36,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from discovery.aio import deadline
-from distill.teacher_client import InferenceClient, TeacherMetadata
+from distill.config import RouterConfig
+from distill.routing import PolicySpec, RouteRequest, RoutingPolicy, make_policy
+from distill.teacher_client import InferenceClient
+from distill.types import Signature, TeacherMetadata
+
+__all__ = ["Router", "RouterConfig", "Signature", "TeacherState"]
 
 log = logging.getLogger(__name__)
 
@@ -54,24 +55,6 @@ _MISMATCH_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
 _OVERLOAD_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-
-Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
-"""A batch's teacher inputs as (name, datatype, per-sample shape)."""
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    initial_limit: float = 2.0
-    max_limit: int = 16
-    backoff_base_s: float = 0.25
-    backoff_max_s: float = 30.0
-    probe_timeout_s: float = 1.0
-    outpaced_eject: int = 3
-    stale_after_s: float = 1.0
-    overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
-    overload_backoff_max_s: float = 2.0
-    reject_strikes: int = 3  # refusals in a row of inputs other teachers accepted: incompatible
-
 
 @dataclass(eq=False)
 class TeacherState:
@@ -127,9 +110,10 @@ class TeacherState:
 class Router:
     """Teachers of one service; lives on the engine's event loop."""
 
-    def __init__(self, service: str, config: RouterConfig | None = None) -> None:
+    def __init__(self, service: str, config: RouterConfig | None = None, policy: PolicySpec = "power_of_two") -> None:
         self.service = service
         self.config = config or RouterConfig()
+        self.policy: RoutingPolicy = make_policy(policy, self.config.stale_after_s)
         self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
         self._no_teacher_since: float | None = time.monotonic()
@@ -207,25 +191,13 @@ class Router:
         self.usable()
         return 0.0 if self._no_teacher_since is None else time.monotonic() - self._no_teacher_since
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> TeacherState | None:
-        """A teacher with a free slot by power of two choices; None when all are full or unusable."""
+    def pick(self, exclude: frozenset[str] = frozenset(), rows: int = 0) -> TeacherState | None:
+        """A teacher with a free slot, chosen by the routing policy among those not in `exclude`;
+        None when all are full or unusable. `rows`: the chunk's size, for the policy."""
         free = [t for t in self.usable() if t.has_slot() and t.key not in exclude]
         if not free:
             return None
-        if len(free) == 1:
-            return free[0]
-        known = [t.ewma_s for t in free if t.ewma_s > 0]
-        default = sorted(known)[(len(known) - 1) // 2] if known else 1.0  # the lower median
-        a, b = random.sample(free, 2)
-        stale_before = time.monotonic() - self.config.stale_after_s
-
-        def cost(t: TeacherState) -> float:
-            estimate = t.ewma_s or default
-            if t.in_flight == 0 and t.last_result < stale_before:
-                estimate = min(estimate, default)
-            return (t.in_flight + 1) * estimate
-
-        return a if cost(a) <= cost(b) else b
+        return self.policy.choose(free, RouteRequest(self.service, rows))
 
     async def wait_change(self, timeout: float | None) -> None:
         """Until a slot frees, membership changes, or an ejection ends (or `timeout`)."""

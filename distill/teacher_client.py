@@ -20,18 +20,39 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
+import numpy as np
 import torch
 
-from protos import registry_pb2
-from protos.kserve import DATATYPES, decode_tensor, serialize_infer_request, service_pb2, shape_numel
+from distill.config import ClientTLS
+from distill.outputs import per_sample_shape, wanted_outputs
+from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
+from protos.kserve import DATATYPES, Datatype, decode_tensor, serialize_infer_request, service_pb2, shape_numel
 
-if TYPE_CHECKING:
-    from distill.batches import FieldArray
+# The request and metadata types live in distill.types (below this client and the engine alike);
+# they are re-exported here, where the client's users have always found them.
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "ChunkRequest",
+    "ClientTLS",
+    "InferenceClient",
+    "MalformedAnswerError",
+    "RequestRejectedError",
+    "TeacherCallError",
+    "TeacherClient",
+    "TeacherGoneError",
+    "TeacherMetadata",
+    "TeacherOverloadedError",
+    "TeacherRefusedError",
+    "TensorMeta",
+    "access_refused",
+    "call_error",
+    "decode_response",
+    "encode_request",
+    "grpc_connector",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,65 +76,6 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-
-
-@dataclass(frozen=True)
-class ClientTLS:
-    """TLS towards teachers: the CA that signed their certificates, and this student's own
-    certificate and key when teachers require mutual TLS. `server_name` overrides the name checked
-    against the teacher's certificate (when endpoints are IPs the certificate does not list)."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
-            raise ValueError("a client certificate for mutual TLS needs both tls_cert and tls_key")
-        for label, path in (("tls_ca", self.ca), ("tls_cert", self.cert), ("tls_key", self.key)):
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{label} {path} does not exist")
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: str | None) -> bytes | None:
-            return Path(path).read_bytes() if path else None
-
-        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    datatype: str
-    shape: tuple[int, ...]  # without the batch dimension
-
-    def accepts(self, datatype: str, shape: tuple[int, ...]) -> bool:
-        return datatype == self.datatype and len(shape) == len(self.shape) and all(
-            want in (-1, got) for want, got in zip(self.shape, shape, strict=True)
-        )
-
-
-@dataclass(frozen=True)
-class TeacherMetadata:
-    """What a student must know to call a teacher: model, batch limit, tensors."""
-
-    model_name: str
-    model_version: str
-    max_batch_size: int
-    inputs: dict[str, TensorMeta]
-    outputs: dict[str, TensorMeta]
-
-    @classmethod
-    def from_record(cls, rec: registry_pb2.TeacherRecord) -> TeacherMetadata | None:
-        """From a registry record; None when the record lacks the model facts (static lists)."""
-        if not rec.model_name or not rec.inputs:
-            return None
-        return cls(
-            rec.model_name, rec.model_version, rec.max_batch_size,
-            {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.inputs},
-            {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.outputs},
-        )
 
 
 class TeacherCallError(Exception):
@@ -183,38 +145,6 @@ def access_refused(code: grpc.StatusCode | str, details: str) -> bool:
     return name == "UNAVAILABLE" and "restricted" in details.lower()
 
 
-@dataclass(frozen=True)
-class ChunkRequest:
-    """Rows [start, stop) of one batch's inputs for one teacher, and which outputs to fetch."""
-
-    model_name: str
-    model_version: str
-    request_id: str
-    inputs: Mapping[str, FieldArray]  # the whole batch; the request carries rows start..stop
-    start: int
-    stop: int
-    outputs: tuple[str, ...]
-    top_k: int = 0
-    output_dtype: str | None = None
-    logprobs: bool | None = None  # None: the teacher's default (not sent)
-    temperature: float | None = None
-    topk_tail: bool | None = None
-    # The teacher's declared outputs (its metadata): every answer is checked against them.
-    declared: Mapping[str, TensorMeta] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    def wanted(self) -> list[str]:
-        """The output names the answer must carry (top-k outputs come as values and indices, and the
-        tail mass when asked for; a tail a server sends by default, unasked, is dropped)."""
-        if self.top_k:
-            parts = ("VALUES", "INDICES", "TAIL") if self.topk_tail else ("VALUES", "INDICES")
-            return [f"{n}_TOPK_{part}" for n in self.outputs for part in parts]
-        return list(self.outputs)
-
-
 def encode_request(req: ChunkRequest) -> bytes:
     """A ModelInferRequest's wire bytes: a small protobuf header, then each input's rows copied once."""
     header = service_pb2.ModelInferRequest(model_name=req.model_name, model_version=req.model_version,
@@ -225,19 +155,28 @@ def encode_request(req: ChunkRequest) -> bytes:
         raws.append(f.array[req.start:req.stop])
     for name in req.outputs:
         header.outputs.add(name=name)
-    # Always stated, 0 included: a teacher started with a --top-k default must still send this
-    # reader the full tensors it expects.
-    header.parameters["top_k"].int64_param = req.top_k
-    if req.output_dtype:
-        header.parameters["output_dtype"].string_param = req.output_dtype
-    # The value transforms, when this reader states them (None leaves the teacher's default).
-    if req.logprobs is not None:
-        header.parameters["logprobs"].bool_param = req.logprobs
-    if req.temperature is not None:
-        header.parameters["temperature"].double_param = req.temperature
-    if req.topk_tail is not None:
-        header.parameters["topk_tail"].bool_param = req.topk_tail
+    # The transforms this reader states, each by its wire name (ReaderOptions.request_parameters):
+    # top_k always, 0 included, so a teacher started with a --top-k default still sends the full
+    # tensors this reader expects; one left to the teacher's default is not in the mapping.
+    params = header.parameters
+    for key, value in req.parameters.items():
+        if isinstance(value, bool):
+            params[key].bool_param = value
+        elif isinstance(value, int):
+            params[key].int64_param = value
+        elif isinstance(value, float):
+            params[key].double_param = value
+        else:
+            params[key].string_param = value
     return serialize_infer_request(header, raws)
+
+
+def _tensor(raw: bytes, dt: Datatype, shape: list[int]) -> torch.Tensor:
+    """A tensor over an answer's buffer (no copy), shaped by numpy: on the engine's thread a torch
+    operation releases and retakes the GIL, a handoff to the training loop's thread every time."""
+    if dt.torch_dtype is torch.bfloat16:  # numpy has no bfloat16: torch views the 16-bit words
+        return decode_tensor(raw, dt, shape)
+    return torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).reshape(shape))
 
 
 def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> dict[str, torch.Tensor]:
@@ -255,34 +194,19 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
             raise MalformedAnswerError(f"output {spec.name!r} has shape {shape} for a chunk of {req.size}")
         if len(raw) != shape_numel(shape) * dt.itemsize:
             raise MalformedAnswerError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
-        out[spec.name] = decode_tensor(raw, dt, shape)
-    wanted = req.wanted()
+        out[spec.name] = _tensor(raw, dt, shape)
+    wanted = wanted_outputs(req.outputs, req.parameters)
     missing = [n for n in wanted if n not in out]
     if missing:
         raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(out)})")
     for name in wanted:
-        want = _declared_shape(req, name)
+        want = per_sample_shape(name, req.declared, req.parameters)
         got = tuple(out[name].shape[1:])
         if want is not None and (len(want) != len(got) or any(w not in (-1, g) for w, g in zip(want, got,
                                                                                                 strict=True))):
             raise MalformedAnswerError(
                 f"output {name!r} came as {list(got)} per sample; the teacher's metadata declares {list(want)}")
     return {n: out[n] for n in wanted}
-
-
-def _declared_shape(req: ChunkRequest, name: str) -> tuple[int, ...] | None:
-    """The per-sample shape the teacher declared for output `name` (-1: any size); None if unknown.
-    A top-k output keeps the declared shape with its last dimension cut to k."""
-    if not req.top_k:
-        meta = req.declared.get(name)
-        return None if meta is None else meta.shape
-    base, _, part = name.rpartition("_TOPK_")
-    meta = req.declared.get(base)
-    if meta is None or not meta.shape:
-        return None
-    if part == "TAIL":  # one mass per position: the class dimension is gone
-        return tuple(meta.shape[:-1])
-    return (*meta.shape[:-1], req.top_k)
 
 
 class InferenceClient(Protocol):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +15,7 @@ import torch
 
 pytest.importorskip("pyarrow")
 
-from distill import DistillReader, add_distill_args
+from distill import DistillReader, NoTeacherError, add_distill_args
 from distill.cache import NamespaceMismatchError, StoreNotFoundError, TeacherOutputStore
 from distill.cache.reader_side import CacheMissError
 from distill.reader import ReaderOptions
@@ -225,6 +227,57 @@ def test_read_mode_with_a_teacher_asks_it_for_misses_and_stores_nothing(
     assert _inference_count(teacher.url) - before == 2 * ROWS
     with TeacherOutputStore.open(cache) as store:
         assert len(store) == ROWS
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_read_mode_replays_a_full_store_without_waiting_for_the_teachers_named(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    """cache_mode="read" never waits for a teacher: a fully stored replay with a teacher list left on
+    the command line (nothing listens there) trains at once. A reader that waited for the teachers
+    first would raise NoTeacherError after no_teacher_timeout (or outlive the test's own timeout)."""
+    data = _batches(3)
+    cache = tmp_path / "kd"
+    with _reader(data, teacher, cache, "write") as reader:
+        _epoch(reader, 3)
+    before = _inference_count(teacher.url)
+    args = add_distill_args(argparse.ArgumentParser()).parse_args(
+        ["--distill_teachers", f"127.0.0.1:{_closed_port()}", "--distill_no_teacher_timeout", "600",
+         "--distill_cache", str(cache), "--distill_cache_mode", "read"])
+    with DistillReader.from_args(args, data, inputs=["X"], outputs=["Y"], key="index") as reader:
+        _epoch(reader, 3)
+        _epoch(reader, 3)
+        stats = reader.stats()
+    assert (stats.cache_hits, stats.cache_misses) == (6 * ROWS, 0)
+    assert _inference_count(teacher.url) == before, "a stored sample was asked of a teacher"
+
+
+def test_read_mode_asks_only_a_teacher_whose_answers_the_store_would_name(
+        teacher: ServerThread, tmp_path: Path) -> None:
+    """Reading only, the store is opened by its own namespace, without waiting for a teacher; a
+    teacher then answers this reader's misses only if its answers carry that namespace, so stored
+    and fresh rows of one batch never come from different models."""
+    data = _batches(2)
+    cache = tmp_path / "kd"
+    with _reader(data[:1], teacher, cache, "write") as reader:
+        _epoch(reader, 1)
+    other = ServerConfig(model="tests.models:affine", name="other_affine", device="cpu",
+                         batching=BatchingConfig(max_batch_size=8, max_queue_delay_us=200))
+    with ServerThread(other) as srv, DistillReader(data, teachers=srv.url, inputs=["X"], outputs=["Y"],
+                                                   cache=str(cache), cache_mode="read", key="index",
+                                                   no_teacher_timeout=2.0) as reader:
+        it = iter(reader)
+        batch, out = next(it)
+        assert int(batch["tag"][0]) == 0 and torch.allclose(out["Y"], _expected(batch["X"]), atol=1e-5)
+        with pytest.raises(NoTeacherError, match="would not match the teacher-output store") as err:
+            next(it)
+        assert "model_name: store has 'affine', this teacher gives 'other_affine'" in str(err.value)
+        assert _inference_count(srv.url) == 0
 
 
 def test_read_mode_with_teachers_and_no_store_fails_at_start(tmp_path: Path) -> None:

@@ -134,6 +134,33 @@ def test_record_a_module_loader_then_resume_and_extend(teacher: str, tmp_path: P
     _check_store(cache, 8)
 
 
+# The `distill` console script as pip writes it: run from its own directory, so its sys.path starts
+# there, not at the working directory (unlike `python -m distill.cli`).
+CONSOLE_SCRIPT = "import sys\nfrom distill.cli import main\nsys.exit(main())\n"
+
+
+@pytest.mark.parametrize("form", ["--loader", "python -m"])
+def test_the_distill_script_imports_the_loader_from_the_working_directory(
+        teacher: str, tmp_path: Path, form: str) -> None:
+    """`distill record --loader kd_data:loader` (and `-- python -m kd_data`) run in the directory that
+    holds kd_data.py, with no PYTHONPATH pointing there, finds it as `python -m` would."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    two = "\n\ndef two():\n    import sys\n    sys.argv = ['kd_data', '--batches', '2']\n    return loader()\n"
+    (work / "kd_data.py").write_text(DATA_MODULE + two)
+    script = bin_dir / "distill"
+    script.write_text(CONSOLE_SCRIPT)
+    where = ["--loader", "kd_data:two"] if form == "--loader" else ["--", "python", "-m", "kd_data", "--batches", "2"]
+    cmd = [sys.executable, str(script), *_record_cmd(teacher, work / "kd", where)[3:]]
+    env = {**_env(tmp_path), "PYTHONPATH": str(REPO)}
+    assert str(work) not in env["PYTHONPATH"].split(os.pathsep)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=work, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "recorded 20 new samples" in done.stdout, done.stdout
+    _check_store(work / "kd", 2)
+
+
 def test_a_recording_killed_mid_write_leaves_a_readable_store_and_a_rerun_completes(
         teacher: str, tmp_path: Path) -> None:
     (tmp_path / "kd_data.py").write_text(DATA_MODULE)

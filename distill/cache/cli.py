@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from distill.flags import add_transform_args
 
 __all__ = ["add_arguments", "add_parser", "add_record_arguments", "add_record_parser", "main", "record", "run"]
 
@@ -72,21 +75,17 @@ def add_record_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--outputs", metavar="NAME[,NAME]", help="teacher outputs to store (default: all)")
     p.add_argument("--model", help="model name on the teachers (default: what each serves)")
     p.add_argument("--model-version", default="", help="model version to ask for (default: the teacher's)")
-    p.add_argument("--top-k", type=int, default=0, help="store top-k outputs instead of full tensors")
-    p.add_argument("--output-dtype", choices=("FP32", "FP16", "BF16"), help="ask teachers for this dtype")
-    p.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask for log-probabilities (log-softmax over the last dimension) instead of logits "
-                   "(default: the teachers' own setting)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="softmax temperature the teachers apply before log-softmax/top-k (default: theirs)")
-    p.add_argument("--topk-tail", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --top-k, also store <OUT>_TOPK_TAIL, the probability mass outside the top-k")
+    add_transform_args(p)  # --top-k, --output-dtype, --logprobs, ...: declared once, with the reader's options
     p.add_argument("--prefetch", type=int, default=16, help="batches in flight (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("loader_command", nargs=argparse.REMAINDER, metavar="-- python -m MODULE [ARGS...]",
                    help="a module whose loader() returns the loader, imported with sys.argv = [MODULE, *ARGS]")
     return p
+
+
+def _transform_names() -> list[str]:
+    return add_transform_args(argparse.ArgumentParser(add_help=False))
 
 
 def add_record_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -109,19 +108,29 @@ def record(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
               "at the end", file=err)
         return 2
     key: str | int = int(args.key) if args.key.lstrip("-").isdigit() else args.key
+    _working_directory_first()
     try:
         loader = loader_from_callable(args.loader) if args.loader else loader_from_module(command)
         result = run_record(
             loader, cache=args.cache, teachers=args.teachers, registry=args.registry, service=args.service,
             inputs=args.inputs.split(","), outputs=args.outputs.split(",") if args.outputs else None, key=key,
-            model=args.model, model_version=args.model_version, top_k=args.top_k, output_dtype=args.output_dtype,
-            logprobs=args.logprobs, temperature=args.temperature, topk_tail=args.topk_tail,
-            prefetch=args.prefetch, timeout=args.timeout, progress=not args.no_progress, progress_file=err)
+            model=args.model, model_version=args.model_version, prefetch=args.prefetch, timeout=args.timeout,
+            progress=not args.no_progress, progress_file=err,
+            **{name: getattr(args, name) for name in _transform_names()})
     except (ValueError, TypeError, ImportError, AttributeError, DistillError) as e:
         print(f"distill record: {e}", file=err)
         return 1
     print(result.summary(args.cache), file=out)
     return 0
+
+
+def _working_directory_first() -> None:
+    """Import the loader's module from the working directory first, as `python -m` (and
+    `teacher-server --model`) do: the `distill` script's own sys.path starts with its bin directory,
+    so `--loader mymodule:loader` would otherwise need PYTHONPATH=. to find ./mymodule.py."""
+    cwd = os.getcwd()
+    if sys.path[:1] not in ([cwd], [""]):
+        sys.path.insert(0, cwd)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

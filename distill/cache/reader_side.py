@@ -13,36 +13,38 @@ The engine asks three things of it, each off the event loop except the last:
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from distill.batches import FieldArray
-from distill.cache.errors import CacheError, NamespaceMismatchError, SchemaMismatchError, StoreNotFoundError
-from distill.cache.format import id_dtype
+from distill.cache.errors import CacheError, SchemaMismatchError, StoreNotFoundError
 from distill.cache.namespace import Namespace
+from distill.cache.reader_namespace import (
+    check_options,
+    id_dtypes,
+    key_type_of,
+    per_position,
+    reader_namespace,
+    teacher_mismatch,
+)
 from distill.cache.store import TeacherOutputStore
 from distill.cache.values import Ragged
-from distill.reader import CACHE_MODES
+from distill.checks import CACHE_MODES
+from distill.options import ReaderOptions
+from distill.outputs import is_ids_output
+from distill.types import FieldArray, TeacherMetadata
 
-if TYPE_CHECKING:
-    from distill.teacher_client import TeacherMetadata
-
-__all__ = ["CACHE_MODES", "CacheMissError", "CachedRows", "ReaderCache", "batch_keys", "reader_namespace"]
+__all__ = ["CACHE_MODES", "CacheMissError", "CachedRows", "ReaderCache", "batch_keys", "reader_namespace",
+           "teacher_mismatch"]
 
 log = logging.getLogger("distill.cache")
-
-_WIRE_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
-
 
 class CacheMissError(CacheError):
     """A sample is not in the store and no teacher may compute it (``cache_mode="read"`` without
@@ -51,57 +53,6 @@ class CacheMissError(CacheError):
     def __init__(self, message: str, key: Any) -> None:
         super().__init__(message)
         self.key = key
-
-
-def reader_namespace(options: Any, meta: TeacherMetadata) -> Namespace:
-    """The namespace of what this reader receives from a teacher serving `meta`: its model name and
-    version, the outputs asked for, their dtype and top-k (see docs/cache.md)."""
-    outputs = tuple(options.outputs) if options.outputs else tuple(sorted(meta.outputs))
-    return Namespace(
-        model_name=meta.model_name,
-        model_version=options.model_version or meta.model_version,
-        outputs=outputs,
-        dtype=_WIRE_DTYPES.get(options.output_dtype or "", "native"),
-        top_k=options.top_k or None,
-        **_transforms(options),
-    )
-
-
-def _transforms(options: Any) -> dict[str, Any]:
-    """The value transforms the reader states (logprobs, temperature, topk_tail), as namespace fields;
-    one left to the server's default (None) keeps the field as a store made without it has it."""
-    logprobs = getattr(options, "logprobs", None)
-    tail = getattr(options, "topk_tail", None)
-    temperature = getattr(options, "temperature", None)
-    return {
-        "values": "logprobs" if logprobs else "logits",
-        "temperature": None if temperature == 1.0 else temperature,  # 1 is no temperature at all
-        "extra": (("topk_tail", str(tail).lower()),) if tail is not None else (),
-    }
-
-
-def _check_options(options: Any, stored: Namespace, where: str) -> None:
-    """Without a teacher to ask, the store's own namespace must agree with every output setting the
-    reader was given (model, version, outputs, dtype, top-k, logprobs, temperature, tail)."""
-    asked: dict[str, Any] = {
-        "dtype": _WIRE_DTYPES.get(options.output_dtype or "", "native"),
-        "top_k": options.top_k or None,
-        **_transforms(options),
-    }
-    if options.model:
-        asked["model_name"] = options.model
-    if options.model_version:
-        asked["model_version"] = options.model_version
-    if options.outputs:
-        asked["outputs"] = tuple(options.outputs)
-    differ = tuple(f for f, v in asked.items() if getattr(stored, f) != v)
-    if differ:
-        parts = ", ".join(f"{f}: store has {getattr(stored, f)!r}, asked for {asked[f]!r}" for f in differ)
-        raise NamespaceMismatchError(
-            f"the teacher-output store at {where} was recorded with other settings ({parts}): pass the reader the "
-            "settings the store was recorded with (`distill cache info PATH` prints them), or another cache path",
-            differ,
-        )
 
 
 def batch_keys(batch: Any, key: str | int) -> Any:
@@ -243,17 +194,18 @@ class ReaderCache:
         self._thread.start()
 
     @classmethod
-    def open(cls, path: str, options: Any, meta: TeacherMetadata | None) -> ReaderCache:
+    def open(cls, path: str, options: ReaderOptions, meta: TeacherMetadata | None) -> ReaderCache:
         """Open the store at `path` for a reader (blocking: call it off the event loop). With a
         teacher's metadata the namespace is built from it and checked; without one (offline, `read`
         mode) the store must exist and its namespace must agree with the reader's options."""
         mode: str = options.cache_mode
-        key: str | int = options.key
+        key = options.key
+        assert key is not None  # ReaderOptions requires key= with cache=
         if meta is not None:
             ns = reader_namespace(options, meta)
-            variable, seq_inputs = _per_position(ns, meta)
-            ids = _id_dtypes(ns, meta)
-            key_type = _key_type_of(path)
+            variable, seq_inputs = per_position(ns, meta)
+            ids = id_dtypes(ns, meta)
+            key_type = key_type_of(path)
             if key_type is None and mode != "read":
                 return cls(None, mode, key, create=(path, ns), variable=variable, seq_inputs=seq_inputs,
                            id_dtypes=ids)
@@ -267,7 +219,7 @@ class ReaderCache:
                 raise StoreNotFoundError(
                     f"{e}. Without a teacher the reader cannot name the namespace of a new store: record it with "
                     "`distill record` first, or give the reader teachers") from e
-            _check_options(options, store.namespace, path)
+            check_options(options, store.namespace, path)
             if mode != "read":
                 store.close()
                 store = TeacherOutputStore.open(path, store.namespace, mode="a")
@@ -303,7 +255,7 @@ class ReaderCache:
                     t = padded if width is None else fit_width(padded, width)
                 else:
                     t = value
-                if name.endswith(_IDS) and t.dtype in (torch.int16, torch.uint16):
+                if is_ids_output(name) and t.dtype in (torch.int16, torch.uint16):
                     t = t.to(torch.int32)  # stored narrow (id_dtype): the teacher's dtype again
                 outputs[name] = t
         return CachedRows(keys, found.hit, outputs, frozenset(variable))
@@ -462,57 +414,3 @@ class ReaderCache:
             self._thread = None
         if self._store is not None:
             self._store.close()
-
-
-def _per_position(ns: Namespace, meta: TeacherMetadata) -> tuple[frozenset[str], tuple[str, ...] | None]:
-    """(outputs with a length per sample, inputs that carry that length) from the teacher's
-    metadata: a teacher with inputs of open length ([-1, ...] per sample) pads them per batch, and
-    its outputs of open length ([-1, ...]) follow the inputs' positions. A top-k output
-    (<OUT>_TOPK_VALUES, _INDICES and the _TAIL mass) is per-position when <OUT> is."""
-    seq_inputs = tuple(n for n, t in meta.inputs.items() if t.shape[:1] == (-1,))
-    if not seq_inputs:
-        return frozenset(), None
-    variable = set()
-    for name in ns.outputs:
-        for stored in (name, f"{name}_TOPK_VALUES", f"{name}_TOPK_INDICES", f"{name}_TOPK_TAIL"):
-            base = stored.rsplit("_TOPK_", 1)[0]
-            out = meta.outputs.get(base)
-            if out is not None and out.shape[:1] == (-1,):
-                variable.add(stored)
-    return frozenset(variable), seq_inputs
-
-
-_IDS = "_TOPK_INDICES"
-
-
-def _id_dtypes(ns: Namespace, meta: TeacherMetadata) -> dict[str, torch.dtype]:
-    """The stored dtype of each top-k ids output whose vocabulary (the last dimension of the
-    teacher's full output) fits int16 or uint16: 2 bytes an id instead of the 4 the teacher sends,
-    a third of a top-k store. Read back as int32, so stored and live ids look alike."""
-    if ns.top_k is None:
-        return {}
-    out: dict[str, torch.dtype] = {}
-    for name in ns.outputs:
-        stored = name if name.endswith(_IDS) else f"{name}{_IDS}"
-        full = meta.outputs.get(stored[: -len(_IDS)])
-        if full is not None and full.shape and full.shape[-1] > 0:
-            dtype = id_dtype(full.shape[-1])
-            if dtype in (torch.int16, torch.uint16):
-                out[stored] = dtype
-    return out
-
-
-def _key_type_of(path: str) -> Any:
-    """The key type of an existing store, from its manifest (so a bytes-keyed store opens); None
-    when there is no store yet."""
-    manifest = Path(path) / "store.json"
-    try:
-        doc = json.loads(manifest.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CacheError(f"{manifest} is not a readable store manifest ({e}); was it written by distill.cache?") from e
-    key_type = doc.get("key_type") if isinstance(doc, dict) else None
-    if key_type not in ("int64", "bytes"):
-        raise CacheError(f"{manifest} names no key type (int64 or bytes); was it written by distill.cache?")
-    return key_type

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Protocol, Union
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +28,7 @@ from distill.cache.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KEY_COLUMN,
+    KeyType,
     OutputSpec,
     _as_bytes_list,
     _as_int_keys,
@@ -36,12 +37,28 @@ from distill.cache.format import (
     _fsync_dir,
     _host,
 )
+from distill.cache.namespace import Namespace
 from distill.cache.values import Ragged
 
-if TYPE_CHECKING:
-    from distill.cache.store import TeacherOutputStore
+__all__ = ["OutputValue", "ShardWriter", "WritableStore"]
 
-__all__ = ["OutputValue", "ShardWriter"]
+
+class WritableStore(Protocol):
+    """What a writer needs of its store (``TeacherOutputStore`` is one): where it lives, what its
+    shards are named by, and what it holds already. The writer does not reach into the store
+    otherwise, so the store can import the writer without the writer importing the store."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def namespace(self) -> Namespace: ...
+
+    @property
+    def key_type(self) -> KeyType: ...
+
+    @property
+    def output_specs(self) -> dict[str, OutputSpec]: ...
 
 # A fixed-shape output [N, ...]; or a variable-length one: N tensors [T_i, ...], or a Ragged (packed).
 OutputValue = Union[torch.Tensor, np.ndarray, "Ragged", Sequence[Union[torch.Tensor, np.ndarray]]]  # noqa: UP007
@@ -58,7 +75,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        store: TeacherOutputStore,
+        store: WritableStore,
         shard_max_bytes: int,
         shard_max_rows: int | None,
         compression: Literal["zstd", "lz4"] | None,

@@ -1,0 +1,59 @@
+"""The reader's nested settings objects: the router's tuning and TLS towards the teachers.
+
+Fields of ``distill.options.ReaderOptions`` (``router=``, and ``tls_*`` made into a `ClientTLS`);
+small frozen dataclasses, each the documentation of its own defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the flags (distill --help) need no grpc
+    import grpc
+
+__all__ = ["ClientTLS", "RouterConfig"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's tuning: in-flight limits, ejection backoff, the probe deadline."""
+
+    initial_limit: float = 2.0
+    max_limit: int = 16
+    backoff_base_s: float = 0.25
+    backoff_max_s: float = 30.0
+    probe_timeout_s: float = 1.0
+    outpaced_eject: int = 3
+    stale_after_s: float = 1.0
+    overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
+    overload_backoff_max_s: float = 2.0
+    reject_strikes: int = 3  # refusals in a row of inputs other teachers accepted: incompatible
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS towards teachers: the CA that signed their certificates, and this student's own
+    certificate and key when teachers require mutual TLS. `server_name` overrides the name checked
+    against the teacher's certificate (when endpoints are IPs the certificate does not list)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate for mutual TLS needs both tls_cert and tls_key")
+        for label, path in (("tls_ca", self.ca), ("tls_cert", self.cert), ("tls_key", self.key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{label} {path} does not exist")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))

@@ -1,0 +1,69 @@
+"""Which outputs an answer carries and their per-sample shapes, given the transforms asked for.
+
+A transform that changes values only (log-softmax, a temperature, a dtype) leaves the output's
+name and shape alone. One that changes what comes back (top-k: ``<OUT>_TOPK_VALUES`` and
+``<OUT>_TOPK_INDICES`` with the last dimension cut to k, and the optional ``<OUT>_TOPK_TAIL``
+without it) is described here once, for the client that checks an answer
+(``distill.teacher_client``) and the store that keeps it (``distill.cache.reader_side``).
+The request parameters are read by their wire names (``ReaderOptions.request_parameters``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from distill.types import ParameterValue, TensorMeta
+
+__all__ = ["TOPK_PARTS", "base_output", "derived_names", "ids_output", "per_sample_shape", "wanted_outputs"]
+
+TOPK = "_TOPK_"
+TOPK_PARTS = ("VALUES", "INDICES", "TAIL")
+"""The outputs top-k makes of one output: values, their class ids, and the mass outside them."""
+
+
+def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue]) -> list[str]:
+    """The output names an answer must carry: the outputs asked for, or with top-k their values and
+    indices, and the tail mass when asked for (a tail a server sends by default, unasked, is dropped)."""
+    if parameters.get("top_k"):
+        parts = TOPK_PARTS if parameters.get("topk_tail") else TOPK_PARTS[:2]
+        return [f"{n}{TOPK}{part}" for n in outputs for part in parts]
+    return list(outputs)
+
+
+def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
+                     parameters: Mapping[str, ParameterValue]) -> tuple[int, ...] | None:
+    """The per-sample shape of answer output `name` (-1: any size), from the teacher's declared
+    outputs; None if unknown. A top-k output keeps the declared shape with its last dimension cut
+    to k; the tail mass has one value per position (the class dimension is gone)."""
+    k = parameters.get("top_k")
+    if not k:
+        meta = declared.get(name)
+        return None if meta is None else meta.shape
+    base, _, part = name.rpartition(TOPK)
+    meta = declared.get(base)
+    if meta is None or not meta.shape:
+        return None
+    if part == "TAIL":
+        return tuple(meta.shape[:-1])
+    return (*meta.shape[:-1], int(k))
+
+
+def base_output(name: str) -> str:
+    """The teacher output a (possibly transformed) output name comes from."""
+    base, sep, part = name.rpartition(TOPK)
+    return base if sep and part in TOPK_PARTS else name
+
+
+def derived_names(name: str) -> tuple[str, ...]:
+    """Every name output `name` may be stored under: itself and its top-k parts."""
+    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS))
+
+
+def ids_output(name: str) -> str:
+    """The name of the class ids of output `name` under top-k (itself when it already is one)."""
+    suffix = f"{TOPK}INDICES"
+    return name if name.endswith(suffix) else f"{name}{suffix}"
+
+
+def is_ids_output(name: str) -> bool:
+    return name.endswith(f"{TOPK}INDICES")
