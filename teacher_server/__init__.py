@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from teacher_server.server import ServerConfig, TeacherServer
     from teacher_server.spec import ModelIO, SpecError, TensorSpec
 
-__version__ = "0.1.0"
+from teacher_server.version import __version__
 
 __all__ = [
     "BatchingConfig",

@@ -92,7 +92,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=known and self._lifecycle.accepting)
 
     async def ServerMetadata(self, request: Any, context: Any) -> service_pb2.ServerMetadataResponse:
-        from teacher_server import __version__
+        from teacher_server.version import __version__
 
         return service_pb2.ServerMetadataResponse(
             name="teacher-server", version=__version__, extensions=["model_configuration", "statistics"]

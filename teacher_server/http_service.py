@@ -116,7 +116,7 @@ class HTTPService:
         return _json({"ready": ready}, 200 if ready else 503)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        from teacher_server import __version__
+        from teacher_server.version import __version__
 
         return _json({"name": "teacher-server", "version": __version__,
                       "extensions": ["binary_tensor_data", "model_configuration", "statistics"]})
