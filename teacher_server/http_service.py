@@ -39,6 +39,7 @@ from teacher_server.http_codec import (
 )
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.outputs import EncodedOutput
+from teacher_server.vllm_routes import add_vllm_routes
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class HTTPService:
             app.router.add_get(f"{base}/config", self.model_config)
             app.router.add_get(f"{base}/stats", self.model_stats)
             app.router.add_post(f"{base}/infer", self.infer)
+        add_vllm_routes(app, self._lifecycle, self._max_body)  # /health, /v1/models, /v1/completions
         return app
 
     # ---- health and metadata -------------------------------------------------------------

@@ -136,7 +136,7 @@ class TeacherServer:
         self.requests = RequestLifecycle(
             ServedModel(config.name, config.version, self.device, config.instances, config.batching,
                         OutputDefaults(config.output_dtype, config.top_k, config.logprobs, config.temperature,
-                                       config.topk_tail)),
+                                       config.topk_tail), config.model),
             self.metrics,
         )
         self.metrics.watch_in_flight(lambda: self.requests.in_flight)

@@ -130,6 +130,18 @@ def apply_token_logprobs(rows: Rows) -> None:
     rows.reduced = True
 
 
+def apply_token_ranks(rows: Rows) -> None:
+    """The rank of each position's next token: 1 + the number of classes scored strictly higher
+    (vLLM's rank of a prompt token). Temperature and log-softmax keep the order, so the values as
+    the earlier transforms left them are compared; 0 where there is no next token."""
+    ctx = rows.context_or_refuse()
+    assert ctx.next_ids is not None and ctx.next_valid is not None
+    picked = rows.values.gather(-1, ctx.next_ids.unsqueeze(-1))
+    ranks = (rows.values > picked).sum(dim=-1, dtype=torch.int32) + 1
+    rows.emit("_TOKEN_RANKS", torch.where(ctx.next_valid, ranks, torch.zeros_like(ranks)))
+    rows.reduced = True
+
+
 def apply_scored(rows: Rows) -> None:
     ctx = rows.context_or_refuse()
     assert ctx.score_ids is not None
