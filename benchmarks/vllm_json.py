@@ -17,6 +17,9 @@ shows) to the same sequences (fixed seed, lengths uniform in [--min-len, --max-l
 --clients requests are in flight at a time; variants are interleaved per repetition and the
 median over repetitions is reported. Tokens/s counts the sequences' tokens (scored positions);
 bytes/token is the answer's payload (the JSON body; the protobuf ModelInferResponse) per token.
+CPU µs/token, the teacher process's and this client's (both sides of the protocol; the teacher's
+includes the forward pass, the same for every variant), is what to read on a loaded machine:
+unlike tokens/s it barely moves when other processes take the cores.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import format_table, machine_info, median, run_and_report
+from benchmarks.cpu import process_cpu_seconds, self_cpu_seconds
 
 VARIANTS = ("json", "grpc-fp32", "grpc-fp16")
 
@@ -145,14 +149,19 @@ def run(s: Settings) -> dict[str, Any]:
             asyncio.run(variants["grpc-fp32"]())
             for rep in range(s.reps):
                 for name in (VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))):
+                    server0, client0 = process_cpu_seconds(info["pid"]), self_cpu_seconds()
                     seconds, payload = asyncio.run(variants[name]())
-                    m = {"tokens_per_s": tokens / seconds, "bytes_per_token": payload / tokens, "seconds": seconds}
+                    server_cpu = process_cpu_seconds(info["pid"]) - server0
+                    client_cpu = self_cpu_seconds() - client0
+                    m = {"tokens_per_s": tokens / seconds, "bytes_per_token": payload / tokens, "seconds": seconds,
+                         "teacher_cpu_us_per_token": server_cpu / tokens * 1e6,
+                         "client_cpu_us_per_token": client_cpu / tokens * 1e6}
                     per_rep[name].append(m)
                     print(f"rep {rep} {name:9s} {m['tokens_per_s']:10,.0f} tokens/s "
-                          f"{m['bytes_per_token']:8,.1f} bytes/token", flush=True)
-    summary = {name: {"tokens_per_s": round(median([m["tokens_per_s"] for m in ms]), 1),
-                      "bytes_per_token": round(median([m["bytes_per_token"] for m in ms]), 1)}
-               for name, ms in per_rep.items()}
+                          f"{m['bytes_per_token']:8,.1f} bytes/token  teacher {m['teacher_cpu_us_per_token']:6,.0f} "
+                          f"client {m['client_cpu_us_per_token']:6,.0f} CPU µs/token", flush=True)
+    keys = ("tokens_per_s", "bytes_per_token", "teacher_cpu_us_per_token", "client_cpu_us_per_token")
+    summary = {name: {k: round(median([m[k] for m in ms]), 1) for k in keys} for name, ms in per_rep.items()}
     base = summary["grpc-fp16"]
     for v in summary.values():
         v["throughput_vs_grpc_fp16"] = round(v["tokens_per_s"] / base["tokens_per_s"], 3)
@@ -163,11 +172,13 @@ def run(s: Settings) -> dict[str, Any]:
 
 def report(doc: dict[str, Any]) -> str:
     s = doc["settings"]
-    rows = [(name, v["tokens_per_s"], v["bytes_per_token"], v["throughput_vs_grpc_fp16"], v["bytes_vs_grpc_fp16"])
+    rows = [(name, v["tokens_per_s"], v["bytes_per_token"], v["teacher_cpu_us_per_token"],
+             v["client_cpu_us_per_token"], v["throughput_vs_grpc_fp16"], v["bytes_vs_grpc_fp16"])
             for name, v in doc["summary"].items()]
     head = (f"{s['sequences']} sequences ({doc['tokens']} tokens), top-{s['top_k']}, {s['clients']} clients, "
             f"device {s['device']}, median of {s['reps']}")
-    return head + "\n" + format_table(["path", "tokens/s", "bytes/token", "speed vs fp16", "bytes vs fp16"], rows)
+    return head + "\n" + format_table(["path", "tokens/s", "bytes/token", "teacher CPU µs/tok", "client CPU µs/tok",
+                                     "speed vs fp16", "bytes vs fp16"], rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:

@@ -192,12 +192,12 @@ def check_prompt(index: int, ids: Sequence[int], vocab: int | None, context: int
     if context is not None and len(ids) > context:
         raise APIError(400, f"prompt {index} has {len(ids)} tokens; this model's maximum context length is "
                             f"{context} tokens (max_model_len): shorten it", "prompt")
-    if vocab is not None:
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise APIError(400, f"prompt {index}: token id {bad} at position {list(ids).index(bad)} is outside the "
-                                f"vocabulary (ids must be in 0..{vocab - 1})", "prompt")
+    limit = vocab if vocab is not None else 1 << 31  # without a declared vocabulary: what INT32 ids can hold
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise APIError(400, f"prompt {index}: token id {bad} at position {list(ids).index(bad)} is outside the "
+                            f"vocabulary (ids must be in 0..{limit - 1})", "prompt")
 
 
 def scoring_parameters(top_k: int, temperature: float) -> dict[str, object]:
@@ -242,8 +242,9 @@ Decoder = Callable[[Sequence[int]], Mapping[int, str]]
 
 
 def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, decode: Decoder | None,
-           return_token_ids: bool) -> dict[str, Any]:
-    """One prompt's entry of `choices`: the greedy token and, when asked, vLLM's prompt_logprobs."""
+           return_token_ids: bool) -> str:
+    """One prompt's entry of `choices`, as JSON text: the greedy token and, when asked, vLLM's
+    prompt_logprobs."""
     greedy = int(result.top_ids[-1, 0])
     wanted = [greedy]
     if k is not None:
@@ -252,40 +253,56 @@ def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, dec
     names = decode(sorted(set(wanted))) if decode is not None else {}
     entry: dict[str, Any] = {"index": index, "text": names.get(greedy, ""), "logprobs": None,
                              "finish_reason": "length", "stop_reason": None}
-    if k is not None:
-        entry["prompt_logprobs"] = prompt_logprobs(ids, result, k, names if decode is not None else None)
     if return_token_ids:
         entry["prompt_token_ids"] = list(ids)
         entry["token_ids"] = [greedy]
-    return entry
+    text = json.dumps(entry, separators=(",", ":"))
+    if k is None:
+        return text
+    quoted = {i: json.dumps(n) for i, n in names.items()} if decode is not None else None
+    return f'{text[:-1]},"prompt_logprobs":{prompt_logprobs(ids, result, k, quoted)}}}'
 
 
-def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[int, str] | None) -> list[Any]:
-    """vLLM's layout: None for the first token, then per token i a map from token id (a string) to
-    `{"logprob", "rank", "decoded_token"}` holding position i - 1's top-k and token i itself."""
-    values = np.maximum(result.top_values[:, :k], LOGPROB_FLOOR).tolist()
+def _number(x: float) -> str:
+    return repr(x) if math.isfinite(x) else "NaN"  # NaN as Python's json writes it (a model's NaN shows)
+
+
+def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[int, str] | None) -> str:
+    """vLLM's layout as JSON text: null for the first token, then per token i a map from token id
+    (a string) to `{"logprob", "rank", "decoded_token"}` holding position i - 1's top-k and token i
+    itself with its true rank. Written directly, not through dicts and json.dumps: a quarter of
+    the CPU for the ~20 entries per token this answer carries. `names`: JSON-quoted decoded tokens."""
+    top_values = np.maximum(result.top_values[:, :k], LOGPROB_FLOOR)
+    own_values = np.maximum(result.token_logprobs, LOGPROB_FLOOR)
+    finite = bool(np.isfinite(top_values).all() and np.isfinite(own_values).all())
+    values, own = top_values.tolist(), own_values.tolist()
+    if not finite:
+        values = [[_number(x) for x in row] for row in values]
+        own = [_number(x) for x in own]
     top = result.top_ids[:, :k].tolist()
-    own = np.maximum(result.token_logprobs, LOGPROB_FLOOR).tolist()
     ranks = result.token_ranks.tolist()
-    out: list[Any] = [None]
+    parts = ["null"]
     for t in range(len(ids) - 1):
-        position: dict[str, dict[str, Any]] = {}
-        for r, (tid, lp) in enumerate(zip(top[t], values[t], strict=True), 1):
-            position[str(tid)] = {"logprob": lp, "rank": r, "decoded_token": None if names is None else names[tid]}
         token = int(ids[t + 1])
-        position[str(token)] = {"logprob": own[t], "rank": ranks[t],
-                                "decoded_token": None if names is None else names[token]}
-        out.append(position)
-    return out
+        if names is None:
+            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":null}}'
+                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
+            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":null}}')
+        else:
+            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{names[i]}}}'
+                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
+            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":{names[token]}}}')
+        parts.append("{" + ",".join(entries) + "}")
+    return "[" + ",".join(parts) + "]"
 
 
-def completion_body(model: str, choices: list[dict[str, Any]], prompt_tokens: int) -> bytes:
-    """The whole `/v1/completions` answer."""
-    body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(choices),
-                      "completion_tokens": len(choices)}}
-    return json.dumps(body, separators=(",", ":")).encode()
+def completion_body(model: str, choices: list[str], prompt_tokens: int) -> bytes:
+    """The whole `/v1/completions` answer, around the choices' JSON text."""
+    head = json.dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                       "model": model}, separators=(",", ":"))
+    usage = json.dumps({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(choices),
+                        "completion_tokens": len(choices)}, separators=(",", ":"))
+    return f'{head[:-1]},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
 
 
 def models_body(name: str, max_model_len: int | None) -> dict[str, Any]:

@@ -165,6 +165,11 @@ class VLLMRoutes:
             return _json(await self._complete(request))
         except APIError as e:
             return _error(e.status, e.message, e.param)
+        except (asyncio.CancelledError, web.HTTPException):
+            raise
+        except Exception as e:  # a bug here answers 500 in the form clients parse, and is logged
+            log.exception("/v1/completions failed")
+            return _error(500, f"the teacher failed to answer: {type(e).__name__}: {e}")
 
     async def _read(self, request: web.Request) -> bytes:
         size = request.content_length
