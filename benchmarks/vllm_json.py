@@ -10,8 +10,9 @@ shows) to the same sequences (fixed seed, lengths uniform in [--min-len, --max-l
                request TRL's `VLLMClient.get_sequence_logprobs` sends; the client parses the
                answer with `json.loads`, as every JSON client must;
   * grpc-fp32: tritonclient.grpc.aio ModelInfer per sequence with `top_k: k`, `logprobs`,
-               `token_logprobs` (the same facts: top-k log-probs and ids per position and the
-               sequence's own tokens' log-probs) in fp32, decoded with `as_numpy`;
+               `token_logprobs`, `token_ranks` (the same facts: top-k log-probs and ids per
+               position, the sequence's own tokens' log-probs and ranks) in fp32, decoded with
+               `as_numpy`;
   * grpc-fp16: the same with `output_dtype: FP16`, the mesh's usual setting.
 
 --clients requests are in flight at a time; variants are interleaved per repetition and the
@@ -111,8 +112,8 @@ async def measure_grpc(address: str, seqs: list[list[int]], s: Settings, dtype: 
     import tritonclient.grpc as tg
     import tritonclient.grpc.aio as tga
 
-    params = {"top_k": s.top_k, "logprobs": True, "token_logprobs": True, "output_dtype": dtype,
-              "temperature": 1.0}
+    params = {"top_k": s.top_k, "logprobs": True, "token_logprobs": True, "token_ranks": True,
+              "output_dtype": dtype, "temperature": 1.0}
     async with tga.InferenceServerClient(address) as client:
         async def one(i: int) -> int:
             ids = np.asarray([seqs[i]], dtype=np.int64)

@@ -137,7 +137,16 @@ def apply_token_ranks(rows: Rows) -> None:
     ctx = rows.context_or_refuse()
     assert ctx.next_ids is not None and ctx.next_valid is not None
     picked = rows.values.gather(-1, ctx.next_ids.unsqueeze(-1))
-    ranks = (rows.values > picked).sum(dim=-1, dtype=torch.int32) + 1
+    if rows.topk is None:
+        ranks = (rows.values > picked).sum(dim=-1, dtype=torch.int32) + 1
+    else:
+        # A token inside the top-k has every higher class there too: count within the k values,
+        # and pass over the whole row only for the positions whose token is outside.
+        values, indices = rows.topk
+        ranks = (values > picked.to(values.dtype)).sum(dim=-1, dtype=torch.int32) + 1
+        outside = (indices != ctx.next_ids.unsqueeze(-1)).all(dim=-1).nonzero().squeeze(-1)
+        if outside.numel():
+            ranks[outside] = (rows.values[outside] > picked[outside]).sum(dim=-1, dtype=torch.int32) + 1
     rows.emit("_TOKEN_RANKS", torch.where(ctx.next_valid, ranks, torch.zeros_like(ranks)))
     rows.reduced = True
 

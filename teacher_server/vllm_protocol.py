@@ -246,11 +246,13 @@ def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, dec
     """One prompt's entry of `choices`, as JSON text: the greedy token and, when asked, vLLM's
     prompt_logprobs."""
     greedy = int(result.top_ids[-1, 0])
-    wanted = [greedy]
-    if k is not None:
-        wanted.extend(int(i) for i in np.unique(result.top_ids[:-1, :k]))
-        wanted.extend(ids)
-    names = decode(sorted(set(wanted))) if decode is not None else {}
+    names: Mapping[int, str] = {}
+    if decode is not None:
+        wanted = {greedy}
+        if k is not None:
+            wanted.update(int(i) for i in np.unique(result.top_ids[:-1, :k]))
+            wanted.update(ids)
+        names = decode(sorted(wanted))
     entry: dict[str, Any] = {"index": index, "text": names.get(greedy, ""), "logprobs": None,
                              "finish_reason": "length", "stop_reason": None}
     if return_token_ids:

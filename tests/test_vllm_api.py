@@ -18,7 +18,7 @@ import torch
 import tritonclient.grpc as tg
 
 from teacher_server import ServerConfig
-from tests.hf_models import CONTEXT, reference_logprobs, save_llama
+from tests.hf_models import CONTEXT, VOCAB, reference_logprobs, save_llama
 from tests.servers import ServerThread
 
 transformers = pytest.importorskip("transformers")
@@ -102,6 +102,10 @@ def test_token_ranks_over_kserve_are_the_true_ranks(server: ServerThread, refere
     with tg.InferenceServerClient(server.url) as c:
         result = c.infer("llama", [x], outputs=[tg.InferRequestedOutput("LOGITS")],
                          parameters={"token_ranks": True, "token_logprobs": True, "temperature": 2.0})
+        # With top-k the ranks are counted within the k values where the token is among them (all
+        # of them at k = the vocabulary, some at k = 40) and over the row elsewhere: the same ranks.
+        with_top = [c.infer("llama", [x], parameters={"token_ranks": True, "top_k": k, "temperature": 2.0})
+                    for k in (40, VOCAB)]
     logp = reference_logprobs(reference, ids[0].tolist(), 2.0)
     nxt = torch.from_numpy(ids[0, 1:])
     own = logp[:-1].gather(-1, nxt.unsqueeze(-1))
@@ -109,6 +113,9 @@ def test_token_ranks_over_kserve_are_the_true_ranks(server: ServerThread, refere
     ranks = result.as_numpy("LOGITS_TOKEN_RANKS")
     assert ranks.dtype == np.int32 and ranks.shape == (1, 7)
     assert ranks[0, :-1].tolist() == want_ranks.tolist() and ranks[0, -1] == 0
+    for r in with_top:
+        assert r.as_numpy("LOGITS_TOKEN_RANKS").tolist() == ranks.tolist()
+    assert min(ranks[0, :-1]) <= 40 < max(ranks[0, :-1])  # k = 40 takes both ways
     assert max(ranks[0]) > 1  # a random model: some prompt tokens are not its top-1
     assert np.allclose(result.as_numpy("LOGITS_TOKEN_LOGPROBS")[0, :-1], own.squeeze(-1).numpy(), atol=1e-4)
     assert result.as_numpy("LOGITS") is None  # reduced on the device: the [T, V] logits are not sent
