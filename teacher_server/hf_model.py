@@ -89,8 +89,9 @@ class HFTeacher(nn.Module):
         return HeadSplit("LOGITS", self.hidden, self.head)
 
     def _check_split(self) -> bool:
-        decoder = getattr(self.model, "get_decoder", lambda: None)()
-        head = self.model.get_output_embeddings()
+        model: Any = self.model
+        decoder = getattr(model, "get_decoder", lambda: None)()
+        head = model.get_output_embeddings()
         if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module):
             return False
         device = next(self.model.parameters()).device
@@ -106,12 +107,14 @@ class HFTeacher(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """The final hidden states `[B, T, H]` (after the decoder's last norm), in place of LOGITS."""
-        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        model: Any = self.model
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return [out.last_hidden_state]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output projection of rows of hidden states: `[n, H]` -> `[n, V]` logits."""
-        out: torch.Tensor = self.model.get_output_embeddings()(hidden)
+        model: Any = self.model
+        out: torch.Tensor = model.get_output_embeddings()(hidden)
         return out
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

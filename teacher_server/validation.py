@@ -81,7 +81,7 @@ def _output_options(params: Parameters, where: str, base: OutputTransform, reque
                 "cannot silently change the answer)")
         else:
             _ignore(key, where.split(" ", 1)[0])
-    return base.replace(**changes) if changes else base
+    return base.replace(None, **changes) if changes else base
 
 
 def _uses_shared_memory(req: InferRequest) -> bool:
