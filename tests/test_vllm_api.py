@@ -236,3 +236,28 @@ def test_a_draining_teacher_answers_503(bare_dir: Path) -> None:
         status, body = _post(s, {"prompt": [1, 2], "max_tokens": 1})
         assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
         assert "another teacher" in body["error"]["message"]
+
+
+def test_a_full_queue_answers_429_and_a_module_model_has_no_tokenizer() -> None:
+    """A `module:factory` causal model (tests.seq_models) with its one instance held busy and a
+    queue of one: a body of six prompts meets the full queue (429, OpenAI form; the other prompts
+    are cancelled); text needs an hf: tokenizer; /v1/models has no context to report."""
+    from teacher_server import BatchingConfig
+    from tests import seq_models
+
+    cfg = ServerConfig(model="tests.seq_models:causal_conv_lm", name="seq", device="cpu", http_port=0, instances=1,
+                       batching=BatchingConfig(max_batch_size=1, max_queue_size=1, max_queue_delay_us=0))
+    with ServerThread(cfg) as s:
+        status, body = _call("GET", _base(s) + "/v1/models")
+        assert status == 200 and body["data"][0]["max_model_len"] is None
+        status, body = _post(s, {"prompt": "some text", "max_tokens": 1})
+        assert status == 400 and "is not an hf: directory" in body["error"]["message"]
+        status, body = _post(s, {"prompt": [[1, 2, 3]], "max_tokens": 1, "prompt_logprobs": 2})
+        assert status == 200 and len(body["choices"][0]["prompt_logprobs"]) == 3
+        seq_models.GATE.clear()
+        try:
+            status, body = _post(s, {"prompt": [[1, 2, 3]] * 6, "max_tokens": 1, "prompt_logprobs": 2})
+        finally:
+            seq_models.GATE.set()
+        assert status == 429, body
+        assert body["error"]["type"] == "RateLimitError" and body["error"]["code"] == 429
