@@ -58,6 +58,8 @@ _IGNORED = frozenset({
     "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "priority",
     "request_id", "logit_bias", "length_penalty", "use_beam_search", "cache_salt", "detokenize",
     "allowed_token_ids", "bad_words", "structured_outputs", "response_format", "stream_options",
+    "return_tokens_as_token_ids", "top_logprobs", "max_completion_tokens", "kv_transfer_params", "vllm_xargs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "logits_processors", "prompt_embeds",
 })
 # Fields this endpoint acts on: a near-miss of one of them is refused, not ignored.
 _KNOWN = ("model", "prompt", "max_tokens", "prompt_logprobs", "temperature", "return_token_ids",
