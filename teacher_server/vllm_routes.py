@@ -241,9 +241,17 @@ class VLLMRoutes:
 
 
 async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[EncodedOutput]]:
-    """Every prompt's outputs, the requests in flight together; the first refusal cancels the rest
-    and answers for all (as does the caller going away)."""
-    tasks = [asyncio.ensure_future(lifecycle.infer(r)) for r in requests]
+    """Every prompt's outputs, the requests in flight together, at most half the batcher's queue
+    at a time (a body of more prompts than the queue holds is still answered, not refused as
+    overload); the first refusal cancels the rest and answers for all (as does the caller going
+    away)."""
+    window = asyncio.Semaphore(max(1, lifecycle.model.batching.max_queue_size // 2))
+
+    async def one(request: Any) -> Any:
+        async with window:
+            return await lifecycle.infer(request)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in requests]
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except asyncio.CancelledError:

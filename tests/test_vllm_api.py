@@ -240,13 +240,14 @@ def test_a_draining_teacher_answers_503(bare_dir: Path) -> None:
 
 def test_a_full_queue_answers_429_and_a_module_model_has_no_tokenizer() -> None:
     """A `module:factory` causal model (tests.seq_models) with its one instance held busy and a
-    queue of one: a body of six prompts meets the full queue (429, OpenAI form; the other prompts
-    are cancelled); text needs an hf: tokenizer; /v1/models has no context to report."""
+    queue of two: of six bodies sent at once, those the queue and the instance took are answered
+    once the instance is released, the rest meet the full queue (429, OpenAI form); text needs an
+    hf: tokenizer; /v1/models has no context to report."""
     from teacher_server import BatchingConfig
     from tests import seq_models
 
     cfg = ServerConfig(model="tests.seq_models:causal_conv_lm", name="seq", device="cpu", http_port=0, instances=1,
-                       batching=BatchingConfig(max_batch_size=1, max_queue_size=1, max_queue_delay_us=0))
+                       batching=BatchingConfig(max_batch_size=1, max_queue_size=2, max_queue_delay_us=0))
     with ServerThread(cfg) as s:
         status, body = _call("GET", _base(s) + "/v1/models")
         assert status == 200 and body["data"][0]["max_model_len"] is None
@@ -254,10 +255,40 @@ def test_a_full_queue_answers_429_and_a_module_model_has_no_tokenizer() -> None:
         assert status == 400 and "is not an hf: directory" in body["error"]["message"]
         status, body = _post(s, {"prompt": [[1, 2, 3]], "max_tokens": 1, "prompt_logprobs": 2})
         assert status == 200 and len(body["choices"][0]["prompt_logprobs"]) == 3
+
+        async def burst() -> tuple[tuple[int, Any], list[int]]:
+            data = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 2}).encode()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+                async def post() -> tuple[int, Any]:
+                    async with session.post(_base(s) + "/v1/completions", data=data) as resp:
+                        return resp.status, await resp.json()
+
+                tasks = [asyncio.ensure_future(post()) for _ in range(6)]
+                try:
+                    done, _ = await asyncio.wait(tasks, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    seq_models.GATE.set()
+                first = next(iter(done)).result()
+                return first, [status for status, _ in await asyncio.gather(*tasks)]
+
         seq_models.GATE.clear()
         try:
-            status, body = _post(s, {"prompt": [[1, 2, 3]] * 6, "max_tokens": 1, "prompt_logprobs": 2})
+            (status, body), statuses = asyncio.run(asyncio.wait_for(burst(), 90))
         finally:
             seq_models.GATE.set()
         assert status == 429, body
         assert body["error"]["type"] == "RateLimitError" and body["error"]["code"] == 429
+        assert "queue" in body["error"]["message"]
+        assert set(statuses) == {200, 429} and statuses.count(200) >= 2  # at least the two the queue holds
+
+
+def test_a_body_of_more_prompts_than_the_queue_holds_is_answered(bare_dir: Path) -> None:
+    from teacher_server import BatchingConfig
+
+    cfg = ServerConfig(model=f"hf:{bare_dir}", name="bare", device="cpu", http_port=0,
+                       batching=BatchingConfig(max_batch_size=4, max_queue_size=4))
+    with ServerThread(cfg) as s:
+        prompts = [[i % 90 + 1, 2, 3][: i % 3 + 1] for i in range(40)]
+        status, body = _post(s, {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 1})
+        assert status == 200, body
+        assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [len(p) for p in prompts]
