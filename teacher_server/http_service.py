@@ -43,6 +43,7 @@ from teacher_server.http_codec import (
 from teacher_server.http_conn import listen
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.outputs import EncodedOutput
+from teacher_server.vllm_routes import add_vllm_routes
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class HTTPService:
             app.router.add_get(f"{base}/config", self.model_config)
             app.router.add_get(f"{base}/stats", self.model_stats)
             app.router.add_post(f"{base}/infer", self.infer)
+        add_vllm_routes(app, self._lifecycle, self._bodies)  # /health, /v1/models, /v1/completions
         return app
 
     # ---- health and metadata -------------------------------------------------------------

@@ -182,7 +182,7 @@ class ModelInstance:
                      wants: Sequence[OutputTransform]) -> RowContext | None:
         """The scoring transforms' view of the batch's positions (flattened [rows x length]): next
         tokens, which positions are real, and the score ids padded to the longest m."""
-        if self._token is None or not (any(w.token_logprobs for w in wants) or works[0].aux):
+        if self._token is None or not (any(w.needs_tokens for w in wants) or works[0].aux):
             return None
         length = next((o.shape[s.shape.index(-1) + 1] for o, s in zip(outs, self.model.io.outputs, strict=True)
                        if scoreable(s)), None)

@@ -52,6 +52,7 @@ class ServedModel:
     instances: int
     batching: BatchingConfig
     output_defaults: OutputDefaults = field(default_factory=OutputDefaults)
+    source: str = ""  # what --model named (hf:DIR: where vllm_routes finds the tokenizer)
 
 
 @dataclass(frozen=True)

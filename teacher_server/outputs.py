@@ -115,9 +115,9 @@ def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransfo
             row0 = first + a
             rows = Rows(raw, want, spec.datatype, None if ctx.rows is None else ctx.rows.rows(row0, row0 + len(raw)),
                         fp32)
-            for t in active:
-                assert t.apply is not None
-                t.apply(rows)
+            for step in active:
+                assert step.apply is not None
+                step.apply(rows)
             if not rows.reduced:
                 rows.emit("", _full(rows.values, rows, spec))
             if single:

@@ -130,6 +130,27 @@ def apply_token_logprobs(rows: Rows) -> None:
     rows.reduced = True
 
 
+def apply_token_ranks(rows: Rows) -> None:
+    """The rank of each position's next token: 1 + the number of classes scored strictly higher
+    (vLLM's rank of a prompt token). Temperature and log-softmax keep the order, so the values as
+    the earlier transforms left them are compared; 0 where there is no next token."""
+    ctx = rows.context_or_refuse()
+    assert ctx.next_ids is not None and ctx.next_valid is not None
+    picked = rows.values.gather(-1, ctx.next_ids.unsqueeze(-1))
+    if rows.topk is None:
+        ranks = (rows.values > picked).sum(dim=-1, dtype=torch.int32) + 1
+    else:
+        # A token inside the top-k has every higher class there too: count within the k values,
+        # and pass over the whole row only for the positions whose token is outside.
+        values, indices = rows.topk
+        ranks = (values > picked.to(values.dtype)).sum(dim=-1, dtype=torch.int32) + 1
+        outside = (indices != ctx.next_ids.unsqueeze(-1)).all(dim=-1).nonzero().squeeze(-1)
+        if outside.numel():
+            ranks[outside] = (rows.values[outside] > picked[outside]).sum(dim=-1, dtype=torch.int32) + 1
+    rows.emit("_TOKEN_RANKS", torch.where(ctx.next_valid, ranks, torch.zeros_like(ranks)))
+    rows.reduced = True
+
+
 def apply_scored(rows: Rows) -> None:
     ctx = rows.context_or_refuse()
     assert ctx.score_ids is not None

@@ -53,6 +53,7 @@ from teacher_server.transform_rows import (
     apply_scored,
     apply_temperature,
     apply_token_logprobs,
+    apply_token_ranks,
     apply_top_k,
     apply_topk_tail,
 )
@@ -223,6 +224,13 @@ REGISTRY: list[Transform] = [
         ("_TOKEN_LOGPROBS",), lambda w, aux: w.token_logprobs, apply_token_logprobs, reduces=True,
         check=_per_position("token_logprobs"), needs_tokens=True),
     Transform(
+        "token_ranks",
+        (Param("token_ranks", bool, False, "send <OUT>_TOKEN_RANKS [B, T] INT32: the rank of x[t+1] among the "
+               "classes at position t (1 + how many score higher; vLLM's prompt-token rank), 0 at each sequence's "
+               "last position and on padding", _bool("token_ranks"), "bool_param", server_default=False),),
+        ("_TOKEN_RANKS",), lambda w, aux: w.token_ranks, apply_token_ranks, reduces=True,
+        check=_per_position("token_ranks"), needs_tokens=True),
+    Transform(
         "score_ids", (), ("_SCORED_LOGPROBS",), lambda w, aux: aux, apply_scored, reduces=True,
         inputs=(SCORE_IDS,)),
     Transform(
@@ -374,6 +382,15 @@ class OutputTransform:
     @property
     def token_logprobs(self) -> bool:
         return bool(self["token_logprobs"])
+
+    @property
+    def token_ranks(self) -> bool:
+        return bool(self["token_ranks"])
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Some wanted transform reads each position's next token (token_logprobs, token_ranks)."""
+        return any(t.needs_tokens for t in self.active())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OutputTransform) and (self.name, self._values) == (other.name, other._values)

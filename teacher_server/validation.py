@@ -272,7 +272,7 @@ def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], i
     """The scoring transforms' inputs fit the model: a token input to read next tokens from, and
     SCORE_IDS `[B, T, m]` with the request's length and ids that index the scored outputs."""
     scored = [io.output(w.name) for w in wanted if aux and scoreable(io.output(w.name))]  # type: ignore[arg-type]
-    tokens = any(w.token_logprobs for w in wanted)
+    tokens = any(w.needs_tokens for w in wanted)
     if not scored and not tokens:
         if aux:
             raise InvalidRequestError(
@@ -282,11 +282,11 @@ def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], i
     index = token_input(io)
     if index is None or not io.padded:
         raise InvalidRequestError(
-            "token_logprobs and SCORE_IDS need a model with a padded token input (an hf: causal LM, or "
+            "token_logprobs, token_ranks and SCORE_IDS need a model with a padded token input (an hf: causal LM, or "
             "--input IDS:INT64:-1:pad=0) and per-position outputs")
     ids = seen[io.inputs[index].name]
     if tokens:
-        width = min(s.shape[-1] for s in (io.output(w.name) for w in wanted if w.token_logprobs) if s is not None)
+        width = min(s.shape[-1] for s in (io.output(w.name) for w in wanted if w.needs_tokens) if s is not None)
         if width > 0:
             _check_ids(io.inputs[index].name, ids, width, "the scored output's classes")
     for name, t in aux.items():
