@@ -6,6 +6,7 @@ and OpenAI-style body. TRL's own client code against a teacher process: tests/te
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +226,28 @@ def test_malformed_large_and_unknown_paths(server: ServerThread) -> None:
     status, body = _call("GET", _base(server) + "/v1/completions")
     assert status == 405 and body["error"]["type"] == "MethodNotAllowedError"
     assert _call("GET", _base(server) + "/v2/health/live")[0] == 200  # KServe v2 still beside it
+
+
+def test_compressed_bodies_are_inflated_within_the_same_bounds(server: ServerThread) -> None:
+    """The JSON endpoint reads bodies through the KServe routes' bounded reader: a gzip body is served,
+    a gzip bomb (far under the limit on the wire, far over it inflated) is 413 in OpenAI's form."""
+    body = {"model": "llama", "prompt": [[5, 9, 30, 2]], "max_tokens": 1, "prompt_logprobs": 2}
+    plain = _post(server, body)
+    assert plain[0] == 200, plain[1]
+
+    async def post(raw: bytes) -> tuple[int, Any]:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(_base(server) + "/v1/completions", data=raw, headers={
+                    "Content-Type": "application/json", "Content-Encoding": "gzip"}) as resp:
+                return resp.status, json.loads(await resp.read())
+
+    status, zipped = asyncio.run(asyncio.wait_for(post(gzip.compress(json.dumps(body).encode())), 90))
+    assert status == 200 and zipped["choices"][0]["prompt_logprobs"] == plain[1]["choices"][0]["prompt_logprobs"]
+    bomb = gzip.compress(b" " * (64 << 20))  # ~64 KB on the wire, 64 MiB inflated; the limit is 1 MiB
+    assert len(bomb) < (1 << 20)
+    status, refused = asyncio.run(asyncio.wait_for(post(bomb), 90))
+    assert status == 413 and refused["error"]["code"] == 413 and "--max-message-mb" in refused["error"]["message"]
 
 
 def test_a_draining_teacher_answers_503(bare_dir: Path) -> None:
