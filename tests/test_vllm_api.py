@@ -237,10 +237,10 @@ def test_compressed_bodies_are_inflated_within_the_same_bounds(server: ServerThr
 
     async def post(raw: bytes) -> tuple[int, Any]:
         timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.post(_base(server) + "/v1/completions", data=raw, headers={
-                    "Content-Type": "application/json", "Content-Encoding": "gzip"}) as resp:
-                return resp.status, json.loads(await resp.read())
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+                _base(server) + "/v1/completions", data=raw, headers=headers) as resp:
+            return resp.status, json.loads(await resp.read())
 
     status, zipped = asyncio.run(asyncio.wait_for(post(gzip.compress(json.dumps(body).encode())), 90))
     assert status == 200 and zipped["choices"][0]["prompt_logprobs"] == plain[1]["choices"][0]["prompt_logprobs"]
