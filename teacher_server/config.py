@@ -7,14 +7,15 @@ declaration, batching, registration). A ServerConfig built directly is checked b
 declarations, its refusals naming the flag.
 
 `OutputSettings` holds the server-wide defaults of the output transforms (``--top-k``,
-``--logprobs``, ...) in one place, so a registry of transforms can declare them from its entries.
+``--logprobs``, ...): one typed field each, whose default, help text and check are the transform
+registry's (`teacher_server.transforms`, through `transform_setting`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,19 @@ import grpc
 import torch
 
 from teacher_server.batcher import BatchingConfig
-from teacher_server.outputs import OutputDefaults
-from teacher_server.settings import at_least, check_fields, existing_file, in_port_range, positive_finite, setting
+from teacher_server.settings import (
+    Check,
+    at_least,
+    check_fields,
+    existing_file,
+    in_port_range,
+    positive_finite,
+    setting,
+)
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, SpecError
+from teacher_server.transforms import PARAMETERS, OutputDefaults, Param
 
-__all__ = ["HTTPLimits", "OutputSettings", "ServerConfig", "check_device", "parse_model_args"]
+__all__ = ["HTTPLimits", "OutputSettings", "ServerConfig", "check_device", "parse_model_args", "transform_setting"]
 
 DTYPES = tuple(FLOAT_OUTPUT_DTYPES)
 
@@ -69,29 +78,55 @@ def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _param_check(p: Param) -> Check:
+    """The registry's check of `p` in the settings' convention: it returns the words that follow
+    the setting's name (``must be a non-negative integer, got -1``) instead of raising ValueError
+    with the request parameter's name and its KServe field (``top_k must be ... (int64_param)``),
+    which mean nothing on the command line."""
+    def check(value: Any) -> str | None:
+        try:
+            p.check(value)
+        except ValueError as e:
+            words = str(e).replace(f" ({p.wire})", "")
+            return words[len(p.name) + 1:] if words.startswith(p.name + " ") else f"is refused: {words}"
+        return None
+    return check
+
+
+def transform_setting(name: str) -> Any:
+    """The server default of the transform parameter `name` as a setting (``--top-k``, ``top_k=``):
+    its default, help text, choices and check are the registry's `Param`
+    (`teacher_server.transforms.PARAMETERS`), so they are stated once, there."""
+    p = PARAMETERS[name]
+    if not p.server_default:
+        raise ValueError(f"transform parameter {name!r} is per request only (Param.server_default=False)")
+    given = "" if p.default is None or p.type is bool else " (%(default)s unless given)"
+    text = f"default for requests{given}: " + p.help.replace("%", "%%")  # argparse formats help with %
+    if p.type is bool:  # a flag sets the value that is not the default
+        return setting(p.default, text, group="outputs", kind="negated" if p.default else "switch",
+                       flag=f"--no-{p.flag[2:]}" if p.default else "", check=_param_check(p))
+    declared: dict[str, Any] = {"type": str.upper if p.choices else p.type, "check": _param_check(p)}
+    if p.choices:
+        declared["choices"] = p.choices
+    return setting(p.default, text, group="outputs", **declared)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputSettings:
-    """Server-wide defaults of the output transforms; a request overrides each with its parameter."""
+    """Server-wide defaults of the output transforms; a request overrides each with its parameter.
 
-    output_dtype: str | None = setting(
-        None, "default dtype of floating outputs; requests override with the output_dtype parameter",
-        group="outputs", type=str.upper, choices=DTYPES)
-    top_k: int = setting(
-        0, "default: send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors)",
-        group="outputs", type=int, check=at_least(0))
-    logprobs: bool = setting(
-        False, "default: send log_softmax(x / --temperature) of floating outputs, computed on the model's device "
-        "(requests override with the logprobs parameter)", group="outputs", kind="switch")
-    temperature: float = setting(
-        1.0, "default divisor of floating outputs before log-softmax and top-k; requests override with the "
-        "temperature parameter (default: %(default)s)",
-        group="outputs", type=float, check=positive_finite("a finite number > 0"))
-    topk_tail: bool = setting(
-        False, "default: with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the top-k per "
-        "position (requests override with the topk_tail parameter)", group="outputs", kind="switch")
+    One typed field per registry parameter that takes a server default (`Param.server_default`),
+    everything else about it read from the registry by `transform_setting`."""
+
+    output_dtype: str | None = transform_setting("output_dtype")
+    top_k: int = transform_setting("top_k")
+    logprobs: bool = transform_setting("logprobs")
+    temperature: float = transform_setting("temperature")
+    topk_tail: bool = transform_setting("topk_tail")
 
     def output_defaults(self) -> OutputDefaults:
-        return OutputDefaults(self.output_dtype, self.top_k, self.logprobs, self.temperature, self.topk_tail)
+        """These defaults as validation takes them, by the registry's parameter names."""
+        return OutputDefaults.from_options({f.name: getattr(self, f.name) for f in fields(OutputSettings)})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ A `Transform` entry declares
 * its request parameters (`Param`): wire name, Python type, KServe parameter field, server
   default, help text and check. Validation parses request-level and per-output parameters from
   them, near-misses of them (`topk`, `log_probs`) are refused by name, and the config/CLI layer
-  derives its flags and defaults from them (`Param.flag`, `Param.argparse_options()`); see
+  derives its flags and defaults from them (`teacher_server.config.transform_setting`); see
   `teacher_server.near_miss` for the names refused as misspellings;
 * the extra inputs it reads besides the model's (`AuxInput`, e.g. `SCORE_IDS`);
 * the output names it adds, `<OUT>` + each suffix (e.g. `LOGITS_TOPK_VALUES`);
@@ -26,13 +26,10 @@ wire contract, for any KServe v2 client:
   (fp32 unless `output_dtype` says otherwise).
 
 Adding a transform is one entry in `REGISTRY` (in the order the transforms run) and its test on
-the teacher; `register(Transform(...))` adds one from outside this module. For the config/CLI layer:
-
-    from teacher_server.transforms import PARAMETERS
-    for p in PARAMETERS.values():          # declaration order; p.server_default is False for
-        if p.server_default:               # per-request-only parameters
-            parser.add_argument(p.flag, **p.argparse_options())
-    defaults = OutputDefaults.from_options({p.name: getattr(args, p.dest) for p in PARAMETERS.values()})
+the teacher, plus, for a parameter with a server default, one typed field of
+`teacher_server.config.OutputSettings` (``top_k: int = transform_setting("top_k")``): the flag and
+``serve()``'s keyword take the Param's default, help and check. `register(Transform(...))` adds a
+transform from outside this module (its parameters are then per request: no flag).
 
 `OutputTransform` is one output's wanted transforms (the value of every parameter), built by
 validation from the server's `OutputDefaults` and the request's parameters.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
@@ -15,9 +16,10 @@ from teacher_server.api import server_config
 from teacher_server.cli import build_parser, check_flags, flag_values
 from teacher_server.config import OutputSettings, ServerConfig
 from teacher_server.options import CONFIG, LAUNCH, SETTINGS
-from teacher_server.outputs import OutputDefaults
+from teacher_server.outputs import OutputDefaults, OutputTransform
 from teacher_server.settings import settings_of
 from teacher_server.spec import SpecError
+from teacher_server.transforms import PARAMETERS
 
 MODEL = "tests.models:affine"
 PACKAGE = Path(__file__).resolve().parent.parent / "teacher_server"
@@ -54,7 +56,7 @@ def test_flags_that_differ_from_their_keyword_still_map_onto_it() -> None:
 
 
 @pytest.mark.parametrize(("flag", "keyword", "value", "words"), [
-    ("--top-k", "top_k", -1, "must be >= 0, got -1"),
+    ("--top-k", "top_k", -1, "must be a non-negative integer, got -1"),  # the transform registry's words
     ("--max-batch-tokens", "max_batch_tokens", -3, "must be >= 0 (0: no cap), got -3"),
     ("--http-port", "http_port", 70000, "must be in 0..65535, got 70000"),
     ("--drain-grace", "drain_grace_s", -1.0, "must be >= 0 seconds, got -1.0"),
@@ -79,7 +81,7 @@ def test_batching_refusals_are_batching_configs_own_led_by_the_flag() -> None:
 
 
 def test_a_config_built_directly_is_checked_by_the_same_declarations() -> None:
-    with pytest.raises(SpecError, match=r"^--top-k must be >= 0, got -2$"):
+    with pytest.raises(SpecError, match=r"^--top-k must be a non-negative integer, got -2$"):
         ServerConfig(model=MODEL, top_k=-2)
     with pytest.raises(SpecError, match=r"^--metrics-port must be in 0\.\.65535 \(0: a free port\), got -1$"):
         ServerConfig(model=MODEL, metrics_port=-1)
@@ -102,6 +104,38 @@ def test_the_output_transform_defaults_are_declared_in_one_place() -> None:
     assert [s.name for s in SETTINGS if s.group == "outputs"] == names
     cfg = server_config(MODEL, device="cpu", top_k=3, logprobs=True, temperature=2.0)
     assert cfg.output_defaults() == OutputDefaults(None, 3, True, 2.0, False)
+
+
+def test_every_transform_parameter_with_a_server_default_is_a_flag_and_a_keyword_from_the_registry() -> None:
+    """A transform parameter with a server default (`Param.server_default`) is one registry entry
+    and one typed field of OutputSettings: its flag and serve()'s keyword carry the registry's
+    default, help text and check (in the flag's words, without the KServe field)."""
+    params = [p for p in PARAMETERS.values() if p.server_default]
+    declared = {s.name: s for s in settings_of(OutputSettings)}
+    assert params and set(declared) == {p.name for p in params}, "one OutputSettings field per Param"
+    hints = get_type_hints(OutputSettings)
+    actions = {a.dest: a for a in build_parser()._actions}
+    flag_defaults = _flags()
+    built = server_config(MODEL, device="cpu")
+    for p in params:
+        s = declared[p.name]
+        assert hints[p.name] in (p.type, p.type | None), (p.name, hints[p.name])
+        # the flag: the registry's help text, and (for a value) its default and choices
+        action = actions[s.dest]
+        assert s.option in action.option_strings and s.group == "outputs"
+        assert p.help.replace("%", "%%") in str(action.help), p.name
+        assert flag_defaults[p.name] == p.default, p.name
+        if p.choices:
+            assert tuple(action.choices or ()) == p.choices
+        # the keyword: serve()'s and server_config()'s, defaulting to the registry's default
+        assert CONFIG[p.name] == s and s.default == p.default
+        assert getattr(built, p.name) == p.default and getattr(ServerConfig(model=MODEL), p.name) == p.default
+        # the check: the registry's, worded for the caller
+        with pytest.raises(SpecError) as api:
+            server_config(MODEL, device="cpu", **{p.name: "not-a-value"})
+        assert str(api.value).startswith(f"{p.name}= must be") and p.wire not in str(api.value), str(api.value)
+    assert built.output_defaults() == OutputDefaults.from_options({p.name: p.default for p in params})
+    assert built.output_defaults().transform("X") == OutputTransform("X")
 
 
 def _imports(path: Path) -> set[str]:
