@@ -142,16 +142,31 @@ class DynamicBatcher:
 
     async def submit(self, work: Work) -> tuple[list[EncodedOutput], Timing]:
         """Queue one request and wait for its encoded outputs."""
+        return (await self.submit_rows([work]))[0]
+
+    async def submit_rows(self, works: list[Work]) -> list[tuple[list[EncodedOutput], Timing]]:
+        """Queue the rows of one request (`rows.RowSplitter`) at once, each free to join any batch,
+        and wait for all their outputs, in order. Admitted whole or refused whole: the queue bound
+        is checked once, so a request's rows may take the queue past it by fewer than one request.
+        If one row fails, or the caller goes away, the rows not yet run are dropped unexecuted."""
         if self._closed:
             raise BatcherClosedError("the batcher is closed")
         if len(self._queue) >= self._config.max_queue_size:
             raise QueueFullError(
                 f"queue is full ({self._config.max_queue_size} requests waiting); retry on another teacher"
             )
-        pending = _Pending(work, asyncio.get_running_loop().create_future())
-        self._queue.append(pending)
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(w, loop.create_future()) for w in works]
+        self._queue.extend(pending)
         self._wake()
-        return await pending.future
+        if len(pending) == 1:
+            return [await pending[0].future]
+        try:
+            return list(await asyncio.gather(*(p.future for p in pending)))
+        except BaseException:
+            for p in pending:
+                p.future.cancel()
+            raise
 
     def _wake(self) -> None:
         for w in self._waiters:

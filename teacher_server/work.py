@@ -26,6 +26,8 @@ class Work:
     `shape_key` holds the per-sample shapes of the inputs the client sized (-1 dimensions) and
     not padded: only requests with equal keys may be concatenated. `length` is the sequence
     length of a padded model's request (None otherwise); `pads` says which inputs are padded.
+    `useful` is the positions its attention mask marks, when the mask was looked at (`rows`):
+    what the token metrics count, rather than samples x length.
     """
 
     inputs: list[torch.Tensor]
@@ -34,11 +36,13 @@ class Work:
     shape_key: tuple[tuple[int, ...], ...] = ()
     length: int | None = None
     pads: PadPlan = field(default=())
+    useful: int | None = None
 
     @property
     def tokens(self) -> int:
-        """Positions this request really needs computed (samples x its own length)."""
-        return self.batch_size * (self.length or 1)
+        """Positions this request really needs computed: those its mask marks, else samples x its
+        own length."""
+        return self.useful if self.useful is not None else self.batch_size * (self.length or 1)
 
     def cut(self, tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         """This request's slice of a batch output (batch rows already taken), cut back to its own
