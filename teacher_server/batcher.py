@@ -13,8 +13,11 @@ padded sequence inputs (`spec.TensorSpec.pad_value`) lets requests of different 
 batch; they are padded to the longest (`work.batch_input`), so to keep that waste small a batch
 takes only requests in the oldest request's power-of-two length bucket (lengths 9..16 together,
 17..32 together, ...), and when more requests are queued than one batch holds, it takes those of
-the closest lengths instead (any bucket). `max_batch_tokens` caps samples x padded length.
-`length_buckets=False` turns both length rules off (any lengths, oldest first): the baseline
+the closest lengths instead (any bucket). A padded model's batches are bounded in tokens, not
+sequences: samples x padded length within `BatchingConfig.token_budget` (`max_batch_tokens`, by
+default `max_batch_size` x `TYPICAL_LENGTH` = 64 positions), so a batch of short sequences holds
+more of them than `max_batch_size` and one of long sequences fewer; the model's cost (and its
+memory) follows tokens. `length_buckets=False` turns both length rules off (any lengths, oldest first): the baseline
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
 """
@@ -57,13 +60,18 @@ class _Pending:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
+TYPICAL_LENGTH = 64
+"""Positions per sequence the default token budget of a padded model assumes: max_batch_size 256
+gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on an H100 (issue 26)."""
+
+
 @dataclass(frozen=True)
 class BatchingConfig:
-    max_batch_size: int = 256
+    max_batch_size: int = 256  # largest request; the batch bound of models without padded inputs
     max_queue_delay_us: int = 500
     max_queue_size: int = 512
     enabled: bool = True
-    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0 = no cap
+    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
     length_buckets: bool = True  # padded models: batch only requests of one length bucket
 
     def __post_init__(self) -> None:
@@ -74,7 +82,13 @@ class BatchingConfig:
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
         if self.max_batch_tokens < 0:
-            raise ValueError(f"max_batch_tokens must be >= 0 (0: no cap), got {self.max_batch_tokens}")
+            raise ValueError(f"max_batch_tokens must be >= 0 (0: the default), got {self.max_batch_tokens}")
+
+    @property
+    def token_budget(self) -> int:
+        """Positions (samples x padded length) a batch of a padded model may compute; a single
+        request larger than this still runs, alone."""
+        return self.max_batch_tokens or self.max_batch_size * TYPICAL_LENGTH
 
 
 BatchListener = Callable[[int, int, int], None]
@@ -219,8 +233,7 @@ class DynamicBatcher:
         and across buckets, that fills it with the least padding (`_closest_lengths`): full batches,
         padded far less than oldest-first pads them."""
         first = batch[0].work
-        size = sum(p.work.batch_size for p in batch)
-        if size >= self._config.max_batch_size:
+        if self._full(batch):
             return True
         if not self._queue:
             return False
@@ -235,12 +248,20 @@ class DynamicBatcher:
         chosen = set(map(id, taken))
         batch.extend(taken)
         self._queue = collections.deque(p for p in live if id(p) not in chosen)
-        return full or size + sum(p.work.batch_size for p in taken) >= self._config.max_batch_size
+        return full or self._full(batch)
 
     def _fits(self, samples: int, padded_len: int | None) -> bool:
-        cap = self._config.max_batch_tokens
-        return samples <= self._config.max_batch_size and not (cap and padded_len is not None and
-                                                               samples * padded_len > cap)
+        """A batch of `samples` fits: padded models within the token budget (padded_len given),
+        others within max_batch_size."""
+        if padded_len is None:
+            return samples <= self._config.max_batch_size
+        return samples * padded_len <= self._config.token_budget
+
+    def _full(self, batch: list[_Pending]) -> bool:
+        """Not even one more sample of the batch's padded length would fit."""
+        size = sum(p.work.batch_size for p in batch)
+        longest = max(p.work.length or 0 for p in batch) if batch[0].work.length is not None else None
+        return not self._fits(size + 1, longest)
 
     def _oldest_first(self, batch: list[_Pending], candidates: list[_Pending]) -> tuple[list[_Pending], bool]:
         """Candidates in queue order while they fit; (taken, whether one did not fit)."""
@@ -283,9 +304,10 @@ class DynamicBatcher:
                                        max(base_longest, order[j].work.length or 0)):
                 j += 1
             total = base_size + sizes[j] - sizes[i]
-            if j == i or (j == n and total < self._config.max_batch_size):
+            padded_len = max(base_longest, order[j - 1].work.length or 0) if j > i else base_longest
+            if j == i or (j == n and self._fits(total + 1, padded_len)):
                 continue  # empty, or ran out of candidates before the batch was full
-            computed = total * max(base_longest, order[j - 1].work.length or 0)
+            computed = total * padded_len
             efficiency = (base_useful + useful[j] - useful[i]) / computed
             if best is None or (total, efficiency) > best[:2]:
                 best = (total, efficiency, i, j)

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait; beyond it: RESOURCE_EXHAUSTED (default: %(default)s)")
     b.add_argument("--no-dynamic-batching", action="store_true", help="run every request as its own batch")
     b.add_argument("--max-batch-tokens", type=int, default=0,
-                   help="models with padded inputs: cap on batch size x padded length (default: no cap; "
-                   "a larger single request still runs alone)")
+                   help="models with padded inputs: the batch bound, samples x padded length "
+                   "(default 0: max-batch-size x 64; a larger single request still runs alone)")
     b.add_argument("--no-length-buckets", action="store_true",
                    help="models with padded inputs: pad requests of any length together (default: by length bucket)")
 
