@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from teacher_server import staging
 from teacher_server.instance import ModelInstance
 from teacher_server.outputs import EncodedOutput
+from teacher_server.staging import Stager
 from teacher_server.work import Work
 
 log = logging.getLogger(__name__)
@@ -115,14 +118,24 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _fail(batch: list[_Pending], error: BaseException) -> None:
+    for p in batch:
+        if not p.future.done():
+            p.future.set_exception(error)
+
+
 class DynamicBatcher:
     """Schedules queued requests onto model instances; lives on one event loop."""
 
-    def __init__(self, instances: list[ModelInstance], config: BatchingConfig) -> None:
+    def __init__(self, instances: list[ModelInstance], config: BatchingConfig, stage_ahead: bool | None = None) -> None:
+        """`stage_ahead`: form each instance's next batch and build its inputs on the device while
+        the current batch runs (`teacher_server.staging`); None: where that overlaps (CUDA)."""
         if not instances:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
+        self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
+                         if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
         self._waiters: list[asyncio.Future[None]] = []
         self._workers: list[asyncio.Task[None]] = []
@@ -136,6 +149,11 @@ class DynamicBatcher:
 
     def on_tokens(self, listener: TokenListener) -> None:
         self._token_listeners.append(listener)
+
+    @property
+    def stagers(self) -> list[Stager]:
+        """The instances' stagers (none where batches are not staged ahead)."""
+        return list(self._stagers.values())
 
     @property
     def queue_depth(self) -> int:
@@ -216,11 +234,15 @@ class DynamicBatcher:
         if not self._config.enabled:
             return batch
         deadline_ns = first.enqueued_ns + self._config.max_queue_delay_us * 1000
-        while not self._take_compatible(batch):
-            remaining_ns = deadline_ns - time.perf_counter_ns()
-            if remaining_ns <= 0:
-                break
-            await self._wait_arrival(remaining_ns / 1e9)
+        try:
+            while not self._take_compatible(batch):
+                remaining_ns = deadline_ns - time.perf_counter_ns()
+                if remaining_ns <= 0:
+                    break
+                await self._wait_arrival(remaining_ns / 1e9)
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this request ran"))
+            raise
         return batch
 
     def _take_compatible(self, batch: list[_Pending]) -> bool:
@@ -317,37 +339,68 @@ class DynamicBatcher:
         return [p for p in candidates if id(p) in picked]  # queue order
 
     async def _worker(self, inst: ModelInstance) -> None:
-        loop = asyncio.get_running_loop()
+        stager = self._stagers.get(inst.index)
+        if stager is not None:
+            await self._pipelined(inst, stager)
+            return
         while True:
-            batch = await self._next_batch()
-            started = time.perf_counter_ns()
-            self._executing += 1
-            try:
-                result = await loop.run_in_executor(inst.executor, inst.run, [p.work for p in batch])
-            except asyncio.CancelledError:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(BatcherClosedError("the server stopped before this batch finished"))
-                raise
-            except Exception as e:
-                log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            finally:
-                self._executing -= 1
-            samples = sum(p.work.batch_size for p in batch)
-            for p, outs in zip(batch, result.per_request, strict=True):
-                if not p.future.done():
-                    p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
-            for listener in self._listeners:
-                listener(samples, len(batch), result.compute_ns)
-            if batch[0].work.length is not None:
-                useful = sum(p.work.tokens for p in batch)
-                computed = samples * max(p.work.length or 0 for p in batch)
-                for token_listener in self._token_listeners:
-                    token_listener(useful, computed)
+            await self._execute(inst, await self._next_batch())
+
+    async def _pipelined(self, inst: ModelInstance, stager: Stager) -> None:
+        """Run batches on `inst` while the next one is formed and staged (`teacher_server.staging`):
+        the instance starts each batch with its inputs already on the device. At most one batch
+        waits staged per instance; if the server stops, its requests are answered UNAVAILABLE."""
+        nxt = asyncio.ensure_future(self._next_staged(stager))
+        try:
+            while True:
+                batch = await nxt
+                nxt = asyncio.ensure_future(self._next_staged(stager))
+                await self._execute(inst, batch)
+        finally:
+            if nxt.done() and not nxt.cancelled() and nxt.exception() is None:
+                _fail(nxt.result(), BatcherClosedError("the server stopped before this request ran"))
+            nxt.cancel()  # its own handler fails a batch it had already taken
+            with contextlib.suppress(BaseException):
+                await nxt
+
+    async def _next_staged(self, stager: Stager) -> list[_Pending]:
+        batch = await self._next_batch()
+        try:
+            await asyncio.get_running_loop().run_in_executor(stager.executor, stager.stage, [p.work for p in batch])
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this request ran"))
+            raise
+        except Exception:
+            log.exception("staging a batch of %d requests failed; the instance gathers its inputs itself", len(batch))
+        return batch
+
+    async def _execute(self, inst: ModelInstance, batch: list[_Pending]) -> None:
+        """Run one batch on `inst` and answer its requests (their futures), then the listeners."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter_ns()
+        self._executing += 1
+        try:
+            result = await loop.run_in_executor(inst.executor, inst.run, [p.work for p in batch])
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this batch finished"))
+            raise
+        except Exception as e:
+            log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
+            _fail(batch, e)
+            return
+        finally:
+            self._executing -= 1
+        samples = sum(p.work.batch_size for p in batch)
+        for p, outs in zip(batch, result.per_request, strict=True):
+            if not p.future.done():
+                p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
+        for listener in self._listeners:
+            listener(samples, len(batch), result.compute_ns)
+        if batch[0].work.length is not None:
+            useful = sum(p.work.tokens for p in batch)
+            computed = samples * max(p.work.length or 0 for p in batch)
+            for token_listener in self._token_listeners:
+                token_listener(useful, computed)
 
     async def close(self) -> int:
         """Stop the workers and fail whatever is still queued or running (drain first for a clean
@@ -360,6 +413,8 @@ class DynamicBatcher:
         self._workers = []
         while (p := self._pop_live()) is not None:
             p.future.set_exception(BatcherClosedError("the server stopped before this request ran"))
+        for stager in self._stagers.values():
+            await asyncio.to_thread(stager.close)
         abandoned = 0
         for inst in self._instances:
             if inst.busy:

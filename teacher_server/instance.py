@@ -17,6 +17,7 @@ import torch
 
 from teacher_server.model import LoadedModel
 from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named, transform_output
+from teacher_server.staging import take_staged
 from teacher_server.work import Work, batch_input
 
 
@@ -86,6 +87,8 @@ class ModelInstance:
         return BatchResult(per_request, time.perf_counter_ns() - start)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
+        if (staged := take_staged(works)) is not None:  # built ahead by the batcher's stager
+            return staged
         if len(works) == 1:
             return [x.to(self.model.device) for x in works[0].inputs]  # zero-copy on CPU
         n_inputs = len(works[0].inputs)
@@ -93,6 +96,8 @@ class ModelInstance:
 
     def _gather_cuda(self, works: Sequence[Work]) -> list[torch.Tensor]:
         assert self._staging is not None
+        if (staged := take_staged(works)) is not None:  # built and copied ahead by the batcher's stager
+            return staged
         total = sum(w.batch_size for w in works)
         xs = []
         for i, buf in enumerate(self._staging):
