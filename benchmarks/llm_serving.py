@@ -1,6 +1,10 @@
 """W6 LLM teacher serving (DESIGN.md, "Reference workloads" and "Sequence and LLM teachers").
 
-    .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR]
+    .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR] [--mode reader]
+
+`--mode reader` measures the reader path instead: `DistillReader` with the student's padded
+batches in loader order against the same server fed one sequence per request
+(benchmarks/llm_reader.py).
 
 The teacher is the LLM example's causal LM (examples/llm; the trained one in the cache, else the
 smoke one, trained here in seconds; or `--teacher DIR`), served with `--model hf:DIR`. The
@@ -92,6 +96,7 @@ class Settings:
     gate_budget_s: float = 60.0
     max_redos: int = 6
     out: str = "llm_serving"
+    mode: str = "server"  # "server": W6 as below; "reader": the reader path (benchmarks/llm_reader.py)
 
     @property
     def server_instances(self) -> int:
@@ -512,7 +517,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--max-foreign-cores", type=float, default=Settings.max_foreign_cores,
                    help="wait for, and re-measure past, this much CPU used by other processes (0: off)")
     p.add_argument("--gate-budget", type=float, default=None, help="seconds the run may wait for quiet (60; 5 quick)")
-    p.add_argument("--out", default="llm_serving", help="results file benchmarks/results/<OUT>.json")
+    p.add_argument("--mode", choices=("server", "reader"), default="server",
+                   help="server: in-process vs the server fed one sequence per request (default); reader: "
+                   "DistillReader with padded batches in loader order vs one sequence per request")
+    p.add_argument("--out", default=None,
+                   help="results file benchmarks/results/<OUT>.json "
+                   "(default llm_serving, or llm_reader with --mode reader)")
     a = p.parse_args(argv)
     reps = a.reps if a.reps is not None else (2 if a.quick else Settings.reps)
     sequences = a.sequences if a.sequences is not None else (96 if a.quick else Settings.sequences)
@@ -523,12 +533,17 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         clients=a.clients, delay_us=a.delay_us, threads=a.threads, instances=a.instances, teacher=a.teacher,
         tiny=a.tiny, quick=a.quick, max_foreign_cores=a.max_foreign_cores,
         gate_budget_s=a.gate_budget if a.gate_budget is not None else (5.0 if a.quick else Settings.gate_budget_s),
-        max_redos=0 if a.quick else Settings.max_redos, out=a.out,
+        max_redos=0 if a.quick else Settings.max_redos,
+        out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
+    if s.mode == "reader":
+        from benchmarks import llm_reader
+
+        return run_and_report(lambda: asyncio.run(llm_reader.run(s)), s.out, llm_reader.report)
     return run_and_report(lambda: asyncio.run(run(s)), s.out, report)
 
 
