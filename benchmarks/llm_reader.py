@@ -7,8 +7,12 @@ it should do the same work as when fed the same sequences one per request. Per r
 interleaved, each variant processes the same sequences once, against one teacher-server process:
 
   * reader: `DistillReader` over the student's padded batches in loader order, --clients / --batch
-    batches read ahead (the same sequences in flight as the one-per-request clients), top-k
-    log-probs in fp16 with the tail, hedging off (a hedged chunk would be computed twice);
+    batches read ahead and as many requests allowed in flight to the teacher (`RouterConfig`
+    initial_limit), so the teacher holds the same sequences as from the one-per-request clients;
+    top-k log-probs in fp16 with the tail, hedging off (a hedged chunk would be computed twice);
+  * reader, default router: the same with the router's own adaptive in-flight limit (it starts at
+    2 requests per teacher and grows while latency stays near the best seen): what a student gets
+    without tuning;
   * one per request: the same sequences, one `[1, L]` request each, from --clients concurrent
     clients over raw gRPC (the W6 server variant);
   * in-process: the model on the loader's padded batches in loader order (for scale).
@@ -51,9 +55,11 @@ from benchmarks.llm_serving import (
     Settings,
     draw_sequences,
     executions,
+    load_inprocess,
     make_request,
     measure_inprocess,
     measure_server,
+    on_device,
     padded_batches,
     print_rep,
     scrape_tokens,
@@ -63,7 +69,7 @@ from benchmarks.llm_serving import (
 from teacher_server.launch import TeacherProcess
 
 READER_GOAL = 0.95
-VARIANTS = ("reader", "one_per_request", "inprocess")
+VARIANTS = ("reader", "reader_default_router", "one_per_request", "inprocess")
 
 
 class Loader:
@@ -76,8 +82,13 @@ class Loader:
         return iter(self.batches)
 
 
-def reader_options(endpoint: str, s: Settings) -> dict[str, Any]:
-    return {"teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
+def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str, Any]:
+    """`matched`: the router may keep all read-ahead batches in flight (else its default limit)."""
+    from distill.router import RouterConfig
+
+    ahead = max(1, s.concurrency // s.batch)
+    router = {"router": RouterConfig(initial_limit=float(ahead), max_limit=max(ahead, 16))} if matched else {}
+    return {**router, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
                                                                    "ATTENTION_MASK": "attention_mask"},
             "outputs": ["LOGITS"], "top_k": s.top_k, "logprobs": True, "output_dtype": "FP16", "topk_tail": True,
             "timeout": 60.0, "prefetch": max(1, s.concurrency // s.batch), "hedge_after": None}
@@ -121,7 +132,7 @@ async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int) 
 
 
 async def run(s: Settings) -> dict[str, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from distill import DistillReader
 
@@ -133,9 +144,10 @@ async def run(s: Settings) -> dict[str, Any]:
     print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
           f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
     torch.set_num_threads(s.server_threads)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True).eval()
-    batches = padded_batches(seqs, s.batch, pad_id)
-    student = [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in batches]
+    s.choice.check()
+    model = load_inprocess(directory, s.choice)
+    batches = on_device(padded_batches(seqs, s.batch, pad_id), s.choice)
+    student = [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in padded_batches(seqs, s.batch, pad_id)]
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
     useful = sum(lengths)
 
@@ -149,6 +161,7 @@ async def run(s: Settings) -> dict[str, Any]:
             ("grpc.use_local_subchannel_pool", 1)])
         loader = Loader(student[:4])
         reader = stack.enter_context(DistillReader(loader, **reader_options(server.endpoint, s)))
+        plain = stack.enter_context(DistillReader(loader, **reader_options(server.endpoint, s, matched=False)))
         try:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(chan)
             diff = await check_rows(stub, reader, seqs[: s.batch], s.top_k)
@@ -159,8 +172,9 @@ async def run(s: Settings) -> dict[str, Any]:
             measure_inprocess(model, batches[: max(1, warm // s.batch)], s.top_k, s.server_instances, pids)
             await measure_server(stub, requests[:warm], lengths[:warm], clients=s.concurrency, metrics_port=port,
                                  server_pids=pids)
-            await measure_reader(reader, sum(b["attention_mask"].sum().item() for b in loader.batches),
-                                 metrics_port=port, stub=stub, server_pids=pids)
+            for r in (reader, plain):
+                await measure_reader(r, int(sum(b["attention_mask"].sum().item() for b in loader.batches)),
+                                     metrics_port=port, stub=stub, server_pids=pids)
             loader.batches = student
 
             async def inprocess() -> Measurement:
@@ -168,6 +182,8 @@ async def run(s: Settings) -> dict[str, Any]:
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {
                 "reader": lambda: measure_reader(reader, useful, metrics_port=port, stub=stub, server_pids=pids),
+                "reader_default_router": lambda: measure_reader(plain, useful, metrics_port=port, stub=stub,
+                                                                server_pids=pids),
                 "one_per_request": lambda: measure_server(stub, requests, lengths, clients=s.concurrency,
                                                           metrics_port=port, server_pids=pids),
                 "inprocess": inprocess}
@@ -175,11 +191,13 @@ async def run(s: Settings) -> dict[str, Any]:
             discarded: dict[str, list[Measurement]] = {}
             per_rep = await ainterleave(s.reps, variants, print_rep,
                                         before=gate.wait if s.max_foreign_cores > 0 else None,
-                                        redo_if=redo_when_loaded(s.max_foreign_cores, s.max_redos),
+                                        redo_if=(redo_when_loaded(s.max_foreign_cores, s.max_redos)
+                                                 if s.max_foreign_cores > 0 else None),
                                         discarded=discarded)
         finally:
             await chan.close()
         reader.close()
+        plain.close()
         exit_code = server.stop()
 
     doc = summarise(s, per_rep)
@@ -214,12 +232,14 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
     pad_reader = padding("reader")
     return {
         "benchmark": "llm_serving --mode reader (W6, the reader path)",
-        "machine": machine_info(s.server_threads) | {"server_instances": s.server_instances,
+        "machine": machine_info(s.server_threads) | s.choice.info() | {"server_instances": s.server_instances,
                                                      "server_torch_threads": s.server_threads},
         "settings": {**{k: v for k, v in vars(s).items()}, "clients": s.concurrency,
                      "reader_prefetch": max(1, s.concurrency // s.batch)},
         "medians_tokens_per_s": {k: round(median([m.tokens_per_s for m in v]), 1) for k, v in per_rep.items()},
         "ratios": {"reader_over_one_per_request": ratio_of("reader", "one_per_request", READER_GOAL),
+                   "reader_default_router_over_one_per_request": ratio_of("reader_default_router",
+                                                                          "one_per_request", 0.0),
                    "one_per_request_over_inprocess": ratio_of("one_per_request", "inprocess", 0.0),
                    "reader_over_inprocess": ratio_of("reader", "inprocess", 0.0)},
         "padding_efficiency": {k: padding(k) for k in VARIANTS} | {
@@ -230,7 +250,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
 
 def report(doc: dict[str, Any]) -> str:
     med, pad = doc["medians_tokens_per_s"], doc["padding_efficiency"]
-    labels = {"reader": "DistillReader, padded batches in loader order", "one_per_request": "server, one per request",
+    labels = {"reader": "DistillReader, padded batches in loader order",
+              "reader_default_router": "the same, the router's default in-flight limit",
+              "one_per_request": "server, one per request",
               "inprocess": "in-process, padded batches in loader order"}
     rows = [[label, med[k], pad[k], ", ".join(f"{m['tokens_per_s']:,.0f}{'' if m['quiet'] else '*'}"
                                                for m in doc["per_rep"][k])] for k, label in labels.items()]
