@@ -229,7 +229,16 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
     def padding(k: str) -> float:
         return median([m.padding_efficiency for m in per_rep[k] if m.padding_efficiency is not None])
 
+    def per_core(k: str) -> list[float]:
+        """Tokens per CPU-second the server used: what the teacher did with the CPU it got, which
+        other people's jobs on a shared machine disturb far less than tokens per second."""
+        return [m.tokens_per_s / m.cpu.server_cores for m in per_rep[k] if m.cpu and m.cpu.server_cores > 0]
+
     pad_reader = padding("reader")
+    served = [k for k in VARIANTS if k != "inprocess"]
+    per_core_ratios = {
+        f"{k}_over_one_per_request": round(median(paired_ratios(per_core(k), per_core("one_per_request"))), 4)
+        for k in served if k != "one_per_request" and per_core(k) and per_core("one_per_request")}
     return {
         "benchmark": "llm_serving --mode reader (W6, the reader path)",
         "machine": machine_info(s.server_threads) | s.choice.info() | {"server_instances": s.server_instances,
@@ -242,6 +251,8 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
                                                                           "one_per_request", 0.0),
                    "one_per_request_over_inprocess": ratio_of("one_per_request", "inprocess", 0.0),
                    "reader_over_inprocess": ratio_of("reader", "inprocess", 0.0)},
+        "tokens_per_server_core_s": {k: round(median(per_core(k)), 1) for k in served if per_core(k)}
+        | {"ratios": per_core_ratios},
         "padding_efficiency": {k: padding(k) for k in VARIANTS} | {
             "goal": PADDING_GOAL, "verdict": "PASS" if pad_reader >= PADDING_GOAL else "below goal"},
         "per_rep": {k: [m.as_dict() | {"quiet": quiet(m)} for m in v] for k, v in per_rep.items()},
@@ -260,6 +271,9 @@ def report(doc: dict[str, Any]) -> str:
     out.append(format_table(["ratio", "median", "goal", "quiet pairs", "verdict"],
                             [[k, v["headline"], v["goal"] or "", f"{v['quiet_pairs']}/{v['pairs']}", v["verdict"]]
                              for k, v in doc["ratios"].items()]))
+    pc = doc["tokens_per_server_core_s"]
+    out += ["", "tokens per server CPU-second: " + ", ".join(f"{k} {v:,.0f}" for k, v in pc.items() if k != "ratios")
+            + "; " + ", ".join(f"{k} {v:.3f}" for k, v in pc["ratios"].items())]
     m = doc["machine"]
     out += ["", f"teacher padding efficiency on the reader's traffic {pad['reader']:.3f} (goal {PADDING_GOAL}): "
             f"{pad['verdict']}",

@@ -71,7 +71,7 @@ from benchmarks.common import (
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
 from benchmarks.device import DeviceChoice, add_device_args
-from teacher_server.batcher import TYPICAL_LENGTH
+from teacher_server.batch_rules import TYPICAL_LENGTH
 from teacher_server.launch import TeacherProcess
 
 MODEL_NAME = "llm_teacher"

@@ -17,7 +17,10 @@ the closest lengths instead (any bucket). A padded model's batches are bounded i
 sequences: samples x padded length within `BatchingConfig.token_budget` (`max_batch_tokens`, by
 default `max_batch_size` x `TYPICAL_LENGTH` = 64 positions), so a batch of short sequences holds
 more of them than `max_batch_size` and one of long sequences fewer; the model's cost (and its
-memory) follows tokens. `length_buckets=False` turns both length rules off (any lengths, oldest first): the baseline
+memory) follows tokens. And a request joins a batch only if the batch's padding efficiency
+(useful / computed positions) stays at least `min_padding_efficiency` (0.85): with few requests
+queued, a batch waits out the delay or runs smaller rather than pad a wide spread of lengths.
+`length_buckets=False` turns these length rules off (any lengths, oldest first): the baseline
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
 """
@@ -33,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from teacher_server import staging
+from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
 from teacher_server.instance import ModelInstance
 from teacher_server.outputs import EncodedOutput
 from teacher_server.staging import Stager
@@ -63,54 +67,12 @@ class _Pending:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
-TYPICAL_LENGTH = 64
-"""Positions per sequence the default token budget of a padded model assumes: max_batch_size 256
-gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on an H100 (issue 26)."""
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_batch_size: int = 256  # largest request; the batch bound of models without padded inputs
-    max_queue_delay_us: int = 500
-    max_queue_size: int = 512
-    enabled: bool = True
-    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
-    length_buckets: bool = True  # padded models: batch only requests of one length bucket
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_queue_delay_us < 0:
-            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
-        if self.max_queue_size < 1:
-            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
-        if self.max_batch_tokens < 0:
-            raise ValueError(f"max_batch_tokens must be >= 0 (0: the default), got {self.max_batch_tokens}")
-
-    @property
-    def token_budget(self) -> int:
-        """Positions (samples x padded length) a batch of a padded model may compute; a single
-        request larger than this still runs, alone."""
-        return self.max_batch_tokens or self.max_batch_size * TYPICAL_LENGTH
-
-
 BatchListener = Callable[[int, int, int], None]
 """Called as listener(samples, requests, compute_ns) after every executed batch."""
 
 TokenListener = Callable[[int, int], None]
 """Called as listener(useful, computed) after every executed batch of a padded model: positions
 the requests needed, and positions computed including padding."""
-
-
-def _bucket(length: int | None) -> int:
-    """Power-of-two length bucket: 1, 2, 3..4, 5..8, 9..16, ... share a bucket."""
-    return (length - 1).bit_length() if length else 0
-
-
-def _compatible(first: Work, other: Work, buckets: bool = True) -> bool:
-    if other.shape_key != first.shape_key:
-        return False
-    return not buckets or _bucket(other.length) == _bucket(first.length)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -134,6 +96,7 @@ class DynamicBatcher:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
+        self._rules = BatchRules(config)
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
                          if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -252,91 +215,26 @@ class DynamicBatcher:
 
         Oldest first, from batch[0]'s length bucket. When the queued requests of a padded model
         are more than one batch holds, the batch instead takes the run of them, in length order
-        and across buckets, that fills it with the least padding (`_closest_lengths`): full batches,
-        padded far less than oldest-first pads them."""
+        and across buckets, that fills it with the least padding (`BatchRules.closest_lengths`):
+        full batches, padded far less than oldest-first pads them."""
         first = batch[0].work
-        if self._full(batch):
+        if self._rules.full(batch):
             return True
         if not self._queue:
             return False
         buckets = self._config.length_buckets
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
-        taken, full = self._oldest_first(batch, [p for p in pool if _compatible(first, p.work, buckets)])
-        if buckets and first.length is not None and len(pool) > len(taken) and self._oldest_first(batch, pool)[1]:
-            closest = self._closest_lengths(batch, pool)
+        floor = self._config.min_padding_efficiency if buckets else 0.0
+        taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)], floor)
+        if buckets and first.length is not None and len(pool) > len(taken) and self._rules.oldest_first(batch, pool)[1]:
+            closest = self._rules.closest_lengths(batch, pool, floor)
             if closest:
                 taken, full = closest, True
         chosen = set(map(id, taken))
         batch.extend(taken)
         self._queue = collections.deque(p for p in live if id(p) not in chosen)
-        return full or self._full(batch)
-
-    def _fits(self, samples: int, padded_len: int | None) -> bool:
-        """A batch of `samples` fits: padded models within the token budget (padded_len given),
-        others within max_batch_size."""
-        if padded_len is None:
-            return samples <= self._config.max_batch_size
-        return samples * padded_len <= self._config.token_budget
-
-    def _full(self, batch: list[_Pending]) -> bool:
-        """Not even one more sample of the batch's padded length would fit."""
-        size = sum(p.work.batch_size for p in batch)
-        longest = max(p.work.length or 0 for p in batch) if batch[0].work.length is not None else None
-        return not self._fits(size + 1, longest)
-
-    def _oldest_first(self, batch: list[_Pending], candidates: list[_Pending]) -> tuple[list[_Pending], bool]:
-        """Candidates in queue order while they fit; (taken, whether one did not fit)."""
-        size = sum(p.work.batch_size for p in batch)
-        longest = max(p.work.length or 0 for p in batch)
-        taken: list[_Pending] = []
-        for p in candidates:
-            w = p.work
-            padded_len = max(longest, w.length or 0)
-            if not self._fits(size + w.batch_size, padded_len if w.length is not None else None):
-                return taken, True
-            taken.append(p)
-            size, longest = size + w.batch_size, padded_len
-        return taken, False
-
-    def _closest_lengths(self, batch: list[_Pending], candidates: list[_Pending]) -> list[_Pending]:
-        """The run of candidates, consecutive in length order, that fills the batch (the next one
-        would not fit): the most samples, then the highest useful / computed positions; [] when
-        no run fills it.
-
-        Oldest-first mixes short and long requests and pads them all to the longest; a run of
-        neighbouring lengths pads far less. The oldest request is batch[0] whatever is chosen,
-        so no request waits for more than the batches ahead of it. Two pointers over the
-        sorted candidates: the runs' ends only move forward.
-        """
-        order = sorted(candidates, key=lambda p: p.work.length or 0)
-        n = len(order)
-        base_size = sum(p.work.batch_size for p in batch)
-        base_longest = max(p.work.length or 0 for p in batch)
-        base_useful = sum(p.work.tokens for p in batch)
-        sizes, useful = [0], [0]
-        for p in order:
-            sizes.append(sizes[-1] + p.work.batch_size)
-            useful.append(useful[-1] + p.work.tokens)
-        best: tuple[int, float, int, int] | None = None  # (samples, efficiency, start, end)
-        j = 0
-        for i in range(n):
-            j = max(j, i)
-            while j < n and self._fits(base_size + sizes[j + 1] - sizes[i],
-                                       max(base_longest, order[j].work.length or 0)):
-                j += 1
-            total = base_size + sizes[j] - sizes[i]
-            padded_len = max(base_longest, order[j - 1].work.length or 0) if j > i else base_longest
-            if j == i or (j == n and self._fits(total + 1, padded_len)):
-                continue  # empty, or ran out of candidates before the batch was full
-            computed = total * padded_len
-            efficiency = (base_useful + useful[j] - useful[i]) / computed
-            if best is None or (total, efficiency) > best[:2]:
-                best = (total, efficiency, i, j)
-        if best is None:
-            return []
-        picked = set(map(id, order[best[2] : best[3]]))
-        return [p for p in candidates if id(p) in picked]  # queue order
+        return full or self._rules.full(batch)
 
     async def _worker(self, inst: ModelInstance) -> None:
         stager = self._stagers.get(inst.index)
