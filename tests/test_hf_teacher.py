@@ -91,7 +91,7 @@ def test_requests_of_other_lengths_share_a_batch_and_get_their_own_positions(
 
     import tritonclient.grpc.aio as tga
 
-    lengths = (9, 10, 12, 14)
+    lengths = (11, 12, 13, 14)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(1, VOCAB, size=(1, n), dtype=np.int64) for n in lengths]
     config = ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", instances=1,
