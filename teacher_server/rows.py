@@ -37,8 +37,6 @@ from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import ModelIO
 from teacher_server.work import Work
 
-TOPK_SUFFIXES = ("", "_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL")
-
 
 @dataclass
 class Rows:
@@ -49,7 +47,16 @@ class Rows:
     works: list[Work]
     spans: list[tuple[int, int]]
     width: int
-    axes: dict[str, int]  # output name -> sequence axis (batch dimension included), per-position only
+    axes: dict[str, int]  # per-position output -> sequence axis (batch dimension included)
+    flat: frozenset[str] = frozenset()  # declared outputs that are not per-position
+
+    def axis(self, name: str) -> int | None:
+        """The sequence axis of encoded output `name`: that of the per-position output it is, or
+        was derived from (`LOGITS_TOPK_VALUES`, and any other `LOGITS_...` a transform adds);
+        None for an output that is not per-position."""
+        if name in self.axes or name in self.flat:
+            return self.axes.get(name)
+        return next((a for base, a in self.axes.items() if name.startswith(base + "_")), None)
 
     def assemble(self, answers: Sequence[Sequence[EncodedOutput]]) -> list[EncodedOutput]:
         """The request's outputs from its rows' (`answers`, in `works` order): each output at the
@@ -57,7 +64,7 @@ class Rows:
         template = answers[0]
         out: list[EncodedOutput] = []
         for j, (name, dtype, shape0, raw0) in enumerate(template):
-            axis = self.axes.get(name)
+            axis = self.axis(name)
             numel0 = math.prod(shape0)
             itemsize = len(raw0) // numel0 if numel0 else 1
             parts = [a[j] for a in answers]
@@ -97,9 +104,9 @@ class RowSplitter:
         self._mask = names.index(io.attention_mask)
         mask_spec = io.inputs[self._mask]
         self._mask_axis = mask_spec.shape.index(-1) + 1
-        self._axes = {f"{s.name}{suffix}": s.shape.index(-1) + 1
-                      for s in io.outputs if s.per_position for suffix in TOPK_SUFFIXES}
+        self._axes = {s.name: s.shape.index(-1) + 1 for s in io.outputs if s.per_position}
         self._per_position = {s.name for s in io.outputs if s.per_position}
+        self._flat = frozenset(s.name for s in io.outputs if not s.per_position)
 
     @staticmethod
     def applies(io: ModelIO) -> bool:
@@ -142,7 +149,7 @@ class RowSplitter:
                 continue
             inputs = [_row(x, r, plan, start, stop) for x, plan in zip(work.inputs, work.pads, strict=True)]
             rows.append(Work(inputs, 1, work.outputs, work.shape_key, stop - start, work.pads, int(useful[r])))
-        return Rows(rows, spans, width, self._axes)
+        return Rows(rows, spans, width, self._axes, self._flat)
 
 
 def _row(x: torch.Tensor, r: int, plan: tuple[int, float] | None, start: int, stop: int) -> torch.Tensor:

@@ -263,3 +263,18 @@ def test_rows_that_are_all_padding() -> None:
     assert logits is not None and logits.shape == (3, 8, seq_models.VOCAB)
     assert not logits[1].any()
     assert torch.allclose(torch.from_numpy(logits[2:, :4]), _reference(ids[2:, :4])["LOGITS"], atol=1e-5)
+
+
+def test_outputs_derived_from_a_per_position_output_are_reassembled_along_its_axis() -> None:
+    """Any `<OUT>_...` output a transform adds to a per-position output is per-position too; a
+    declared output that is not per-position is concatenated even when its name shares the prefix."""
+    from teacher_server.rows import Rows
+
+    rows = Rows([], [(0, 2), (1, 3)], 3, {"LOGITS": 1}, frozenset({"LOGITS_POOLED"}))
+    assert rows.axis("LOGITS") == 1 and rows.axis("LOGITS_TOPK_VALUES") == 1 and rows.axis("LOGITS_SCORES") == 1
+    assert rows.axis("LOGITS_POOLED") is None and rows.axis("POOLED") is None
+    a = ("LOGITS_SCORES", "FP32", [1, 2], np.array([[1, 2]], dtype=np.float32).tobytes())
+    b = ("LOGITS_SCORES", "FP32", [1, 2], np.array([[3, 4]], dtype=np.float32).tobytes())
+    [(name, dtype, shape, raw)] = rows.assemble([[a], [b]])
+    assert (name, dtype, shape) == ("LOGITS_SCORES", "FP32", [2, 3])
+    assert np.frombuffer(raw, dtype=np.float32).reshape(2, 3).tolist() == [[1, 2, 0], [0, 3, 4]]
