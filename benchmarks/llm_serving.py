@@ -1,6 +1,11 @@
 """W6 LLM teacher serving (DESIGN.md, "Reference workloads" and "Sequence and LLM teachers").
 
-    .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR]
+    .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR] [--mode reader]
+                                               [--device cuda:0 --compute-dtype BF16]
+
+`--mode reader` measures the reader path instead: `DistillReader` with the student's padded
+batches in loader order against the same server fed one sequence per request
+(benchmarks/llm_reader.py).
 
 The teacher is the LLM example's causal LM (examples/llm; the trained one in the cache, else the
 smoke one, trained here in seconds; or `--teacher DIR`), served with `--model hf:DIR`. The
@@ -19,6 +24,10 @@ Headlines: server / in-process useful tokens per second (goal >= 0.90), padding 
 `teacher_padded_tokens_total` metrics) with buckets (goal >= 0.85) and without, and bytes per token
 on the wire from the responses' raw output contents (goal <= 130), beside the full-vocabulary fp32
 figure measured from one request that asks for the raw logits.
+
+On CUDA (`--device`, benchmarks/device.py) the in-process baseline is the best plain PyTorch
+instead: the same sequences sorted by length, in batches filling the server's token budget
+(--batch x 64 positions, the server's default), weights in --compute-dtype, inputs on the GPU.
 
 The same CPU budget on both sides: the server runs --instances instances x --threads torch threads
 (teacher-server's CPU default: one instance per core, one thread each) and the in-process baseline
@@ -62,6 +71,8 @@ from benchmarks.common import (
     run_and_report,
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
+from benchmarks.device import DeviceChoice, add_device_args
+from teacher_server.batch_rules import TYPICAL_LENGTH
 from teacher_server.launch import TeacherProcess
 
 MODEL_NAME = "llm_teacher"
@@ -93,6 +104,18 @@ class Settings:
     gate_budget_s: float = 60.0
     max_redos: int = 6
     out: str = "llm_serving"
+    mode: str = "server"  # "server": W6 as below; "reader": the reader path (benchmarks/llm_reader.py)
+    device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
+    compute_dtype: str = "FP32"
+
+    @property
+    def choice(self) -> DeviceChoice:
+        return DeviceChoice(self.device, self.compute_dtype)
+
+    @property
+    def token_budget(self) -> int:
+        """The server's default token budget at --max-batch-size --batch (teacher_server.batcher)."""
+        return self.batch * TYPICAL_LENGTH
 
     @property
     def server_instances(self) -> int:
@@ -191,6 +214,33 @@ def padded_batches(seqs: Sequence[list[int]], batch: int, pad_id: int) -> list[t
     return out
 
 
+def sorted_batches(seqs: Sequence[list[int]], budget: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The sequences sorted by length, in padded batches of at most `budget` positions (rows x
+    longest): the best plain PyTorch batching of the same work at the server's token budget."""
+    order = sorted(seqs, key=len)
+    groups: list[list[list[int]]] = [[]]
+    for q in order:
+        if groups[-1] and (len(groups[-1]) + 1) * len(q) > budget:
+            groups.append([])
+        groups[-1].append(q)
+    return [b for g in groups for b in padded_batches(g, len(g), pad_id)]
+
+
+def load_inprocess(directory: Path, choice: DeviceChoice) -> torch.nn.Module:
+    """The teacher in this process, weights in the compute dtype, on the device."""
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True,
+                                                                  dtype=choice.dtype)
+    return model.to(choice.torch_device).eval()
+
+
+def on_device(batches: list[tuple[torch.Tensor, torch.Tensor, int]],
+              choice: DeviceChoice) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Batches moved to the device once, before any timing."""
+    return [(ids.to(choice.torch_device), mask.to(choice.torch_device), n) for ids, mask, n in batches]
+
+
 def output_work(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the server does to LOGITS for these requests: log-softmax, top-k, fp16 values, int32
     ids, the probability mass outside the top-k."""
@@ -215,6 +265,8 @@ def measure_inprocess(model: torch.nn.Module, batches: list[tuple[torch.Tensor, 
                     i = next_i[0]
                     next_i[0] += 1
                 if i >= len(batches):
+                    if batches[0][0].is_cuda:
+                        torch.cuda.synchronize(batches[0][0].device)
                     return done
                 ids, mask, useful = batches[i]
                 output_work(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, k)
@@ -252,7 +304,7 @@ def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: 
     # A causal LM served as hf:DIR declares these itself (padded with its config's pad_token_id);
     # stated here so the benchmark pads with the tokenizer's pad id whatever the config says.
     args = [
-        "--model", f"hf:{directory}", "--name", MODEL_NAME, "--device", "cpu",
+        "--model", f"hf:{directory}", "--name", MODEL_NAME, *s.choice.server_args(),
         "--input", f"INPUT_IDS:INT64:-1:pad={pad_id}", "--input", "ATTENTION_MASK:INT64:-1:mask",
         "--output", f"LOGITS:FP32:-1,{vocab}:per_position",
         "--max-batch-size", str(s.batch), "--max-queue-delay-us", str(s.delay_us),
@@ -321,10 +373,10 @@ async def check_outputs(stub: Any, model: torch.nn.Module, seq: list[int], k: in
     got = {o.name: raw for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
     values = np.frombuffer(got["LOGITS_TOPK_VALUES"], dtype=np.float16).reshape(len(seq), k)
     with torch.inference_mode():
-        ids = torch.tensor([seq])
+        ids = torch.tensor([seq], device=next(model.parameters()).device)
         want, _, _ = output_work(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, k)
-    diff = float(np.abs(values.astype(np.float32) - want[0].float().numpy()).max())
-    if diff > 2e-2:
+    diff = float(np.abs(values.astype(np.float32) - want[0].float().cpu().numpy()).max())
+    if diff > (2e-2 if next(model.parameters()).dtype == torch.float32 else 1e-1):
         raise AssertionError(f"server top-{k} log-probs differ from the in-process model by up to {diff}")
     return diff
 
@@ -337,7 +389,7 @@ async def full_vocab_bytes(stub: Any, seq: list[int]) -> float:
 
 # ---- the run ---------------------------------------------------------------------------------
 async def run(s: Settings) -> dict[str, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     directory = teacher_directory(s)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -347,8 +399,10 @@ async def run(s: Settings) -> dict[str, Any]:
     print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
           f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
     torch.set_num_threads(s.server_threads)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True).eval()
-    batches = padded_batches(seqs, s.batch, pad_id)
+    s.choice.check()
+    model = load_inprocess(directory, s.choice)
+    baseline = sorted_batches(seqs, s.token_budget, pad_id) if s.choice.cuda else padded_batches(seqs, s.batch, pad_id)
+    batches = on_device(baseline, s.choice)
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
 
     with contextlib.ExitStack() as stack:
@@ -451,7 +505,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
     pad_buckets = padding("server_buckets")
     return {
         "benchmark": "llm_serving (W6)",
-        "machine": machine_info(s.server_threads) | {
+        "machine": machine_info(s.server_threads) | s.choice.info() | {
+            "inprocess_baseline": (f"length-sorted batches of at most {s.token_budget} positions" if s.choice.cuda
+                                   else f"padded batches of {s.batch} in drawn order"),
             "inprocess_loops": s.server_instances, "server_instances": s.server_instances,
             "server_torch_threads": s.server_threads},
         "settings": asdict(s) | {"clients": s.concurrency},
@@ -514,7 +570,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--max-foreign-cores", type=float, default=Settings.max_foreign_cores,
                    help="wait for, and re-measure past, this much CPU used by other processes (0: off)")
     p.add_argument("--gate-budget", type=float, default=None, help="seconds the run may wait for quiet (60; 5 quick)")
-    p.add_argument("--out", default="llm_serving", help="results file benchmarks/results/<OUT>.json")
+    add_device_args(p)
+    p.add_argument("--mode", choices=("server", "reader"), default="server",
+                   help="server: in-process vs the server fed one sequence per request (default); reader: "
+                   "DistillReader with padded batches in loader order vs one sequence per request")
+    p.add_argument("--out", default=None,
+                   help="results file benchmarks/results/<OUT>.json "
+                   "(default llm_serving, or llm_reader with --mode reader)")
     a = p.parse_args(argv)
     reps = a.reps if a.reps is not None else (2 if a.quick else Settings.reps)
     sequences = a.sequences if a.sequences is not None else (96 if a.quick else Settings.sequences)
@@ -525,12 +587,18 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         clients=a.clients, delay_us=a.delay_us, threads=a.threads, instances=a.instances, teacher=a.teacher,
         tiny=a.tiny, quick=a.quick, max_foreign_cores=a.max_foreign_cores,
         gate_budget_s=a.gate_budget if a.gate_budget is not None else (5.0 if a.quick else Settings.gate_budget_s),
-        max_redos=0 if a.quick else Settings.max_redos, out=a.out,
+        max_redos=0 if a.quick else Settings.max_redos,
+        out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
+        device=a.device, compute_dtype=a.compute_dtype,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
+    if s.mode == "reader":
+        from benchmarks import llm_reader
+
+        return run_and_report(lambda: asyncio.run(llm_reader.run(s)), s.out, llm_reader.report)
     return run_and_report(lambda: asyncio.run(run(s)), s.out, report)
 
 

@@ -1,6 +1,6 @@
 """W1 mesh efficiency and W5 failover (DESIGN.md, "Reference workloads").
 
-    .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick]
+    .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick] [--device cuda:0 --compute-dtype FP16]
 
 W1 asks how much of a training loop's speed survives when its teacher moves out of the loop and
 behind the mesh. The accelerator is emulated (examples/emulated.py): the teacher sleeps 20 ms
@@ -58,6 +58,7 @@ from benchmarks.common import (
     run_and_report,
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
+from benchmarks.device import DeviceChoice, add_device_args
 from benchmarks.mesh_report import ok, report
 from distill import DistillReader
 from examples.emulated import BATCH, TEACHER_MS_ENV, EmulatedTeacher, W1Loader, build, student_step
@@ -96,6 +97,17 @@ class Settings:
     only: str = ""  # "w1" or "w5" to run one workload
     quiet_budget_s: float = 30.0
     quick: bool = False
+    device: str = "cpu"  # the teachers', the inline teacher's and the teacher outputs' (benchmarks/device.py)
+    compute_dtype: str = "FP32"
+
+    @property
+    def choice(self) -> DeviceChoice:
+        return DeviceChoice(self.device, self.compute_dtype)
+
+    @property
+    def atol(self) -> float:
+        """Teacher outputs vs the in-process model: bitwise in FP32, a half-precision step otherwise."""
+        return ATOL if self.compute_dtype == "FP32" else 5e-2
 
 
 @dataclass
@@ -120,7 +132,7 @@ class Rep:
 
 def server_args(s: Settings) -> list[str]:
     return [
-        "--model", MODEL_REF, "--name", MODEL_NAME, "--device", "cpu", "--port", "0",
+        "--model", MODEL_REF, "--name", MODEL_NAME, *s.choice.server_args(), "--port", "0",
         "--threads", str(s.server_threads), "--instances", "1",  # one emulated accelerator per teacher
         "--max-batch-size", str(s.batch),
         "--max-queue-delay-us", str(s.max_queue_delay_us), "--log-level", "WARNING",
@@ -165,10 +177,12 @@ def pure_batches(loader: W1Loader) -> Iterator[tuple[dict[str, Any], torch.Tenso
         yield batch, None
 
 
-def inline_batches(loader: W1Loader, teacher: EmulatedTeacher) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+def inline_batches(loader: W1Loader, teacher: EmulatedTeacher,
+                   choice: DeviceChoice) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+    autocast = choice.compute_dtype != "FP32"
     for batch in loader:
-        with torch.inference_mode():
-            logits = teacher(batch["INPUT"])
+        with torch.inference_mode(), torch.autocast(choice.torch_device.type, dtype=choice.dtype, enabled=autocast):
+            logits = teacher(batch["INPUT"].to(choice.torch_device))
         yield batch, logits
 
 
@@ -177,15 +191,17 @@ def service_batches(reader: DistillReader) -> Iterator[tuple[dict[str, Any], tor
         yield batch, outputs["LOGITS"]
 
 
-def count_mismatches(seen: list[tuple[int, torch.Tensor]], expected: Callable[[int], torch.Tensor]) -> int:
+def count_mismatches(seen: list[tuple[int, torch.Tensor]], expected: Callable[[int], torch.Tensor],
+                     atol: float = ATOL) -> int:
     """Teacher outputs that are not what the in-process model gives for the batch they came with."""
-    return sum(1 for index, logits in seen if not torch.allclose(logits, expected(index), rtol=1e-5, atol=ATOL))
+    return sum(1 for index, logits in seen
+               if not torch.allclose(logits.float().cpu(), expected(index), rtol=max(1e-5, atol), atol=atol))
 
 
 def run_w1(s: Settings, stack: contextlib.ExitStack, gate: QuietGate, pids: list[int],
            endpoints: list[str]) -> dict[str, Any]:
     loader = W1Loader(s.warmup + s.steps, batch_size=s.batch)
-    teacher = build(step_ms=s.teacher_ms)
+    teacher = build(step_ms=s.teacher_ms).to(s.choice.torch_device)
     reference = build(step_ms=0)
     with torch.inference_mode():
         pool_logits = [reference.logits(loader.inputs(i)) for i in range(4)]  # the loader's pool of 4
@@ -195,7 +211,7 @@ def run_w1(s: Settings, stack: contextlib.ExitStack, gate: QuietGate, pids: list
 
     reader = stack.enter_context(DistillReader(
         loader, teachers=",".join(endpoints), inputs=["INPUT"], outputs=["LOGITS"], prefetch=s.prefetch,
-        timeout=s.timeout_s, hedge_after=s.hedge_after_s,
+        timeout=s.timeout_s, hedge_after=s.hedge_after_s, device=s.device if s.choice.cuda else None,
     ))
     mismatches = 0
     checked = 0
@@ -204,14 +220,14 @@ def run_w1(s: Settings, stack: contextlib.ExitStack, gate: QuietGate, pids: list
         return timed_loop("pure", s, pure_batches(loader), pids)[0]
 
     def inline() -> Rep:
-        return timed_loop("inline", s, inline_batches(loader, teacher), pids)[0]
+        return timed_loop("inline", s, inline_batches(loader, teacher, s.choice), pids)[0]
 
     def service() -> Rep:
         nonlocal mismatches, checked
         before = reader.stats()
         rep, seen = timed_loop("service", s, service_batches(reader), pids)
         after = reader.stats()
-        bad = count_mismatches(seen, expected)
+        bad = count_mismatches(seen, expected, s.atol)
         mismatches += bad
         checked += len(seen)
         rep.extra = {
@@ -355,7 +371,8 @@ def run_w5(s: Settings, gate: QuietGate) -> dict[str, Any]:
     out_of_order = sum(1 for i, idx in enumerate(indices) if idx != i)
     with torch.inference_mode():
         wrong = sum(1 for idx, logits in zip(indices, outputs, strict=True)
-                    if not torch.allclose(logits, reference.logits(loader.inputs(idx)), rtol=1e-5, atol=ATOL))
+                    if not torch.allclose(logits.float().cpu(), reference.logits(loader.inputs(idx)),
+                                          rtol=max(1e-5, s.atol), atol=s.atol))
 
     gaps = [b - a for a, b in itertools.pairwise(arrived)]
     longest = max(range(len(gaps)), key=gaps.__getitem__)
@@ -384,10 +401,11 @@ def run_w5(s: Settings, gate: QuietGate) -> dict[str, Any]:
 # ---- the run ----------------------------------------------------------------------------------
 def run(s: Settings) -> dict[str, Any]:
     torch.set_num_threads(s.client_threads)
+    s.choice.check()
     gate = QuietGate(max_foreign_cores=0.25, budget_s=s.quiet_budget_s)
     doc: dict[str, Any] = {
         "benchmark": "mesh (W1 mesh efficiency, W5 failover)",
-        "machine": machine_info(s.client_threads) | {"server_torch_threads": s.server_threads},
+        "machine": machine_info(s.client_threads) | s.choice.info() | {"server_torch_threads": s.server_threads},
         "settings": asdict(s),
     }
     if s.only in ("", "w1"):
@@ -428,8 +446,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     p.add_argument("--timeout", type=float, default=None, help="the reader's chunk deadline (default 10 s)")
     p.add_argument("--hedge-after", type=_hedge, default="auto",
                    help="the reader's hedge_after: auto (the reader's default), off, or seconds")
+    add_device_args(p)
     a = p.parse_args(argv)
-    s = Settings(only=a.only, w5_signal=a.w5_signal)
+    s = Settings(only=a.only, w5_signal=a.w5_signal, device=a.device, compute_dtype=a.compute_dtype)
     if a.quick:
         s = replace(s, reps=2, warmup=5, steps=20, w5_batches=60, w5_kill_after=20, quiet_budget_s=5.0, quick=True)
     if a.reps is not None:
@@ -447,6 +466,8 @@ def parse_args(argv: list[str] | None) -> Settings:
 def result_name(s: Settings) -> str:
     """mesh.json for the standard run; variants get their own file so they never replace it."""
     parts = ["mesh"]
+    if s.device != "cpu" or s.compute_dtype != "FP32":
+        parts.append(f"{s.device.replace(':', '')}_{s.compute_dtype.lower()}")
     if s.quick:
         parts.append("quick")
     if s.only:

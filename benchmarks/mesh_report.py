@@ -18,6 +18,9 @@ def report(doc: dict[str, Any], redo_foreign_cores: float) -> str:
     s, m = doc["settings"], doc["machine"]
     lines = [f"machine: {m['cpu_model']}, {m['cpu_count']} cores, python {m['python']}, torch {m['torch_version']},"
              f" grpc {m['grpc_version']}"]
+    if m.get("device"):  # results written before --device existed have none
+        lines.append(f"device: {m['device']}{' (' + m['gpu'] + ')' if m.get('gpu') else ''}, "
+                     f"compute dtype {m['compute_dtype']}")
     if "w1" in doc:
         lines += report_w1(s, doc["w1"], "w5" in doc, redo_foreign_cores)
     if "w5" in doc:

@@ -1,6 +1,7 @@
 """W2 serving efficiency and W3 small requests (DESIGN.md, "Reference workloads").
 
     .venv/bin/python -m benchmarks.serving [--reps 7] [--quick] [--threads N --instances N --delay-us N]
+                                           [--device cuda:0 --compute-dtype FP16]
 
 W2: how much of the machine's in-process RefTeacher throughput at batch 256 survives the trip
 through teacher-server. A = `model(x)` in this process; B = the server kept saturated by a few
@@ -59,6 +60,7 @@ from benchmarks.common import (
     run_and_report,
 )
 from benchmarks.cpu import QuietGate
+from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
 from benchmarks.serving_measure import (
     MODEL_NAME,
     Measurement,
@@ -102,6 +104,12 @@ class Settings:
     extra_server_args: tuple[str, ...] = ()
     server_env: tuple[str, ...] = ()  # KEY=VALUE pairs added to the servers' environment
     out: str = "serving"  # results file name under benchmarks/results/
+    device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
+    compute_dtype: str = "FP32"
+
+    @property
+    def choice(self) -> DeviceChoice:
+        return DeviceChoice(self.device, self.compute_dtype)
 
     @property
     def server_threads(self) -> int:
@@ -123,7 +131,7 @@ class Settings:
 # ---- the run --------------------------------------------------------------------------------
 def server_args(s: Settings, batching: bool) -> list[str]:
     args = [
-        "--model", MODEL_REF, "--name", MODEL_NAME, "--device", "cpu", "--port", "0",
+        "--model", MODEL_REF, "--name", MODEL_NAME, *s.choice.server_args(), "--port", "0",
         "--max-batch-size", str(s.max_batch), "--instances", str(s.server_instances),
         "--threads", str(s.server_threads), "--log-level", "WARNING",
     ]
@@ -149,7 +157,8 @@ def print_rep(rep: int, name: str, m: Measurement) -> None:
 async def run(s: Settings) -> dict[str, Any]:
     """Start the servers once, interleave every variant per repetition, return the JSON document."""
     torch.set_num_threads(s.baseline_threads)
-    model = build().eval()
+    s.choice.check()
+    model = InProcessModel(build(), s.choice, images=True)
     want_w2 = s.only in ("all", "w2")
     want_w3 = s.only in ("all", "w3")
 
@@ -169,7 +178,7 @@ async def run(s: Settings) -> dict[str, Any]:
         try:
             stubs = {k: [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in cs] for k, cs in chans.items()}
             for k in servers:
-                diff = await check_server_output(stubs[k][0], model)
+                diff = await check_server_output(stubs[k][0], model, 1e-3 if s.compute_dtype == "FP32" else 5e-2)
                 print(f"{k}: output matches the in-process model (max |diff| {diff:.2e})", flush=True)
             w2_req, _ = make_request(s.w2_batch)
             w3_req, _ = make_request(s.w3_batch)
@@ -273,7 +282,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
     }
     return {
         "benchmark": "serving (W2, W3)",
-        "machine": machine_info(s.baseline_threads) | {
+        "machine": machine_info(s.baseline_threads) | s.choice.info() | {
             "inprocess_loops": s.server_instances, "server_torch_threads": s.server_threads,
             "server_instances": s.server_instances},
         "settings": asdict(s),
@@ -369,6 +378,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the servers, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     p.add_argument("--out", default="serving", help="results file: benchmarks/results/<OUT>.json (default serving)")
+    add_device_args(p)
     a = p.parse_args(argv)
     reps = _pick(a.reps, a.quick, 2, Settings.reps)
     if reps < 1:
@@ -385,6 +395,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         gate_budget_s=_pick(a.gate_budget, a.quick, 10.0, Settings.gate_budget_s),
         max_redos=_pick(a.max_redos, a.quick, 2, Settings.max_redos),
         extra_server_args=tuple(a.server_arg), server_env=tuple(a.server_env), out=a.out,
+        device=a.device, compute_dtype=a.compute_dtype,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, astuple, dataclass
 from typing import Any
@@ -57,8 +57,19 @@ class Measurement:
 
 
 # ---- in-process baseline --------------------------------------------------------------------
+Model = Callable[[torch.Tensor], torch.Tensor]
+"""An nn.Module, or benchmarks.device.InProcessModel (the model as it runs on --device)."""
+
+
+def _place(model: Model, x: torch.Tensor) -> torch.Tensor:
+    """The input where the model wants it, before the timed loop (a CUDA baseline's inputs are on
+    the GPU already)."""
+    place = getattr(model, "place", None)
+    return place(x) if place is not None else x
+
+
 def measure_inprocess(
-    model: torch.nn.Module,
+    model: Model,
     batch: int,
     warmup_s: float,
     duration_s: float,
@@ -74,7 +85,7 @@ def measure_inprocess(
     """
     if workers > 1:
         return _measure_inprocess_threads(model, batch, warmup_s, duration_s, server_pids=server_pids, workers=workers)
-    x = torch.randn(batch, *INPUT_SHAPE)
+    x = _place(model, torch.randn(batch, *INPUT_SHAPE))
     meter = CpuMeter(server_pids)
     with torch.inference_mode():
         end_warmup = time.perf_counter() + warmup_s
@@ -96,14 +107,14 @@ def measure_inprocess(
 
 
 def _measure_inprocess_threads(
-    model: torch.nn.Module, batch: int, warmup_s: float, duration_s: float, *, server_pids: Sequence[int], workers: int
+    model: Model, batch: int, warmup_s: float, duration_s: float, *, server_pids: Sequence[int], workers: int
 ) -> Measurement:
     """Several model(x) loops at once; each is timed over its own whole calls and the rates add."""
     barrier = threading.Barrier(workers + 1)
     start = [0.0]
 
     def loop() -> tuple[int, float]:
-        x = torch.randn(batch, *INPUT_SHAPE)
+        x = _place(model, torch.randn(batch, *INPUT_SHAPE))
         with torch.inference_mode():
             end_warmup = time.perf_counter() + warmup_s
             model(x)
@@ -279,14 +290,15 @@ def burst_rate(done: Sequence[tuple[float, int]], batch_interval_s: float) -> tu
     return ((n1 - n0) / (t1 - t0), t1 - t0) if t1 > t0 else (0.0, 0.0)
 
 
-async def check_server_output(stub: Any, model: torch.nn.Module) -> float:
-    """The server must compute what the model computes; returns the max abs difference."""
+async def check_server_output(stub: Any, model: Model, atol: float = 1e-3) -> float:
+    """The server must compute what the model computes; returns the max abs difference (raise
+    `atol` for FP16/BF16 compute)."""
     req, x = make_request(4, seed=1)
     resp = await stub.ModelInfer(req, timeout=60)
     got = np.frombuffer(resp.raw_output_contents[0], dtype=np.float32).reshape(4, CLASSES)
     with torch.inference_mode():
-        want = model(torch.from_numpy(x)).numpy()
+        want = model(torch.from_numpy(x)).float().cpu().numpy()
     diff = float(np.abs(got - want).max())
-    if not np.allclose(got, want, atol=1e-3, rtol=1e-3):
+    if not np.allclose(got, want, atol=atol, rtol=atol):
         raise AssertionError(f"server logits differ from the in-process model by up to {diff}")
     return diff

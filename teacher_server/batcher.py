@@ -13,8 +13,14 @@ padded sequence inputs (`spec.TensorSpec.pad_value`) lets requests of different 
 batch; they are padded to the longest (`work.batch_input`), so to keep that waste small a batch
 takes only requests in the oldest request's power-of-two length bucket (lengths 9..16 together,
 17..32 together, ...), and when more requests are queued than one batch holds, it takes those of
-the closest lengths instead (any bucket). `max_batch_tokens` caps samples x padded length.
-`length_buckets=False` turns both length rules off (any lengths, oldest first): the baseline
+the closest lengths instead (any bucket). A padded model's batches are bounded in tokens, not
+sequences: samples x padded length within `BatchingConfig.token_budget` (`max_batch_tokens`, by
+default `max_batch_size` x `TYPICAL_LENGTH` = 64 positions), so a batch of short sequences holds
+more of them than `max_batch_size` and one of long sequences fewer; the model's cost (and its
+memory) follows tokens. And a request joins a batch only if the batch's padding efficiency
+(useful / computed positions) stays at least `min_padding_efficiency` (0.85): with few requests
+queued, a batch waits out the delay or runs smaller rather than pad a wide spread of lengths.
+`length_buckets=False` turns these length rules off (any lengths, oldest first): the baseline
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
 """
@@ -23,13 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from teacher_server import staging
+from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
 from teacher_server.instance import ModelInstance
 from teacher_server.outputs import EncodedOutput
+from teacher_server.staging import Stager
 from teacher_server.work import Work
 
 log = logging.getLogger(__name__)
@@ -57,26 +67,6 @@ class _Pending:
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
-    max_batch_size: int = 256
-    max_queue_delay_us: int = 500
-    max_queue_size: int = 512
-    enabled: bool = True
-    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0 = no cap
-    length_buckets: bool = True  # padded models: batch only requests of one length bucket
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_queue_delay_us < 0:
-            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
-        if self.max_queue_size < 1:
-            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
-        if self.max_batch_tokens < 0:
-            raise ValueError(f"max_batch_tokens must be >= 0 (0: no cap), got {self.max_batch_tokens}")
-
-
 BatchListener = Callable[[int, int, int], None]
 """Called as listener(samples, requests, compute_ns) after every executed batch."""
 
@@ -85,30 +75,30 @@ TokenListener = Callable[[int, int], None]
 the requests needed, and positions computed including padding."""
 
 
-def _bucket(length: int | None) -> int:
-    """Power-of-two length bucket: 1, 2, 3..4, 5..8, 9..16, ... share a bucket."""
-    return (length - 1).bit_length() if length else 0
-
-
-def _compatible(first: Work, other: Work, buckets: bool = True) -> bool:
-    if other.shape_key != first.shape_key:
-        return False
-    return not buckets or _bucket(other.length) == _bucket(first.length)
-
-
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
 
+def _fail(batch: list[_Pending], error: BaseException) -> None:
+    for p in batch:
+        if not p.future.done():
+            p.future.set_exception(error)
+
+
 class DynamicBatcher:
     """Schedules queued requests onto model instances; lives on one event loop."""
 
-    def __init__(self, instances: list[ModelInstance], config: BatchingConfig) -> None:
+    def __init__(self, instances: list[ModelInstance], config: BatchingConfig, stage_ahead: bool | None = None) -> None:
+        """`stage_ahead`: form each instance's next batch and build its inputs on the device while
+        the current batch runs (`teacher_server.staging`); None: where that overlaps (CUDA)."""
         if not instances:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
+        self._rules = BatchRules(config)
+        self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
+                         if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
         self._waiters: list[asyncio.Future[None]] = []
         self._workers: list[asyncio.Task[None]] = []
@@ -122,6 +112,11 @@ class DynamicBatcher:
 
     def on_tokens(self, listener: TokenListener) -> None:
         self._token_listeners.append(listener)
+
+    @property
+    def stagers(self) -> list[Stager]:
+        """The instances' stagers (none where batches are not staged ahead)."""
+        return list(self._stagers.values())
 
     @property
     def queue_depth(self) -> int:
@@ -142,16 +137,31 @@ class DynamicBatcher:
 
     async def submit(self, work: Work) -> tuple[list[EncodedOutput], Timing]:
         """Queue one request and wait for its encoded outputs."""
+        return (await self.submit_rows([work]))[0]
+
+    async def submit_rows(self, works: list[Work]) -> list[tuple[list[EncodedOutput], Timing]]:
+        """Queue the rows of one request (`rows.RowSplitter`) at once, each free to join any batch,
+        and wait for all their outputs, in order. Admitted whole or refused whole: the queue bound
+        is checked once, so a request's rows may take the queue past it by fewer than one request.
+        If one row fails, or the caller goes away, the rows not yet run are dropped unexecuted."""
         if self._closed:
             raise BatcherClosedError("the batcher is closed")
         if len(self._queue) >= self._config.max_queue_size:
             raise QueueFullError(
                 f"queue is full ({self._config.max_queue_size} requests waiting); retry on another teacher"
             )
-        pending = _Pending(work, asyncio.get_running_loop().create_future())
-        self._queue.append(pending)
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(w, loop.create_future()) for w in works]
+        self._queue.extend(pending)
         self._wake()
-        return await pending.future
+        if len(pending) == 1:
+            return [await pending[0].future]
+        try:
+            return list(await asyncio.gather(*(p.future for p in pending)))
+        except BaseException:
+            for p in pending:
+                p.future.cancel()
+            raise
 
     def _wake(self) -> None:
         for w in self._waiters:
@@ -187,11 +197,15 @@ class DynamicBatcher:
         if not self._config.enabled:
             return batch
         deadline_ns = first.enqueued_ns + self._config.max_queue_delay_us * 1000
-        while not self._take_compatible(batch):
-            remaining_ns = deadline_ns - time.perf_counter_ns()
-            if remaining_ns <= 0:
-                break
-            await self._wait_arrival(remaining_ns / 1e9)
+        try:
+            while not self._take_compatible(batch):
+                remaining_ns = deadline_ns - time.perf_counter_ns()
+                if remaining_ns <= 0:
+                    break
+                await self._wait_arrival(remaining_ns / 1e9)
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this request ran"))
+            raise
         return batch
 
     def _take_compatible(self, batch: list[_Pending]) -> bool:
@@ -201,116 +215,90 @@ class DynamicBatcher:
 
         Oldest first, from batch[0]'s length bucket. When the queued requests of a padded model
         are more than one batch holds, the batch instead takes the run of them, in length order
-        and across buckets, that fills it with the least padding (`_closest_lengths`): full batches,
-        padded far less than oldest-first pads them."""
+        and across buckets, that fills it with the least padding (`BatchRules.closest_lengths`):
+        full batches, padded far less than oldest-first pads them."""
         first = batch[0].work
-        size = sum(p.work.batch_size for p in batch)
-        if size >= self._config.max_batch_size:
+        if self._rules.full(batch):
             return True
         if not self._queue:
             return False
         buckets = self._config.length_buckets
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
-        taken, full = self._oldest_first(batch, [p for p in pool if _compatible(first, p.work, buckets)])
-        if buckets and first.length is not None and len(pool) > len(taken) and self._oldest_first(batch, pool)[1]:
-            closest = self._closest_lengths(batch, pool)
+        floor = self._config.min_padding_efficiency if buckets else 0.0
+        taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)], floor)
+        if buckets and first.length is not None and len(pool) > len(taken) and self._rules.oldest_first(batch, pool)[1]:
+            closest = self._rules.closest_lengths(batch, pool, floor)
             if closest:
                 taken, full = closest, True
         chosen = set(map(id, taken))
         batch.extend(taken)
         self._queue = collections.deque(p for p in live if id(p) not in chosen)
-        return full or size + sum(p.work.batch_size for p in taken) >= self._config.max_batch_size
-
-    def _fits(self, samples: int, padded_len: int | None) -> bool:
-        cap = self._config.max_batch_tokens
-        return samples <= self._config.max_batch_size and not (cap and padded_len is not None and
-                                                               samples * padded_len > cap)
-
-    def _oldest_first(self, batch: list[_Pending], candidates: list[_Pending]) -> tuple[list[_Pending], bool]:
-        """Candidates in queue order while they fit; (taken, whether one did not fit)."""
-        size = sum(p.work.batch_size for p in batch)
-        longest = max(p.work.length or 0 for p in batch)
-        taken: list[_Pending] = []
-        for p in candidates:
-            w = p.work
-            padded_len = max(longest, w.length or 0)
-            if not self._fits(size + w.batch_size, padded_len if w.length is not None else None):
-                return taken, True
-            taken.append(p)
-            size, longest = size + w.batch_size, padded_len
-        return taken, False
-
-    def _closest_lengths(self, batch: list[_Pending], candidates: list[_Pending]) -> list[_Pending]:
-        """The run of candidates, consecutive in length order, that fills the batch (the next one
-        would not fit): the most samples, then the highest useful / computed positions; [] when
-        no run fills it.
-
-        Oldest-first mixes short and long requests and pads them all to the longest; a run of
-        neighbouring lengths pads far less. The oldest request is batch[0] whatever is chosen,
-        so no request waits for more than the batches ahead of it. Two pointers over the
-        sorted candidates: the runs' ends only move forward.
-        """
-        order = sorted(candidates, key=lambda p: p.work.length or 0)
-        n = len(order)
-        base_size = sum(p.work.batch_size for p in batch)
-        base_longest = max(p.work.length or 0 for p in batch)
-        base_useful = sum(p.work.tokens for p in batch)
-        sizes, useful = [0], [0]
-        for p in order:
-            sizes.append(sizes[-1] + p.work.batch_size)
-            useful.append(useful[-1] + p.work.tokens)
-        best: tuple[int, float, int, int] | None = None  # (samples, efficiency, start, end)
-        j = 0
-        for i in range(n):
-            j = max(j, i)
-            while j < n and self._fits(base_size + sizes[j + 1] - sizes[i],
-                                       max(base_longest, order[j].work.length or 0)):
-                j += 1
-            total = base_size + sizes[j] - sizes[i]
-            if j == i or (j == n and total < self._config.max_batch_size):
-                continue  # empty, or ran out of candidates before the batch was full
-            computed = total * max(base_longest, order[j - 1].work.length or 0)
-            efficiency = (base_useful + useful[j] - useful[i]) / computed
-            if best is None or (total, efficiency) > best[:2]:
-                best = (total, efficiency, i, j)
-        if best is None:
-            return []
-        picked = set(map(id, order[best[2] : best[3]]))
-        return [p for p in candidates if id(p) in picked]  # queue order
+        return full or self._rules.full(batch)
 
     async def _worker(self, inst: ModelInstance) -> None:
-        loop = asyncio.get_running_loop()
+        stager = self._stagers.get(inst.index)
+        if stager is not None:
+            await self._pipelined(inst, stager)
+            return
         while True:
-            batch = await self._next_batch()
-            started = time.perf_counter_ns()
-            self._executing += 1
-            try:
-                result = await loop.run_in_executor(inst.executor, inst.run, [p.work for p in batch])
-            except asyncio.CancelledError:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(BatcherClosedError("the server stopped before this batch finished"))
-                raise
-            except Exception as e:
-                log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            finally:
-                self._executing -= 1
-            samples = sum(p.work.batch_size for p in batch)
-            for p, outs in zip(batch, result.per_request, strict=True):
-                if not p.future.done():
-                    p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
-            for listener in self._listeners:
-                listener(samples, len(batch), result.compute_ns)
-            if batch[0].work.length is not None:
-                useful = sum(p.work.tokens for p in batch)
-                computed = samples * max(p.work.length or 0 for p in batch)
-                for token_listener in self._token_listeners:
-                    token_listener(useful, computed)
+            await self._execute(inst, await self._next_batch())
+
+    async def _pipelined(self, inst: ModelInstance, stager: Stager) -> None:
+        """Run batches on `inst` while the next one is formed and staged (`teacher_server.staging`):
+        the instance starts each batch with its inputs already on the device. At most one batch
+        waits staged per instance; if the server stops, its requests are answered UNAVAILABLE."""
+        nxt = asyncio.ensure_future(self._next_staged(stager))
+        try:
+            while True:
+                batch = await nxt
+                nxt = asyncio.ensure_future(self._next_staged(stager))
+                await self._execute(inst, batch)
+        finally:
+            if nxt.done() and not nxt.cancelled() and nxt.exception() is None:
+                _fail(nxt.result(), BatcherClosedError("the server stopped before this request ran"))
+            nxt.cancel()  # its own handler fails a batch it had already taken
+            with contextlib.suppress(BaseException):
+                await nxt
+
+    async def _next_staged(self, stager: Stager) -> list[_Pending]:
+        batch = await self._next_batch()
+        try:
+            await asyncio.get_running_loop().run_in_executor(stager.executor, stager.stage, [p.work for p in batch])
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this request ran"))
+            raise
+        except Exception:
+            log.exception("staging a batch of %d requests failed; the instance gathers its inputs itself", len(batch))
+        return batch
+
+    async def _execute(self, inst: ModelInstance, batch: list[_Pending]) -> None:
+        """Run one batch on `inst` and answer its requests (their futures), then the listeners."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter_ns()
+        self._executing += 1
+        try:
+            result = await loop.run_in_executor(inst.executor, inst.run, [p.work for p in batch])
+        except asyncio.CancelledError:
+            _fail(batch, BatcherClosedError("the server stopped before this batch finished"))
+            raise
+        except Exception as e:
+            log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
+            _fail(batch, e)
+            return
+        finally:
+            self._executing -= 1
+        samples = sum(p.work.batch_size for p in batch)
+        for p, outs in zip(batch, result.per_request, strict=True):
+            if not p.future.done():
+                p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
+        for listener in self._listeners:
+            listener(samples, len(batch), result.compute_ns)
+        if batch[0].work.length is not None:
+            useful = sum(p.work.tokens for p in batch)
+            computed = samples * max(p.work.length or 0 for p in batch)
+            for token_listener in self._token_listeners:
+                token_listener(useful, computed)
 
     async def close(self) -> int:
         """Stop the workers and fail whatever is still queued or running (drain first for a clean
@@ -323,6 +311,8 @@ class DynamicBatcher:
         self._workers = []
         while (p := self._pop_live()) is not None:
             p.future.set_exception(BatcherClosedError("the server stopped before this request ran"))
+        for stager in self._stagers.values():
+            await asyncio.to_thread(stager.close)
         abandoned = 0
         for inst in self._instances:
             if inst.busy:

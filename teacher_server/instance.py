@@ -26,6 +26,7 @@ from teacher_server.outputs import (
 )
 from teacher_server.scoring import head_split, row_context
 from teacher_server.spec import TensorSpec
+from teacher_server.staging import take_staged
 from teacher_server.transform_rows import RowContext
 from teacher_server.transforms import OutputTransform, scoreable, token_input
 from teacher_server.work import Work, batch_input
@@ -115,6 +116,8 @@ class ModelInstance:
         return self._transform(self.model.forward(xs), works, xs, None)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
+        if (staged := take_staged(works)) is not None:  # built ahead by the batcher's stager
+            return staged
         if len(works) == 1:
             return [x.to(self.model.device) for x in works[0].inputs]  # zero-copy on CPU
         n_inputs = len(works[0].inputs)
@@ -122,6 +125,8 @@ class ModelInstance:
 
     def _gather_cuda(self, works: Sequence[Work]) -> list[torch.Tensor]:
         assert self._staging is not None
+        if (staged := take_staged(works)) is not None:  # built and copied ahead by the batcher's stager
+            return staged
         total = sum(w.batch_size for w in works)
         xs = []
         for i, buf in enumerate(self._staging):

@@ -1,7 +1,11 @@
 """The life of one inference request, the same for every front end.
 
-    admit  ->  validate  ->  batcher queue  ->  model instance  ->  encoded outputs
+    admit  ->  validate  ->  rows  ->  batcher queue  ->  model instance  ->  encoded outputs
     (model name/version, serving state)   (in-flight count, metrics and failure reasons throughout)
+
+`rows`: a padded model's request whose attention mask marks padding is cut into its rows, each
+back to its own length, so they batch with every other queued sequence; its answer is reassembled
+at the request's padded width (`teacher_server.rows`).
 
 A front end (gRPC in `grpc_service`, KServe v2 HTTP/REST in `http_service`) decodes what it received into an
 `InferRequest`, awaits `RequestLifecycle.infer`, and turns the `InferResult` or the typed
@@ -32,6 +36,7 @@ from teacher_server.errors import (
 from teacher_server.infer_request import InferRequest
 from teacher_server.metrics import ServerMetrics
 from teacher_server.outputs import EncodedOutput, OutputDefaults
+from teacher_server.rows import Rows, RowSplitter
 from teacher_server.spec import ModelIO
 from teacher_server.validation import validate
 
@@ -79,6 +84,7 @@ class RequestLifecycle:
         self._state = ServingState.LOADING
         self._io: ModelIO | None = None
         self._batcher: DynamicBatcher | None = None
+        self._rows: RowSplitter | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -88,6 +94,7 @@ class RequestLifecycle:
         """The model is loaded and its batcher runs: start admitting requests."""
         self._io = io
         self._batcher = batcher
+        self._rows = RowSplitter(io) if RowSplitter.applies(io) else None
         if self._state is ServingState.LOADING:
             self._state = ServingState.SERVING
 
@@ -172,8 +179,15 @@ class RequestLifecycle:
         if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
             raise self._unavailable()
         work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
+        split = self._rows.split(work) if self._rows is not None else work
         try:
-            outputs, timing = await self._batcher.submit(work)
+            if isinstance(split, Rows):
+                answers = await self._batcher.submit_rows(split.works)
+                outputs = split.assemble([outs for outs, _ in answers])
+                timing = Timing(max(t.queue_ns for _, t in answers), max(t.compute_ns for _, t in answers),
+                                max(t.batch_size for _, t in answers))
+            else:
+                outputs, timing = await self._batcher.submit(work)
         except QueueFullError as e:
             raise OverloadedError(str(e)) from None
         except BatcherClosedError as e:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from teacher_server.outputs import OutputTransform
 from teacher_server.spec import TensorSpec
+
+if TYPE_CHECKING:
+    from teacher_server.staging import StagedInputs
 
 # Per input: (per-sample sequence axis, pad value) when the model pads it, else None.
 PadPlan = tuple[tuple[int, float] | None, ...]
@@ -27,6 +31,9 @@ class Work:
     not padded: only requests with equal keys may be concatenated. `length` is the sequence
     length of a padded model's request (None otherwise); `pads` says which inputs are padded.
     `aux` holds inputs that only the output transforms read (never passed to the model).
+    `useful` is the positions its attention mask marks, when the mask was looked at (`rows`):
+    what the token metrics count, rather than samples x length. `staged` holds the inputs of
+    the batch this work leads, when a stager built them ahead (`teacher_server.staging`).
     """
 
     inputs: list[torch.Tensor]
@@ -36,11 +43,14 @@ class Work:
     length: int | None = None
     pads: PadPlan = field(default=())
     aux: dict[str, torch.Tensor] = field(default_factory=dict)  # inputs the output transforms read (SCORE_IDS)
+    useful: int | None = None
+    staged: StagedInputs | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
-        """Positions this request really needs computed (samples x its own length)."""
-        return self.batch_size * (self.length or 1)
+        """Positions this request really needs computed: those its mask marks, else samples x its
+        own length."""
+        return self.useful if self.useful is not None else self.batch_size * (self.length or 1)
 
     def cut(self, tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         """This request's slice of a batch output (batch rows already taken), cut back to its own

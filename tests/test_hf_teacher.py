@@ -71,6 +71,17 @@ def _reference_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray)
     return logits
 
 
+def _rows_alone(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> list[tuple[int, int, torch.Tensor]]:
+    """Per row, (start, stop, logits) of its marked positions run alone: the server cuts a padded
+    request's rows back to their masks and answers zeros at padding (teacher_server.rows)."""
+    out = []
+    for r in range(ids.shape[0]):
+        marked = np.flatnonzero(mask[r])
+        a, b = int(marked[0]), int(marked[-1]) + 1
+        out.append((a, b, _reference_logits(model, ids[r : r + 1, a:b], mask[r : r + 1, a:b])[0]))
+    return out
+
+
 def test_requests_of_other_lengths_share_a_batch_and_get_their_own_positions(
         llama_dir: Path, reference: torch.nn.Module) -> None:
     """A causal LM declares its inputs padded itself: single sequences of 9, 10, 12 and 14 tokens
@@ -80,7 +91,7 @@ def test_requests_of_other_lengths_share_a_batch_and_get_their_own_positions(
 
     import tritonclient.grpc.aio as tga
 
-    lengths = (9, 10, 12, 14)
+    lengths = (11, 12, 13, 14)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(1, VOCAB, size=(1, n), dtype=np.int64) for n in lengths]
     config = ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", instances=1,
@@ -130,17 +141,19 @@ def test_logits_with_attention_masks_match_the_in_process_model(
                        parameters={"logprobs": True, "temperature": 2.0, "top_k": 8, "topk_tail": True})
     finally:
         c.close()
-    logits = _reference_logits(reference, ids, mask)
+    got = full.as_numpy("LOGITS")
+    assert got.shape == (3, 9, VOCAB)
     unmasked = _reference_logits(reference, ids, np.ones_like(mask))
-    assert not torch.allclose(logits[2, 3:], unmasked[2, 3:], atol=1e-3)  # so the test can fail
-    assert np.allclose(full.as_numpy("LOGITS"), logits.numpy(), atol=1e-4)
-
-    want = torch.topk(torch.log_softmax(logits / 2.0, dim=-1), 8, dim=-1)
+    assert not np.allclose(got[2, 3:], unmasked[2, 3:].numpy(), atol=1e-3)  # so the test can fail
     values = topk.as_numpy("LOGITS_TOPK_VALUES")
     assert values.shape == (3, 9, 8) and topk.as_numpy("LOGITS_TOPK_INDICES").dtype == np.int32
-    assert np.allclose(values, want.values.numpy(), atol=1e-4)
-    assert np.array_equal(topk.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
-    assert np.allclose(topk.as_numpy("LOGITS_TOPK_TAIL"), 1 - np.exp(values).sum(-1), atol=1e-5)
+    for r, (a, b, logits) in enumerate(_rows_alone(reference, ids, mask)):
+        assert np.allclose(got[r, a:b], logits.numpy(), atol=1e-4)
+        assert not got[r, :a].any() and not got[r, b:].any()  # padding comes back as zeros
+        want = torch.topk(torch.log_softmax(logits / 2.0, dim=-1), 8, dim=-1)
+        assert np.allclose(values[r, a:b], want.values.numpy(), atol=1e-4)
+        assert np.array_equal(topk.as_numpy("LOGITS_TOPK_INDICES")[r, a:b], want.indices.numpy())
+    assert np.allclose(topk.as_numpy("LOGITS_TOPK_TAIL")[mask == 1], 1 - np.exp(values[mask == 1]).sum(-1), atol=1e-5)
 
 
 def test_compute_dtype_loads_the_weights_in_it(llama_dir: Path, reference: torch.nn.Module) -> None:
@@ -195,9 +208,10 @@ def test_the_cli_serves_hf_dir_with_server_side_logprobs(
     ids, mask = _batch()
     with teacher_process(args, tmp_path) as (_, info), tg.InferenceServerClient(f"127.0.0.1:{info['port']}") as c:
         result = c.infer("llama", _inputs(ids, mask))
-    want = torch.topk(torch.log_softmax(_reference_logits(reference, ids, mask) / 2.0, dim=-1), 4, dim=-1)
-    assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES"), want.values.numpy(), atol=1e-4)
-    assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES"), want.indices.numpy())
+    for r, (a, b, logits) in enumerate(_rows_alone(reference, ids, mask)):
+        want = torch.topk(torch.log_softmax(logits / 2.0, dim=-1), 4, dim=-1)
+        assert np.allclose(result.as_numpy("LOGITS_TOPK_VALUES")[r, a:b], want.values.numpy(), atol=1e-4)
+        assert np.array_equal(result.as_numpy("LOGITS_TOPK_INDICES")[r, a:b], want.indices.numpy())
     assert result.as_numpy("LOGITS_TOPK_TAIL").shape == (3, 9)
 
 

@@ -84,3 +84,26 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert wire["full_vocab_fp32"] == 4 * doc["teacher"]["vocab_size"]
     assert doc["ratios"]["server_buckets_over_inprocess"]["headline"] > 0
     assert doc["server_exit_codes"] == {"server_buckets": 0, "server_no_buckets": 0}
+
+
+@pytest.mark.timeout(330)  # trains the smoke teacher and starts a server, like the test above
+def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
+    env[CACHE_ENV] = str(tmp_path / "cache")
+    env.pop("DISTILL_LLM_TEACHER", None)
+    cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--mode", "reader", "--quick", "--tiny", "--reps", "1",
+           "--sequences", "24", "--batch", "4", "--max-foreign-cores", "0"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "padded rows match one request per row" in proc.stdout
+    doc = json.loads((tmp_path / "results" / "llm_reader.json").read_text())
+    assert doc["sequences"]["count"] == 24 and doc["sequences"]["student_batch"] == 4
+    assert set(doc["medians_tokens_per_s"]) == {"reader", "reader_default_router", "one_per_request", "inprocess"}
+    assert all(v > 0 for v in doc["medians_tokens_per_s"].values())
+    pad = doc["padding_efficiency"]
+    for k in ("reader", "reader_default_router", "one_per_request", "inprocess"):
+        assert 0 < pad[k] <= 1
+    assert doc["check"]["max_abs_diff_rows_vs_one_per_request"] <= 2e-2
+    assert doc["ratios"]["reader_over_one_per_request"]["headline"] > 0
+    assert doc["server_exit_code"] == 0
+    assert len(doc["machine"]["load_average_at_start"]) == 3

@@ -32,10 +32,11 @@ PADDED = "tests.seq_models:causal_conv_lm"
 UNPADDED = "tests.seq_models:unpadded_seq"
 
 
-def _server(model: str, delay_us: int = 20000, max_batch_tokens: int = 0) -> ServerThread:
+def _server(model: str, delay_us: int = 20000, max_batch_tokens: int = 0, max_batch_size: int = 64) -> ServerThread:
     return ServerThread(ServerConfig(
         model=model, name="seq", device="cpu", instances=1, metrics_port=0,
-        batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=delay_us, max_batch_tokens=max_batch_tokens),
+        batching=BatchingConfig(max_batch_size=max_batch_size, max_queue_delay_us=delay_us,
+                                max_batch_tokens=max_batch_tokens),
     ))
 
 
@@ -190,11 +191,12 @@ def test_queued_requests_share_padded_batches_by_length_bucket(reference: seq_mo
         padded = _metric(s, "teacher_padded_tokens_total")
     for tokens, r in zip(q.sent, results, strict=True):
         _check(reference, tokens, _ok(r))  # no mask sent: the server built it
-    # Oldest first; each batch takes the queued requests of its first request's length bucket.
-    assert batches == [(1, 20), (4, 16), (2, 7), (1, 30)]
+    # Oldest first; each batch takes the queued requests of its first request's length bucket
+    # while its padding efficiency stays >= 0.85: 9 takes 11 (20 / 22), not 13 (33 / 39) or 16.
+    assert batches == [(1, 20), (2, 11), (2, 7), (1, 30), (2, 16)]
     lengths = [20, 9, 5, 11, 30, 13, 7, 16]
     assert useful == sum(lengths)
-    assert padded == 20 + 4 * 16 + 2 * 7 + 30
+    assert padded == 20 + 2 * 11 + 2 * 7 + 30 + 2 * 16
 
 
 def test_max_batch_tokens_bounds_a_batch(reference: seq_models.CausalConvLM) -> None:
@@ -208,6 +210,22 @@ def test_max_batch_tokens_bounds_a_batch(reference: seq_models.CausalConvLM) -> 
         _check(reference, tokens, _ok(r))
     # 9, 12, 10 pad to 3 x 12 = 36 tokens; adding 16 would make 4 x 16 = 64 > 40.
     assert batches == [(1, 3), (3, 12), (2, 16)]
+
+
+def test_the_default_bound_of_a_padded_model_is_a_token_budget(reference: seq_models.CausalConvLM) -> None:
+    # max_batch_size 4 and no --max-batch-tokens: batches hold up to 4 x 64 = 256 positions, so six
+    # sequences of 8 share one batch, and sequences of 60 go four at a time.
+    assert BatchingConfig(max_batch_size=4).token_budget == 256
+    assert BatchingConfig(max_batch_size=4, max_batch_tokens=100).token_budget == 100
+    with _server(PADDED, max_batch_size=4) as s:
+        q = _Queued(s, first=20)
+        for length in (8,) * 6 + (60,) * 5:
+            q.add(length)
+        results = q.release()
+        batches = list(seq_models.BATCHES)
+    for tokens, r in zip(q.sent, results, strict=True):
+        _check(reference, tokens, _ok(r))
+    assert batches == [(1, 20), (6, 8), (4, 60), (1, 60)]
 
 
 def test_a_sent_mask_is_padded_and_used() -> None:

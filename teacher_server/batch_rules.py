@@ -1,0 +1,148 @@
+"""Which queued requests may share a batch: the batching settings and the rules of a padded
+model's batches (length bucket, token budget, padding-efficiency floor, closest lengths), apart
+from the queue and the workers that apply them (`teacher_server.batcher`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from teacher_server.work import Work
+
+TYPICAL_LENGTH = 64
+"""Positions per sequence the default token budget of a padded model assumes: max_batch_size 256
+gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on an H100 (issue 26)."""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = 256  # largest request; the batch bound of models without padded inputs
+    max_queue_delay_us: int = 500
+    max_queue_size: int = 512
+    enabled: bool = True
+    max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
+    length_buckets: bool = True  # padded models: batch only requests of one length bucket
+    min_padding_efficiency: float = 0.85  # padded models, with length_buckets: useful / computed per batch
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if self.max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if not 0 <= self.min_padding_efficiency <= 1:
+            raise ValueError(f"min_padding_efficiency must be in 0..1, got {self.min_padding_efficiency}")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be >= 0 (0: the default), got {self.max_batch_tokens}")
+
+    @property
+    def token_budget(self) -> int:
+        """Positions (samples x padded length) a batch of a padded model may compute; a single
+        request larger than this still runs, alone."""
+        return self.max_batch_tokens or self.max_batch_size * TYPICAL_LENGTH
+
+
+class Candidate(Protocol):
+    """A queued request as the rules see it."""
+
+    work: Work
+
+
+T = TypeVar("T", bound=Candidate)
+
+
+def bucket(length: int | None) -> int:
+    """Power-of-two length bucket: 1, 2, 3..4, 5..8, 9..16, ... share a bucket."""
+    return (length - 1).bit_length() if length else 0
+
+
+def compatible(first: Work, other: Work, buckets: bool = True) -> bool:
+    if other.shape_key != first.shape_key:
+        return False
+    return not buckets or bucket(other.length) == bucket(first.length)
+
+
+class BatchRules:
+    """The fit and choice rules of one batcher's batches."""
+
+    def __init__(self, config: BatchingConfig) -> None:
+        self.config = config
+
+    def fits(self, samples: int, padded_len: int | None) -> bool:
+        """A batch of `samples` fits: padded models within the token budget (padded_len given),
+        others within max_batch_size."""
+        if padded_len is None:
+            return samples <= self.config.max_batch_size
+        return samples * padded_len <= self.config.token_budget
+
+    def full(self, batch: Sequence[Candidate]) -> bool:
+        """Not even one more sample of the batch's padded length would fit."""
+        size = sum(p.work.batch_size for p in batch)
+        longest = max(p.work.length or 0 for p in batch) if batch[0].work.length is not None else None
+        return not self.fits(size + 1, longest)
+
+    def oldest_first(self, batch: Sequence[Candidate], candidates: list[T],
+                      floor: float = 0.0) -> tuple[list[T], bool]:
+        """Candidates in queue order while they fit, passing over those that would bring the
+        batch's padding efficiency below `floor`; (taken, whether one did not fit)."""
+        size = sum(p.work.batch_size for p in batch)
+        longest = max(p.work.length or 0 for p in batch)
+        useful = sum(p.work.tokens for p in batch)
+        taken: list[T] = []
+        for p in candidates:
+            w = p.work
+            padded_len = max(longest, w.length or 0)
+            if not self.fits(size + w.batch_size, padded_len if w.length is not None else None):
+                return taken, True
+            if floor and w.length is not None and useful + w.tokens < floor * (size + w.batch_size) * padded_len:
+                continue
+            taken.append(p)
+            size, longest, useful = size + w.batch_size, padded_len, useful + w.tokens
+        return taken, False
+
+    def closest_lengths(self, batch: Sequence[Candidate], candidates: list[T],
+                         floor: float = 0.0) -> list[T]:
+        """The run of candidates, consecutive in length order, that fills the batch (the next one
+        would not fit, or would bring its padding efficiency below `floor`): the most samples,
+        then the highest useful / computed positions; [] when no run fills it.
+
+        Oldest-first mixes short and long requests and pads them all to the longest; a run of
+        neighbouring lengths pads far less. The oldest request is batch[0] whatever is chosen,
+        so no request waits for more than the batches ahead of it. Two pointers over the
+        sorted candidates: the runs' ends only move forward.
+        """
+        order = sorted(candidates, key=lambda p: p.work.length or 0)
+        n = len(order)
+        base_size = sum(p.work.batch_size for p in batch)
+        base_longest = max(p.work.length or 0 for p in batch)
+        base_useful = sum(p.work.tokens for p in batch)
+        sizes, useful = [0], [0]
+        for p in order:
+            sizes.append(sizes[-1] + p.work.batch_size)
+            useful.append(useful[-1] + p.work.tokens)
+        best: tuple[int, float, int, int] | None = None  # (samples, efficiency, start, end)
+        j = 0
+        for i in range(n):
+            j = max(j, i)
+            while j < n:
+                samples = base_size + sizes[j + 1] - sizes[i]
+                longest = max(base_longest, order[j].work.length or 0)
+                if not self.fits(samples, longest) or (
+                        floor and base_useful + useful[j + 1] - useful[i] < floor * samples * longest):
+                    break
+                j += 1
+            total = base_size + sizes[j] - sizes[i]
+            padded_len = max(base_longest, order[j - 1].work.length or 0) if j > i else base_longest
+            if j == i or (j == n and self.fits(total + 1, padded_len)):
+                continue  # empty, or ran out of candidates before the batch was full
+            computed = total * padded_len
+            efficiency = (base_useful + useful[j] - useful[i]) / computed
+            if best is None or (total, efficiency) > best[:2]:
+                best = (total, efficiency, i, j)
+        if best is None:
+            return []
+        picked = set(map(id, order[best[2] : best[3]]))
+        return [p for p in candidates if id(p) in picked]  # queue order
