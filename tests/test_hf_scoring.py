@@ -102,9 +102,10 @@ def _sequences(lengths: tuple[int, ...], seed: int) -> list[np.ndarray]:
 
 def test_token_and_scored_logprobs_of_one_batch_of_mixed_lengths_match_the_model(
         teacher: dict[str, Any], reference: torch.nn.Module) -> None:
-    """Four sequences of 9-16 tokens, each with its own number of score ids, run as one padded
-    batch (one execution), with top-k, tail and temperature in the same request."""
-    seqs = _sequences((9, 11, 13, 16), seed=1)
+    """Four sequences of 13-16 tokens (a batch above the batcher's 0.85 padding floor), each with its
+    own number of score ids, run as one padded batch (one execution), with top-k, tail and
+    temperature in the same request."""
+    seqs = _sequences((13, 14, 15, 16), seed=1)
     rng = np.random.default_rng(2)
     scores = [rng.integers(0, VOCAB, size=(1, s.shape[1], m), dtype=np.int32) for s, m in zip(seqs, (3, 5, 1, 4),
                                                                                            strict=True)]
@@ -127,6 +128,44 @@ def test_token_and_scored_logprobs_of_one_batch_of_mixed_lengths_match_the_model
         top = torch.topk(lp, 4, dim=-1)
         assert np.allclose(r.as_numpy("LOGITS_TOPK_VALUES"), top.values.numpy(), atol=1e-4)
         assert np.array_equal(r.as_numpy("LOGITS_TOPK_INDICES"), top.indices.numpy())
+
+
+def test_a_student_padded_scoring_request_is_scored_row_by_row(
+        teacher: dict[str, Any], reference: torch.nn.Module) -> None:
+    """One request of 3 rows right-padded to 12 with an attention mask and SCORE_IDS padded like the
+    ids: the teacher cuts the rows back to their masks, each with its own slice of SCORE_IDS, and
+    the answer at the padded width equals each row scored alone, zeros at padding."""
+    lengths = (12, 7, 9)
+    seqs = _sequences(lengths, seed=5)
+    rng = np.random.default_rng(6)
+    ids = np.zeros((3, 12), dtype=np.int64)
+    mask = np.zeros((3, 12), dtype=np.int64)
+    scores = np.zeros((3, 12, 3), dtype=np.int32)
+    for r, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
+        ids[r, :n], mask[r, :n] = s[0], 1
+        scores[r, :n] = rng.integers(0, VOCAB, size=(n, 3), dtype=np.int32)
+    inputs = _inputs(ids, scores)
+    m = tga.InferInput("ATTENTION_MASK", list(mask.shape), "INT64")
+    m.set_data_from_numpy(mask)
+    inputs.append(m)
+    params = {"token_logprobs": True, "temperature": 1.5, "top_k": 2}
+
+    async def go() -> Any:
+        client = tga.InferenceServerClient(f"127.0.0.1:{teacher['port']}")
+        try:
+            return await client.infer("llama", inputs, parameters=params, client_timeout=60)
+        finally:
+            await client.close()
+
+    r = asyncio.run(asyncio.wait_for(go(), 90))
+    tokens, scored = r.as_numpy("LOGITS_TOKEN_LOGPROBS"), r.as_numpy("LOGITS_SCORED_LOGPROBS")
+    assert tokens.shape == (3, 12) and scored.shape == (3, 12, 3)
+    for row, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
+        lp = _log_probs(reference, s, 1.5)
+        assert np.allclose(tokens[row, :n], _want_tokens(lp, s)[0], atol=1e-4)
+        want = lp[0].gather(-1, torch.from_numpy(scores[row, :n]).long()).numpy()
+        assert np.allclose(scored[row, :n], want, atol=1e-4)
+        assert (tokens[row, n:] == 0).all() and (scored[row, n:] == 0).all()
 
 
 def test_mixed_requests_in_one_batch_each_get_what_they_asked(
