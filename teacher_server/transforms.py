@@ -37,12 +37,12 @@ validation from the server's `OutputDefaults` and the request's parameters.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from teacher_server.errors import echo
+from teacher_server import param_checks as checks
+from teacher_server.param_checks import Check
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
 from teacher_server.transform_rows import (
     Rows,
@@ -54,8 +54,6 @@ from teacher_server.transform_rows import (
     apply_top_k,
     apply_topk_tail,
 )
-
-Check = Callable[[object], object]
 
 
 @dataclass(frozen=True)
@@ -125,32 +123,6 @@ class Transform:
         return _NAMES.get(self.name) or frozenset(p.name for p in self.params)
 
 
-def _bool(name: str) -> Check:
-    def check(value: object) -> object:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a boolean (bool_param), got {echo(value)}")
-        return value
-    return check
-
-
-def _top_k(value: object) -> object:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"top_k must be a non-negative integer (int64_param), got {echo(value)}")
-    return value
-
-
-def _temperature(value: object) -> object:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"temperature must be a finite number > 0 (double_param), got {echo(value)}")
-    return float(value)
-
-
-def _dtype(value: object) -> object:
-    if not isinstance(value, str) or value.upper() not in FLOAT_OUTPUT_DTYPES:
-        raise ValueError(f"output_dtype must be one of {', '.join(FLOAT_OUTPUT_DTYPES)}, got {echo(value)}")
-    return value.upper()
-
-
 def _class_dim(what: str) -> Callable[[OutputTransform, TensorSpec, frozenset[str]], str | None]:
     def check(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
         floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
@@ -195,28 +167,28 @@ REGISTRY: list[Transform] = [
     Transform(
         "temperature",
         (Param("temperature", float, 1.0, "divisor of floating outputs before log-softmax, top-k and scoring "
-               "(request parameter temperature)", _temperature, "double_param"),),
+               "(request parameter temperature)", checks.temperature, "double_param"),),
         (), lambda w, aux: w.temperature != 1.0, apply_temperature),
     Transform(
         "logprobs",
         (Param("logprobs", bool, False, "send log_softmax(x / temperature) of floating outputs, computed on the "
-               "model's device (request parameter logprobs)", _bool("logprobs"), "bool_param"),),
+               "model's device (request parameter logprobs)", checks.boolean("logprobs"), "bool_param"),),
         (), lambda w, aux: w.logprobs, apply_logprobs, check=_class_dim("logprobs")),
     Transform(
         "top_k",
         (Param("top_k", int, 0, "send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors; "
-               "request parameter top_k)", _top_k, "int64_param"),),
+               "request parameter top_k)", checks.top_k, "int64_param"),),
         ("_TOPK_VALUES", "_TOPK_INDICES"), lambda w, aux: w.top_k > 0, apply_top_k, reduces=True,
         floating=False, check=_check_top_k),
     Transform(
         "topk_tail",
         (Param("topk_tail", bool, False, "with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the "
-               "top-k per position (request parameter topk_tail)", _bool("topk_tail"), "bool_param"),),
+               "top-k per position (request parameter topk_tail)", checks.boolean("topk_tail"), "bool_param"),),
         ("_TOPK_TAIL",), lambda w, aux: w.topk_tail and w.top_k > 0, apply_topk_tail, check=_check_tail),
     Transform(
         "token_logprobs",
         (Param("token_logprobs", bool, False, "send <OUT>_TOKEN_LOGPROBS [B, T]: log p(x[t+1] | x[<=t]) after "
-               "temperature, 0 at each sequence's last position and on padding", _bool("token_logprobs"),
+               "temperature, 0 at each sequence's last position and on padding", checks.boolean("token_logprobs"),
                "bool_param", server_default=False),),
         ("_TOKEN_LOGPROBS",), lambda w, aux: w.token_logprobs, apply_token_logprobs, reduces=True,
         check=_per_position("token_logprobs"), needs_tokens=True),
@@ -224,7 +196,7 @@ REGISTRY: list[Transform] = [
         "token_ranks",
         (Param("token_ranks", bool, False, "send <OUT>_TOKEN_RANKS [B, T] INT32: the rank of x[t+1] among the "
                "classes at position t (1 + how many score higher; vLLM's prompt-token rank), 0 at each sequence's "
-               "last position and on padding", _bool("token_ranks"), "bool_param", server_default=False),),
+               "last position and on padding", checks.boolean("token_ranks"), "bool_param", server_default=False),),
         ("_TOKEN_RANKS",), lambda w, aux: w.token_ranks, apply_token_ranks, reduces=True,
         check=_per_position("token_ranks"), needs_tokens=True),
     Transform(
@@ -232,8 +204,8 @@ REGISTRY: list[Transform] = [
         inputs=(SCORE_IDS,)),
     Transform(
         "output_dtype",
-        (Param("output_dtype", str, None, "dtype of floating outputs (request parameter output_dtype)", _dtype,
-               "string_param", choices=tuple(FLOAT_OUTPUT_DTYPES)),),
+        (Param("output_dtype", str, None, "dtype of floating outputs (request parameter output_dtype)",
+               checks.output_dtype, "string_param", choices=tuple(FLOAT_OUTPUT_DTYPES)),),
         (), lambda w, aux: False, None),
 ]
 """The transforms in the order they run; extend it with `register` (the tables below follow)."""

@@ -57,7 +57,7 @@ def test_flags_that_differ_from_their_keyword_still_map_onto_it() -> None:
 
 @pytest.mark.parametrize(("flag", "keyword", "value", "words"), [
     ("--top-k", "top_k", -1, "must be a non-negative integer, got -1"),  # the transform registry's words
-    ("--max-batch-tokens", "max_batch_tokens", -3, "must be >= 0 (0: no cap), got -3"),
+    ("--max-batch-tokens", "max_batch_tokens", -3, "must be >= 0 (0: max-batch-size x 64), got -3"),
     ("--http-port", "http_port", 70000, "must be in 0..65535, got 70000"),
     ("--drain-grace", "drain_grace_s", -1.0, "must be >= 0 seconds, got -1.0"),
 ])

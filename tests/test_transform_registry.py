@@ -66,10 +66,12 @@ def test_a_parser_built_from_the_registry_gives_the_server_defaults() -> None:
 
 def test_every_entry_names_its_outputs_and_parameters() -> None:
     names = [t.name for t in REGISTRY]
-    assert names == ["temperature", "logprobs", "top_k", "topk_tail", "token_logprobs", "score_ids", "output_dtype"]
+    assert names == ["temperature", "logprobs", "top_k", "topk_tail", "token_logprobs", "token_ranks", "score_ids",
+                     "output_dtype"]
     suffixes = [s for t in REGISTRY for s in t.outputs]
-    assert suffixes == ["_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL", "_TOKEN_LOGPROBS", "_SCORED_LOGPROBS"]
-    assert [t.name for t in REGISTRY if t.reduces] == ["top_k", "token_logprobs", "score_ids"]
+    assert suffixes == ["_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL", "_TOKEN_LOGPROBS", "_TOKEN_RANKS",
+                        "_SCORED_LOGPROBS"]
+    assert [t.name for t in REGISTRY if t.reduces] == ["top_k", "token_logprobs", "token_ranks", "score_ids"]
     for p in PARAMETERS.values():
         assert p.check(p.default if p.default is not None else "FP32") is not None or p.default is None
     with pytest.raises(TypeError, match="unknown transform parameters"):
