@@ -19,22 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from teacher_server.work import Work, batch_input
-
-
-@dataclass
-class StagedInputs:
-    """A batch's inputs on the model's device, for exactly the works they were built from."""
-
-    tensors: list[torch.Tensor]
-    key: tuple[int, ...]  # ids of the batch's works, in order
-    event: Any = None  # torch.cuda.Event recorded on the copy stream; None on CPU
-    stream: Any = None  # the copy stream (CUDA) the tensors were allocated on
+from teacher_server.work import StagedInputs, Work, batch_input
 
 
 def _key(works: Sequence[Work]) -> tuple[int, ...]:

@@ -9,18 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from teacher_server.outputs import OutputTransform
 from teacher_server.spec import TensorSpec
 
-if TYPE_CHECKING:
-    from teacher_server.staging import StagedInputs
-
 # Per input: (per-sample sequence axis, pad value) when the model pads it, else None.
 PadPlan = tuple[tuple[int, float] | None, ...]
+
+
+@dataclass
+class StagedInputs:
+    """A batch's inputs on the model's device, for exactly the works they were built from."""
+
+    tensors: list[torch.Tensor]
+    key: tuple[int, ...]  # ids of the batch's works, in order
+    event: Any = None  # torch.cuda.Event recorded on the copy stream; None on CPU
+    stream: Any = None  # the copy stream (CUDA) the tensors were allocated on
 
 
 @dataclass
