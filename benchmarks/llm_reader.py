@@ -46,7 +46,7 @@ from benchmarks.common import (
     redo_when_loaded,
 )
 from benchmarks.cpu import CpuMeter, QuietGate
-from benchmarks.llm_serving import (
+from benchmarks.llm_parts import (
     MAX_MESSAGE,
     MIN_QUIET_PAIRS,
     MODEL_NAME,

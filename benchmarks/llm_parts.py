@@ -1,0 +1,332 @@
+"""The parts of W6 (benchmarks/llm_serving.py) that its reader mode (benchmarks/llm_reader.py)
+shares: settings, the teacher and its sequences, in-process and server measurements, requests,
+the server's command line and token metrics. Both modes import them from here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tritonclient.grpc import service_pb2
+
+from benchmarks.common import (
+    BATCHING_QUEUE_DELAY_US,
+)
+from benchmarks.cpu import CpuMeter, CpuUsage
+from benchmarks.device import DeviceChoice
+from teacher_server.batch_rules import TYPICAL_LENGTH
+
+MODEL_NAME = "llm_teacher"
+RATIO_GOAL = 0.90
+PADDING_GOAL = 0.85
+BYTES_GOAL = 130.0
+MIN_QUIET_PAIRS = 5
+MAX_MESSAGE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's knobs; recorded verbatim in the JSON so a result can be reproduced."""
+
+    reps: int = 5
+    sequences: int = 1024
+    batch: int = 16
+    min_len: int = 8
+    seed: int = 0
+    top_k: int = 20
+    clients: int = 0  # 0: eight times --batch
+    delay_us: int = BATCHING_QUEUE_DELAY_US
+    threads: int = 0  # 0: cores / instances
+    instances: int = 0  # 0: one per core
+    teacher: str = ""
+    tiny: bool = False
+    quick: bool = False
+    max_foreign_cores: float = 0.15
+    gate_budget_s: float = 60.0
+    max_redos: int = 6
+    out: str = "llm_serving"
+    mode: str = "server"  # "server": W6 as below; "reader": the reader path (benchmarks/llm_reader.py)
+    device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
+    compute_dtype: str = "FP32"
+
+    @property
+    def choice(self) -> DeviceChoice:
+        return DeviceChoice(self.device, self.compute_dtype)
+
+    @property
+    def token_budget(self) -> int:
+        """The server's default token budget at --max-batch-size --batch (teacher_server.batcher)."""
+        return self.batch * TYPICAL_LENGTH
+
+    @property
+    def server_instances(self) -> int:
+        return self.instances or (os.cpu_count() or 1)
+
+    @property
+    def server_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.server_instances)
+
+    @property
+    def concurrency(self) -> int:
+        return self.clients or 8 * self.batch
+
+
+@dataclass
+class Measurement:
+    """One variant over all the sequences once."""
+
+    tokens_per_s: float
+    useful_tokens: int
+    seconds: float
+    cpu: CpuUsage | None = None
+    computed_tokens: int | None = None  # positions computed, padding included
+    wire_bytes: int | None = None  # raw output contents of all responses
+    executions: int | None = None  # model executions on the server
+
+    @property
+    def padding_efficiency(self) -> float | None:
+        return self.useful_tokens / self.computed_tokens if self.computed_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = round(self.tokens_per_s, 1)
+        d["seconds"] = round(self.seconds, 4)
+        d["cpu"] = self.cpu.as_dict() if self.cpu else None
+        eff = self.padding_efficiency
+        d["padding_efficiency"] = round(eff, 4) if eff is not None else None
+        return d
+
+
+# ---- the teacher and the sequences ----------------------------------------------------------
+def teacher_directory(s: Settings) -> Path:
+    """--teacher, else the trained teacher in the cache, else the smoke teacher (trained if missing)."""
+    from examples.llm import models
+
+    if s.teacher:
+        path = Path(s.teacher).expanduser()
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--teacher {path}: no config.json there; pass a save_pretrained directory")
+        return path
+    trained = models.teacher_dir()
+    if not s.tiny and (trained / "config.json").is_file():
+        return trained
+    smoke = models.teacher_dir(smoke=True)
+    if not (smoke / "config.json").is_file():
+        from examples.llm import train_teacher
+
+        print(f"no trained teacher at {trained}: training the smoke teacher into {smoke}", flush=True)
+        if train_teacher.main(["--smoke"]) != 0:
+            raise SystemExit("training the smoke teacher failed")
+    return smoke
+
+
+def draw_sequences(directory: Path, s: Settings, max_len: int) -> tuple[list[list[int]], int]:
+    """Held-out sequences of mixed lengths (fixed seed) and the tokenizer's pad id."""
+    from examples.llm.common import SMOKE_FILES
+    from examples.llm.data import encode_files, load_corpus
+    from examples.llm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(directory)
+    smoke = s.tiny or json.loads((directory / "config.json").read_text(encoding="utf-8")).get("vocab_size", 0) < 1024
+    corpus = load_corpus(max_files=SMOKE_FILES if smoke else 0)
+    pieces = [p for p in encode_files(tok, list(corpus.texts("held_out")), max_len) if len(p) >= s.min_len]
+    if not pieces:
+        raise SystemExit(f"no held-out sequence of at least --min-len {s.min_len} tokens")
+    rng = random.Random(s.seed)
+    out = []
+    for _ in range(s.sequences):
+        piece = rng.choice(pieces)
+        out.append(piece[: rng.randint(s.min_len, len(piece))])
+    return out, int(tok.pad_token_id)
+
+
+def padded_batches(seqs: Sequence[list[int]], batch: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(input_ids, attention_mask, useful tokens) per batch, in order, padded per batch."""
+    out = []
+    for i in range(0, len(seqs), batch):
+        rows = seqs[i : i + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[j, : len(r)] = 1
+        out.append((ids, mask, sum(len(r) for r in rows)))
+    return out
+
+
+def sorted_batches(seqs: Sequence[list[int]], budget: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The sequences sorted by length, in padded batches of at most `budget` positions (rows x
+    longest): the best plain PyTorch batching of the same work at the server's token budget."""
+    order = sorted(seqs, key=len)
+    groups: list[list[list[int]]] = [[]]
+    for q in order:
+        if groups[-1] and (len(groups[-1]) + 1) * len(q) > budget:
+            groups.append([])
+        groups[-1].append(q)
+    return [b for g in groups for b in padded_batches(g, len(g), pad_id)]
+
+
+def load_inprocess(directory: Path, choice: DeviceChoice) -> torch.nn.Module:
+    """The teacher in this process, weights in the compute dtype, on the device."""
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True,
+                                                                  dtype=choice.dtype)
+    return model.to(choice.torch_device).eval()
+
+
+def on_device(batches: list[tuple[torch.Tensor, torch.Tensor, int]],
+              choice: DeviceChoice) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Batches moved to the device once, before any timing."""
+    return [(ids.to(choice.torch_device), mask.to(choice.torch_device), n) for ids, mask, n in batches]
+
+
+def output_work(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the server does to LOGITS for these requests: log-softmax, top-k, fp16 values, int32
+    ids, the probability mass outside the top-k."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, indices = torch.topk(logp, k, dim=-1, sorted=True)
+    tail = (1.0 - values.exp().sum(dim=-1)).clamp_(min=0.0)
+    return values.half(), indices.int(), tail.half()
+
+
+# ---- in-process ------------------------------------------------------------------------------
+def measure_inprocess(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor, int]], k: int,
+                      workers: int, server_pids: Sequence[int]) -> Measurement:
+    """All batches once, `workers` loops pulling from one list (the twin of the server's instances)."""
+    lock = threading.Lock()
+    next_i = [0]
+
+    def loop() -> int:
+        done = 0
+        with torch.inference_mode():
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= len(batches):
+                    if batches[0][0].is_cuda:
+                        torch.cuda.synchronize(batches[0][0].device)
+                    return done
+                ids, mask, useful = batches[i]
+                output_work(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, k)
+                done += useful
+
+    meter = CpuMeter(server_pids)
+    with ThreadPoolExecutor(workers, thread_name_prefix="inprocess") as pool:
+        meter.start()
+        t0 = time.perf_counter()
+        useful = sum(f.result() for f in [pool.submit(loop) for _ in range(workers)])
+        elapsed = time.perf_counter() - t0
+        cpu = meter.stop()
+    computed = sum(ids.numel() for ids, _, _ in batches)
+    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed)
+
+
+# ---- server ----------------------------------------------------------------------------------
+def make_request(seq: list[int], *, top_k: int, logprobs: bool = True, dtype: str = "FP16",
+                 tail: bool = True) -> service_pb2.ModelInferRequest:
+    """One sequence as a [1, L] request with its mask; the output transforms as request parameters."""
+    ids = np.asarray([seq], dtype=np.int64)
+    req = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    req.inputs.add(name="INPUT_IDS", datatype="INT64", shape=list(ids.shape))
+    req.inputs.add(name="ATTENTION_MASK", datatype="INT64", shape=list(ids.shape))
+    req.raw_input_contents.append(ids.tobytes())
+    req.raw_input_contents.append(np.ones_like(ids).tobytes())
+    req.parameters["top_k"].int64_param = top_k
+    req.parameters["logprobs"].bool_param = logprobs
+    req.parameters["output_dtype"].string_param = dtype
+    req.parameters["topk_tail"].bool_param = tail and top_k > 0
+    return req
+
+
+def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: bool) -> list[str]:
+    # A causal LM served as hf:DIR declares these itself (padded with its config's pad_token_id);
+    # stated here so the benchmark pads with the tokenizer's pad id whatever the config says.
+    args = [
+        "--model", f"hf:{directory}", "--name", MODEL_NAME, *s.choice.server_args(),
+        "--input", f"INPUT_IDS:INT64:-1:pad={pad_id}", "--input", "ATTENTION_MASK:INT64:-1:mask",
+        "--output", f"LOGITS:FP32:-1,{vocab}:per_position",
+        "--max-batch-size", str(s.batch), "--max-queue-delay-us", str(s.delay_us),
+        "--instances", str(s.server_instances), "--threads", str(s.server_threads),
+        "--metrics-port", "0", "--log-level", "WARNING",
+    ]
+    return args if buckets else [*args, "--no-length-buckets"]
+
+
+def scrape_tokens(metrics_port: int) -> tuple[int, int]:
+    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode("utf-8")
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith(("teacher_useful_tokens_total", "teacher_padded_tokens_total")):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = int(float(line.rsplit(" ", 1)[1]))
+    return values.get("teacher_useful_tokens_total", 0), values.get("teacher_padded_tokens_total", 0)
+
+
+async def executions(stub: Any) -> int:
+    resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL_NAME), timeout=10)
+    return int(resp.model_stats[0].execution_count)
+
+
+async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest], lengths: list[int], *,
+                         clients: int, metrics_port: int, server_pids: Sequence[int]) -> Measurement:
+    """Every request once from `clients` concurrent clients; tokens/s over the whole pass."""
+    next_i = 0
+    wire = 0
+
+    async def client() -> None:
+        nonlocal next_i, wire
+        while next_i < len(requests):
+            i = next_i
+            next_i += 1
+            resp = await stub.ModelInfer(requests[i], timeout=60)
+            wire += sum(len(c) for c in resp.raw_output_contents)
+
+    useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    exec0 = await executions(stub)
+    meter = CpuMeter(server_pids)
+    meter.start()
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(client()) for _ in range(clients)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = time.perf_counter() - t0
+    cpu = meter.stop()
+    useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    useful = sum(lengths)
+    if useful1 - useful0 != useful:
+        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
+    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
+                       wire_bytes=wire, executions=await executions(stub) - exec0)
+
+
+def print_rep(rep: int, name: str, m: Measurement) -> None:
+    line = f"  rep {rep + 1} {name:<18} {m.tokens_per_s:9,.0f} tokens/s"
+    if m.padding_efficiency is not None:
+        line += f"  padding efficiency {m.padding_efficiency:.3f}"
+    if m.executions:
+        line += f"  {m.executions} batches"
+    if m.cpu:
+        line += (f"  cores: client {m.cpu.client_cores:.2f} server {m.cpu.server_cores:.2f} "
+                 f"foreign {m.cpu.foreign_cores:.2f}")
+    print(line, flush=True)
