@@ -57,6 +57,17 @@ class CausalConvLM(nn.Module):
         return {"LOGITS": h @ self.head, "POOLED": pooled}
 
 
+class CausalConvLMUncut(CausalConvLM):
+    """The same model with MASK declared as a plain padded input, not as the attention mask: the
+    server cannot cut rows back to a mask it does not know, so padded positions are computed and
+    answered, as by a teacher that does not re-batch rows (a Triton server, an older teacher)."""
+
+    io_spec = ModelIO.parse(
+        ["TOKENS:INT64:-1:pad=0", "MASK:INT64:-1:pad=0"],
+        [f"LOGITS:FP32:-1,{VOCAB}:per_position", f"POOLED:FP32:{HIDDEN}"],
+    )
+
+
 class UnpaddedSeq(nn.Module):
     """One client-sized TOKENS input and no padding declared: requests of different lengths must
     never be concatenated (torch.cat would fail, as in issue #11)."""
@@ -77,6 +88,10 @@ class UnpaddedSeq(nn.Module):
 
 def causal_conv_lm() -> CausalConvLM:
     return CausalConvLM()
+
+
+def causal_conv_lm_uncut() -> CausalConvLMUncut:
+    return CausalConvLMUncut()
 
 
 def unpadded_seq() -> UnpaddedSeq:

@@ -2,9 +2,10 @@
 the batch that was sent, padded positions included, and gives them back cut or zero-padded to each
 later batch's own padded width.
 
-The teacher is a causal convolution: at the first padded positions after a sequence it answers
-values that depend on the sequence's last tokens (not zeros), so a store that dropped, zeroed or
-shifted padded positions would fail here.
+The teacher is a causal convolution whose mask is declared as a plain padded input, so the server
+computes padded positions instead of cutting rows back to the mask (teacher_server.rows): at the
+first padded positions after a sequence it answers values that depend on the sequence's last
+tokens (not zeros), so a store that dropped, zeroed or shifted padded positions would fail here.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ NAMES = ("LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES")
 
 @pytest.fixture(scope="module")
 def seq_teacher() -> Iterator[ServerThread]:
-    cfg = ServerConfig(model="tests.seq_models:causal_conv_lm", name="seq", device="cpu", instances=1,
+    cfg = ServerConfig(model="tests.seq_models:causal_conv_lm_uncut", name="seq", device="cpu", instances=1,
                        batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000))
     with ServerThread(cfg) as srv:
         yield srv

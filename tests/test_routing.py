@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,12 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _chunks_per_teacher(reader: DistillReader, n: int) -> dict[str, int]:
+    # Every choice among both teachers: wait (bounded) until the pool uses both before the first batch.
+    for _ in range(300):
+        if reader.stats().teachers_in_use == 2:
+            break
+        time.sleep(0.1)
+    assert reader.stats().teachers_in_use == 2, reader.stats().teachers
     seen = [int(batch["idx"][0]) for batch, out in reader if out["Y"].shape == (ROWS, 4)]
     assert seen == list(range(n)), seen
     return {endpoint: int(t["ok"]) for endpoint, t in reader.stats().teachers["teachers"].items()}
