@@ -1,0 +1,151 @@
+"""`distill gateway` as a real process in front of real `teacher-server --model hf:DIR` processes:
+its flags, /health (503 with no teacher, 200 once one registers in a real etcd), /v1/models, and
+the refusals it answers itself, in OpenAI's error form."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from discovery.local_etcd import LocalEtcd
+from distill import cli as distill_cli
+from distill.gateway_cli import config_from_args
+from tests.etcd_fixtures import unique_service
+from tests.hf_models import save_llama
+from tests.servers import REPO, teacher_process
+
+transformers = pytest.importorskip("transformers")
+
+START_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama-gateway")
+    save_llama(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as server:
+        yield server
+
+
+def teacher_args(llama_dir: Path, *more: str) -> list[str]:
+    return ["--model", f"hf:{llama_dir}", "--name", "tiny-llama", "--device", "cpu", "--http-port", "0", *more]
+
+
+@contextlib.contextmanager
+def gateway_process(args: Sequence[str]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`distill gateway --port 0 ARGS` as its own process; yields (process, base URL) once it listens
+    (its first stdout line names the port). SIGTERM on exit, SIGKILL if it does not stop."""
+    with tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False) as log:
+        log_path = log.name
+    with open(log_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "distill.cli", "gateway", "--port", "0", *args], cwd=REPO,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded: the process prints it once listening, or exits
+        if not line:
+            proc.wait(10)
+            raise AssertionError(f"the gateway exited ({proc.returncode}): {Path(log_path).read_text()[-3000:]}")
+        info = json.loads(line)
+        yield proc, f"http://127.0.0.1:{info['port']}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        os.unlink(log_path)
+
+
+def call(url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            text = resp.read()
+            return resp.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        return e.code, json.loads(text) if text else None
+
+
+def wait_for_status(url: str, status: int, timeout: float) -> float:
+    """Poll GET `url` every 0.1 s until it answers `status`; the seconds it took."""
+    start = time.monotonic()
+    last: Any = None
+    while time.monotonic() - start < timeout:
+        try:
+            last = call(url, timeout=5)[0]
+        except OSError as e:
+            last = e
+        if last == status:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer {status} within {timeout} s (last: {last})")
+
+
+def test_the_flags_the_manifest_and_the_readme_use() -> None:
+    parser = distill_cli.build_parser()
+    args = parser.parse_args(["gateway", "--registry", "etcd://10.0.0.5", "--service", "llm-teacher", "--port",
+                              "8000"])
+    config = config_from_args(args)
+    assert (config.registry, config.service, config.port, config.host) == (
+        "etcd://10.0.0.5:2379", "llm-teacher", 8000, "127.0.0.1")
+    assert config.name == "llm-teacher"  # what /v1/models reports with neither --model nor --served-model-name
+    args = parser.parse_args(["gateway", "--teachers", "127.0.0.1:9001,127.0.0.1:9002", "--model", "m"])
+    config = config_from_args(args)
+    assert (config.teachers, config.name, config.port) == ("127.0.0.1:9001,127.0.0.1:9002", "m", 8000)
+    for argv, message in ((["gateway"], "exactly one of --teachers"),
+                          (["gateway", "--registry", "etcd://h:1"], "needs --service"),
+                          (["gateway", "--teachers", "h:1", "--service", "s"], "only with --registry")):
+        with pytest.raises(ValueError, match=message):
+            config_from_args(parser.parse_args(argv))
+
+
+def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtcd, llama_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    service = unique_service("gw")
+    with gateway_process(["--registry", etcd.address, "--service", service, "--served-model-name", "teacher-pool",
+                          "--max-model-len", "64"]) as (_, base):
+        status, body = call(base + "/health")
+        assert status == 503 and body["error"]["code"] == 503 and "no teacher" in body["error"]["message"]
+        assert call(base + "/v1/models")[1]["data"][0] | {"created": 0} == {
+            "id": "teacher-pool", "object": "model", "created": 0, "owned_by": "distill-mesh", "root": "teacher-pool",
+            "parent": None, "max_model_len": 64, "permission": []}
+        # refusals the gateway answers itself, with no teacher needed
+        for body, status, param in (
+                ({"prompt": [[1, 2]], "max_tokens": 2}, 400, "max_tokens"),
+                ({"prompt": [[1, 2]], "model": "other"}, 404, "model"),
+                ({"prompt": "text"}, 400, "prompt"),
+                ({"prompt": [list(range(65))]}, 400, "prompt"),
+                ({"prompt": [[1, 2]], "prompt_logprob": 2}, 400, "prompt_logprob")):
+            got, answer = call(base + "/v1/completions", body)
+            assert (got, answer["error"]["param"]) == (status, param), answer
+        assert call(base + "/v2/models/x/infer", {})[0] == 404
+        with teacher_process(teacher_args(llama_dir, "--registry", etcd.address, "--service", service),
+                             tmp_path):
+            wait_for_status(base + "/health", 200, START_S)
+        # the teacher drained and deregistered: no usable teacher, 503 again
+        wait_for_status(base + "/health", 503, START_S)
