@@ -74,7 +74,7 @@ class ScoringSettings:
             student_id=f"{self.student_id}-t{temperature:g}" if self.student_id else "")
 
 
-def _scoring_options() -> dict[str, bool]:
+def _scoring_options() -> dict[str, Any]:
     """The reader options that ask for the prompt tokens' own log-probs and ranks, where this
     build's reader has them (`scoring_unavailable` says when it does not)."""
     return {} if scoring_unavailable() else {"token_logprobs": True, "token_ranks": True}
@@ -125,7 +125,7 @@ class Scorer:
         before the teachers do). A setup error (wrong model name, access refused) is not retried."""
         options = self.settings.reader_options(temperature)
         while True:
-            reader = DistillReader(None, options)
+            reader = DistillReader((), options)  # no loader: prompts come through submit()
             try:
                 await _started(reader)
             except NoTeacherError as e:
@@ -198,7 +198,7 @@ class Scorer:
         batch = {self.settings.input_name: np.asarray([ids], dtype=np.int64)}
         async with self._window:
             try:
-                outputs = await asyncio.wrap_future(reader.submit(batch))
+                outputs = await asyncio.wrap_future(reader.submit(batch))  # type: ignore[attr-defined]
             except BatchRejectedError as e:
                 raise APIError(400, f"the teachers refused this prompt: {e}", "prompt") from None
             except NoTeacherError as e:
