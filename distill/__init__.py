@@ -35,6 +35,8 @@ _EXPORTS = {
     "ReaderOptions": "distill.options",
     "RouterConfig": "distill.config",
     "ReaderStats": "distill.stats",
+    "ScoreFuture": "distill.submit",
+    "SubmitLimitError": "distill.submit",
 }
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from distill.options import ReaderOptions
     from distill.reader import DistillReader
     from distill.stats import ReaderStats
+    from distill.submit import ScoreFuture, SubmitLimitError
 
 
 def __getattr__(name: str) -> Any:
@@ -76,8 +79,10 @@ __all__ = [
     "ReaderOptions",
     "ReaderStats",
     "RouterConfig",
+    "ScoreFuture",
     "SparseTargets",
     "StaleIteratorError",
+    "SubmitLimitError",
     "TeacherAccessError",
     "TeacherMismatchError",
     "TeacherTargets",

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from distill.errors import BatchRejectedError
+from distill.outputs import AUX_INPUTS
 from distill.teacher_client import MalformedAnswerError
 from distill.types import FieldArray, OutputCache, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
@@ -89,11 +90,40 @@ def extract_inputs(batch: Any, inputs: Mapping[str, str | int]) -> tuple[int, di
         if size is not None and n != size:
             raise TypeError(f"teacher input {name!r} has {n} rows but the other inputs have {size}")
         size = n
+        want = AUX_INPUTS.get(name)
+        if want is not None and fa.datatype != want:
+            raise TypeError(f"teacher input {name!r} must be {want} (ids per position, padded like the ids), got "
+                            f"{fa.datatype}: convert it, e.g. score_ids.to(torch.int32)")
         out[name] = fa
     assert size is not None
     if size == 0:
         raise TypeError("the loader yielded an empty batch (0 rows); teachers cannot answer it")
     return size, out
+
+
+def signature_of(fields: Mapping[str, FieldArray]) -> Signature:
+    """What a teacher's declared inputs must take: every field but the auxiliary inputs (SCORE_IDS),
+    which a teacher reads without declaring them (the teacher checks them itself)."""
+    return tuple((n, f.datatype, f.sample_shape) for n, f in fields.items() if n not in AUX_INPUTS)
+
+
+class Submitted:
+    """A batch the training loop handed to ``submit``: its outputs settle `future` (on the engine's
+    thread) instead of going to the sink. A future cancelled meanwhile is left as it is."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def settle(self, outputs: Any, error: BaseException | None) -> None:
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(outputs)
+        except Exception:  # cancelled, or already failed by close(): nobody waits for it
+            pass
 
 
 class LoaderThread:
@@ -375,8 +405,13 @@ class Delivery:
 
     def _deliver(self, job: Job) -> None:
         job.delivered = True
+        if isinstance(job.batch, Submitted):
+            job.batch.settle(None if job.error else self._outputs_of(job), job.error)
+            return
         if job.error is not None:
             self.sink.rejected(job.epoch, job.error)
             return
-        outputs: Any = dict(job.outputs) if len(self.services) > 1 else next(iter(job.outputs.values()))
-        self.sink.batch(job.epoch, job.batch, outputs, job.size)
+        self.sink.batch(job.epoch, job.batch, self._outputs_of(job), job.size)
+
+    def _outputs_of(self, job: Job) -> Any:
+        return dict(job.outputs) if len(self.services) > 1 else next(iter(job.outputs.values()))

@@ -42,7 +42,16 @@ from collections.abc import Coroutine
 from typing import Any, cast
 
 from discovery import Registry, open_registry
-from distill.batches import END_OF_LOADER, Chunk, Delivery, Job, LoaderThread, Sink, extract_inputs
+from distill.batches import (
+    END_OF_LOADER,
+    Chunk,
+    Delivery,
+    Job,
+    LoaderThread,
+    Sink,
+    extract_inputs,
+    signature_of,
+)
 from distill.cache.errors import require_store
 from distill.dispatch import Dispatcher, Service
 from distill.liveness import CallWatch
@@ -125,6 +134,7 @@ class Engine:
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
         self._slots = ReadAhead(0, options.prefetch)
+        self._submitted = 0  # batches taken by submit(), their sequence numbers
         self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
         self._dispatcher = Dispatcher(options, self._delivery, self._watch, self._spawn, self._fatal)
@@ -200,8 +210,34 @@ class Engine:
         self._delivery.reset(self.epoch)
         for svc in self._services.values():
             svc.clear()
-        self._epoch_task = self._spawn(self._read(self.epoch, loader), f"epoch-{self.epoch}")
+        if loader is not None:
+            self._epoch_task = self._spawn(self._read(self.epoch, loader), f"epoch-{self.epoch}")
         return self.epoch
+
+    def begin_submissions(self) -> None:
+        """Take batches from `submit` instead of a loader (called once, on the loop thread): one
+        pass that never ends, each batch settled as soon as it is answered."""
+        self.begin_epoch(None)
+        self._delivery.ordered = False
+
+    def submit(self, batch: Any, size: int, fields: dict[str, FieldArray], deadline_s: float) -> None:
+        """Send one batch the training loop made (on the loop thread; `batch` is a `Submitted`, its
+        future settled once: with the outputs, the teachers' refusal, or a timeout at `deadline_s`)."""
+        job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields))
+        self._submitted += 1
+        asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
+        for svc in self._services.values():
+            job.remaining[svc.name] = job.sent
+            svc.push(Chunk(job, svc.name, 0, job.sent))
+
+    def _expire(self, job: Job, deadline_s: float) -> None:
+        if job.delivered or job.error is not None:
+            return
+        job.error = TimeoutError(
+            f"submitted batch {job.seq} got no teacher answer within {deadline_s:g} s (retries and failover "
+            "included); the teachers may be overloaded or gone: see reader.stats(), or submit it again")
+        job.remaining = dict.fromkeys(job.remaining, 0)
+        self._delivery.maybe_complete(job)
 
     def consumed(self, epoch: int) -> None:
         """The training loop took a batch of `epoch`: one more may be read ahead. Thread-safe: the
@@ -263,8 +299,7 @@ class Engine:
                     self._delivery.end_at(seq)
                     return
                 batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
-                job = Job(epoch, seq, batch, size, fields,
-                          tuple((n, f.datatype, f.sample_shape) for n, f in fields.items()), cached=cached)
+                job = Job(epoch, seq, batch, size, fields, signature_of(fields), cached=cached)
                 seq += 1
                 if cached is not None:
                     settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")

@@ -186,6 +186,13 @@ class ReaderOptions:
         None, help="with top_k, also fetch <OUT>_TOPK_TAIL, the probability mass outside the top K per position, or "
         "False: never (default: the server's, and the reader keeps it only when asked)", check=maybe_bool,
         wire="topk_tail", stated=_tail_stated, flag=Flag(switch=True))
+    token_logprobs: bool | None = option(
+        None, help="ask the teachers for <OUT>_TOKEN_LOGPROBS [B, T], the log-probability (after temperature) of "
+        "each position's next token, log p(x[t+1] | x[<=t]), 0 at the last position and on padding: the sampled "
+        "tokens' scores of on-policy distillation, 4 bytes a token; replaces the full <OUT> (top_k and SCORE_IDS "
+        "may be asked with it); False: never (default: the server's)", check=maybe_bool, wire="token_logprobs",
+        store=lambda v: {"extra": (("token_logprobs", "true"),)} if v else {}, stated=_stated(False),
+        flag=Flag(switch=True))
     student_id: str = option("", help="identity in the registry (default: host-pid[-rankN])",
                              check=lambda s: s or default_student_id())
     registry_options: Mapping[str, Any] = option(

@@ -6,6 +6,12 @@ name and shape alone. One that changes what comes back (top-k: ``<OUT>_TOPK_VALU
 without it) is described here once, for the client that checks an answer
 (``distill.teacher_client``) and the store that keeps it (``distill.cache.reader_side``).
 The request parameters are read by their wire names (``ReaderOptions.request_parameters``).
+
+Scoring given tokens (issue 22's wire contract, ``teacher_server.transforms``): ``token_logprobs``
+adds ``<OUT>_TOKEN_LOGPROBS`` (the declared shape without its class dimension), and a batch that
+sends the auxiliary input ``SCORE_IDS`` (`AUX_INPUTS`: a teacher reads it without declaring it in
+its metadata) gets ``<OUT>_SCORED_LOGPROBS`` (the class dimension cut to the m ids per position).
+Top-k, token log-probs and scores each replace the full ``<OUT>``: it comes only when none is asked.
 """
 
 from __future__ import annotations
@@ -14,20 +20,37 @@ from collections.abc import Mapping
 
 from distill.types import ParameterValue, TensorMeta
 
-__all__ = ["TOPK_PARTS", "base_output", "derived_names", "ids_output", "per_sample_shape", "wanted_outputs"]
+__all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOPK_PARTS", "base_output", "derived_names", "ids_output",
+           "per_sample_shape", "wanted_outputs"]
 
 TOPK = "_TOPK_"
 TOPK_PARTS = ("VALUES", "INDICES", "TAIL")
 """The outputs top-k makes of one output: values, their class ids, and the mass outside them."""
+TOKEN_LOGPROBS = "_TOKEN_LOGPROBS"
+"""Suffix of the log-probability of each position's next token (request parameter token_logprobs)."""
+SCORED = "_SCORED_LOGPROBS"
+"""Suffix of the log-probabilities at the ids of input SCORE_IDS."""
+AUX_INPUTS = {"SCORE_IDS": "INT32"}
+"""Inputs a teacher reads besides its model's (not in its metadata), with their wire datatype."""
 
 
-def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue]) -> list[str]:
+def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue],
+                   scored: bool = False) -> list[str]:
     """The output names an answer must carry: the outputs asked for, or with top-k their values and
-    indices, and the tail mass when asked for (a tail a server sends by default, unasked, is dropped)."""
+    indices, and the tail mass when asked for (a tail a server sends by default, unasked, is dropped);
+    with token_logprobs each output's token log-probs, and when the request sends SCORE_IDS
+    (`scored`) its scored log-probs."""
+    suffixes: list[str] = []
     if parameters.get("top_k"):
         parts = TOPK_PARTS if parameters.get("topk_tail") else TOPK_PARTS[:2]
-        return [f"{n}{TOPK}{part}" for n in outputs for part in parts]
-    return list(outputs)
+        suffixes += [f"{TOPK}{part}" for part in parts]
+    if parameters.get("token_logprobs"):
+        suffixes.append(TOKEN_LOGPROBS)
+    if scored:
+        suffixes.append(SCORED)
+    if not suffixes:
+        return list(outputs)
+    return [f"{n}{suffix}" for n in outputs for suffix in suffixes]
 
 
 def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
@@ -35,6 +58,10 @@ def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
     """The per-sample shape of answer output `name` (-1: any size), from the teacher's declared
     outputs; None if unknown. A top-k output keeps the declared shape with its last dimension cut
     to k; the tail mass has one value per position (the class dimension is gone)."""
+    for suffix, last in ((TOKEN_LOGPROBS, ()), (SCORED, (-1,))):
+        if name.endswith(suffix):
+            meta = declared.get(name[: -len(suffix)])
+            return None if meta is None or not meta.shape else (*meta.shape[:-1], *last)
     k = parameters.get("top_k")
     if not k:
         meta = declared.get(name)
@@ -50,13 +77,16 @@ def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
 
 def base_output(name: str) -> str:
     """The teacher output a (possibly transformed) output name comes from."""
+    for suffix in (TOKEN_LOGPROBS, SCORED):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
     base, sep, part = name.rpartition(TOPK)
     return base if sep and part in TOPK_PARTS else name
 
 
 def derived_names(name: str) -> tuple[str, ...]:
-    """Every name output `name` may be stored under: itself and its top-k parts."""
-    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS))
+    """Every name output `name` may be stored under: itself, its top-k parts and its token scores."""
+    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS), f"{name}{TOKEN_LOGPROBS}", f"{name}{SCORED}")
 
 
 def ids_output(name: str) -> str:

@@ -22,6 +22,7 @@ from discovery import TeacherSet, subset
 from discovery.aio import bounded
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.options import ReaderOptions
+from distill.outputs import AUX_INPUTS
 from distill.router import Router, TeacherState
 from distill.teacher_client import (
     InferenceClient,
@@ -197,7 +198,7 @@ class TeacherPool:
             await self.router.wait_change(min(1.0, give_up_at - time.monotonic()))
         t = metas[0]
         assert t.meta is not None
-        missing_in = [n for n in self.opts.inputs if n not in t.meta.inputs]
+        missing_in = [n for n in self.opts.inputs if n not in t.meta.inputs and n not in AUX_INPUTS]
         if missing_in:
             raise TeacherMismatchError(
                 f"service {self.service!r}: teacher {t.endpoint} (model {t.meta.model_name!r}) has no input "

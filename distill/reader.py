@@ -14,12 +14,18 @@ raises `BatchRejectedError` from `next()` in its place; the iterator stays usabl
 `next()` yields the following batch. One reader feeds one training loop: a second `iter()` while
 another thread is inside `next()` raises `ReaderInUseError`, and an iterator replaced by a newer
 `iter()` raises `StaleIteratorError` instead of waiting for batches that will never come.
+
+On-policy: a reader built with no loader, ``DistillReader(None, ...)``, scores the batches the
+training loop makes itself, one step at a time: ``reader.submit(batch)`` returns a
+``concurrent.futures.Future`` of the outputs, ``reader.score(batch)`` waits for them (the API, its
+bounds and its errors: ``distill.submit``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -29,11 +35,13 @@ from typing import Any
 
 import torch
 
+from distill.batches import Submitted, extract_inputs
 from distill.checks import CACHE_MODES
 from distill.engine import Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.options import ReaderOptions, default_student_id
 from distill.stats import ConsumptionMeter, ReaderStats
+from distill.submit import ScoreFuture, Submissions
 
 # ReaderOptions and its helpers live in distill.options (below the engine, which reads them); they
 # are re-exported here, where the reader's users have always found them.
@@ -104,11 +112,16 @@ class DistillReader:
     `ReaderOptions` (documented there), or pass a built `ReaderOptions` as `options=`.
     """
 
-    def __init__(self, loader: Iterable[Any], options: ReaderOptions | None = None, **kwargs: Any) -> None:
+    def __init__(self, loader: Iterable[Any] | None, options: ReaderOptions | None = None, **kwargs: Any) -> None:
         if options is not None and kwargs:
             raise TypeError("pass either options=ReaderOptions(...) or keyword arguments, not both")
         self._options = options if options is not None else ReaderOptions(**kwargs)
         self._loader = loader
+        # No loader: batches come from submit() (distill.submit), at most `prefetch` unsettled.
+        self._submissions = Submissions(self._options.prefetch) if loader is None else None
+        if self._submissions is not None and self._options.cache is not None:
+            raise ValueError("a reader without a loader scores new batches each step, which a teacher-output "
+                             "store would never hold: drop cache=, or give the reader a loader")
         self._meter = ConsumptionMeter()
         self._out = Outbox()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,9 +157,11 @@ class DistillReader:
         self._thread.start()
 
         async def boot() -> Engine:
-            engine = Engine(self._options, self._out, self._meter)
+            engine = Engine(self._options, self._out if self._submissions is None else self._submissions, self._meter)
             try:
                 await engine.start()
+                if self._submissions is not None:
+                    engine.begin_submissions()
             except BaseException:
                 await engine.close()
                 raise
@@ -164,6 +179,8 @@ class DistillReader:
         if self._closed:
             return
         self._closed = True
+        if self._submissions is not None:
+            self._submissions.close()
         if self._engine is not None and self._loop is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._engine.close(), self._loop).result(30)
@@ -198,6 +215,9 @@ class DistillReader:
     # ---- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         """A new pass over the loader. Raises ReaderInUseError while another thread is inside next()."""
+        if self._loader is None:
+            raise TypeError("this reader has no loader: send the batches you make with reader.submit(batch) or "
+                            "reader.score(batch), or give DistillReader a loader to iterate")
         self.start()
         assert self._loop is not None and self._engine is not None
         engine, loop = self._engine, self._loop
@@ -232,6 +252,34 @@ class DistillReader:
         batch, outputs, size = payload
         self._meter.record(size, waited)
         return batch, as_device(outputs, self._options.torch_device)
+
+    # ---- batches the training loop makes (distill.submit) -------------------------------------
+    def submit(self, batch: Any, *, deadline_s: float | None = None) -> concurrent.futures.Future[Any]:
+        """Send `batch` to the teachers now; a future of its outputs (see ``distill.submit``). Never
+        blocks: raises SubmitLimitError with `prefetch` batches unsettled. The batch's teacher inputs
+        are taken on this thread (as `inputs` says); the engine keeps them until it is answered."""
+        subs = self._submissions
+        if subs is None:
+            raise TypeError("submit() is for a reader built without a loader, DistillReader(None, ...); this one "
+                            "reads its loader: iterate it")
+        self.start()
+        engine, loop = self._engine, self._loop
+        assert engine is not None and loop is not None
+        size, fields = extract_inputs(batch, self._options.inputs)
+        device = self._options.torch_device
+        fut = ScoreFuture(size, self._meter.record, lambda outputs: as_device(outputs, device))
+        subs.add(fut)
+        opts = self._options
+        deadline = deadline_s if deadline_s is not None else opts.no_teacher_timeout + 2 * opts.timeout
+        try:
+            loop.call_soon_threadsafe(engine.submit, Submitted(fut), size, fields, deadline)
+        except RuntimeError as e:  # the loop closed under us
+            fut.set_exception(ReaderClosedError(f"the reader's engine stopped: {e}"))
+        return fut
+
+    def score(self, batch: Any, *, deadline_s: float | None = None) -> Any:
+        """``submit(batch).result()``: the outputs of `batch`, waiting for them (staleness 0)."""
+        return self.submit(batch, deadline_s=deadline_s).result()
 
     def stats(self) -> ReaderStats:
         """Throughput, wait fraction, and per-teacher latency/errors (see ReaderStats)."""

@@ -195,7 +195,7 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
         if len(raw) != shape_numel(shape) * dt.itemsize:
             raise MalformedAnswerError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
         out[spec.name] = _tensor(raw, dt, shape)
-    wanted = wanted_outputs(req.outputs, req.parameters)
+    wanted = wanted_outputs(req.outputs, req.parameters, scored="SCORE_IDS" in req.inputs)
     missing = [n for n in wanted if n not in out]
     if missing:
         raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(out)})")

@@ -21,6 +21,7 @@ KEYS = {
     "logprobs",
     "temperature",
     "topk_tail",
+    "token_logprobs",
     "headers",
     "timeout",
     "fallback",
@@ -70,6 +71,7 @@ def test_static_teachers_with_defaults() -> None:
         "logprobs": None,
         "temperature": None,
         "topk_tail": None,
+        "token_logprobs": None,
         "headers": {},
         "tls_ca": None,
         "tls_cert": None,
@@ -150,6 +152,8 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_temperature",
         "--distill_topk_tail",
         "--no-distill_topk_tail",
+        "--distill_token_logprobs",
+        "--no-distill_token_logprobs",
         "--distill_header",
         "--distill_tls_ca",
         "--distill_tls_cert",
@@ -411,6 +415,20 @@ def test_value_transforms_reach_the_reader_options() -> None:
     assert (off.logprobs, off.temperature, off.topk_tail) == (False, None, False)
     unset = ReaderOptions.from_args(parse(["--distill_teachers", "a:1"]), inputs=["INPUT"])
     assert (unset.logprobs, unset.temperature, unset.topk_tail) == (None, None, None)  # the server's defaults
+
+
+def test_token_logprobs_is_a_flag_a_request_parameter_and_part_of_the_store_namespace() -> None:
+    on = ReaderOptions.from_args(parse(["--distill_teachers", "a:1", "--distill_token_logprobs"]), inputs=["INPUT"])
+    assert on.token_logprobs is True and on.request_parameters["token_logprobs"] is True
+    assert ("token_logprobs", "true") in on.store_fields()["extra"]
+    off = ReaderOptions.from_args(parse(["--distill_teachers", "a:1", "--no-distill_token_logprobs"]),
+                                  inputs=["INPUT"])
+    assert off.token_logprobs is False and off.request_parameters["token_logprobs"] is False
+    unset = ReaderOptions(inputs=["INPUT"], teachers="a:1")
+    assert "token_logprobs" not in unset.request_parameters  # the server's default
+    assert not any(k == "token_logprobs" for k, _ in unset.store_fields()["extra"])
+    with pytest.raises(ValueError, match="token_logprobs: must be True, False or None"):
+        ReaderOptions(inputs=["INPUT"], teachers="a:1", token_logprobs=1)
 
 
 @pytest.mark.parametrize(
