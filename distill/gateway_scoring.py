@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from distill.options import ReaderOptions
 from distill.reader import DistillReader
 from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored
 
-__all__ = ["MAX_READERS", "Scorer", "ScoringSettings", "scoring_unavailable"]
+__all__ = ["MAX_READERS", "Scorer", "ScoringSettings"]
 
 log = logging.getLogger("distill.gateway")
 
@@ -60,7 +59,7 @@ class ScoringSettings:
     timeout: float = 30.0
     no_teacher_timeout: float = 30.0
     hedge_after: float | str | None = "auto"
-    max_in_flight: int = 256
+    max_in_flight: int = 64
     student_id: str = ""
 
     def reader_options(self, temperature: float) -> ReaderOptions:
@@ -69,29 +68,10 @@ class ScoringSettings:
             inputs=[self.input_name], outputs=[self.output_name], teachers=self.teachers, registry=self.registry,
             service=self.service, registry_options=self.registry_options, model=self.model, timeout=self.timeout,
             no_teacher_timeout=self.no_teacher_timeout, hedge_after=self.hedge_after, ordered=False,
+            prefetch=self.max_in_flight,
             top_k=self.max_logprobs, logprobs=True, temperature=temperature, topk_tail=False, output_dtype="FP32",
-            **_scoring_options(),
+            token_logprobs=True, token_ranks=True,
             student_id=f"{self.student_id}-t{temperature:g}" if self.student_id else "")
-
-
-def _scoring_options() -> dict[str, Any]:
-    """The reader options that ask for the prompt tokens' own log-probs and ranks, where this
-    build's reader has them (`scoring_unavailable` says when it does not)."""
-    return {} if scoring_unavailable() else {"token_logprobs": True, "token_ranks": True}
-
-
-def scoring_unavailable() -> str | None:
-    """None when the reader can score single prompts (`DistillReader.submit` and the reader options
-    `token_logprobs` / `token_ranks`); else why not. Without them the gateway still finds and
-    watches the teachers (/health, demand), and answers /v1/completions with 503 saying this."""
-    fields = {f.name for f in dataclasses.fields(ReaderOptions)}
-    missing = [n for n in ("token_logprobs", "token_ranks") if n not in fields]
-    if not hasattr(DistillReader, "submit"):
-        missing.insert(0, "DistillReader.submit")
-    if not missing:
-        return None
-    return (f"scoring not available: this build's student reader lacks {', '.join(missing)} (the on-policy "
-            "scoring API the gateway answers through); use teacher-server's own /v1/completions meanwhile")
 
 
 class Scorer:
@@ -125,7 +105,7 @@ class Scorer:
         before the teachers do). A setup error (wrong model name, access refused) is not retried."""
         options = self.settings.reader_options(temperature)
         while True:
-            reader = DistillReader((), options)  # no loader: prompts come through submit()
+            reader = DistillReader(None, options)  # no loader: prompts come through submit()
             try:
                 await _started(reader)
             except NoTeacherError as e:
@@ -188,9 +168,6 @@ class Scorer:
 
     async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:
         """Every prompt's reduced outputs, through the mesh; APIError with the status to answer."""
-        why_not = scoring_unavailable()
-        if why_not is not None:
-            raise APIError(503, why_not)
         reader = await self._reader(temperature)
         return list(await asyncio.gather(*(self._one(reader, temperature, ids) for ids in prompts)))
 
@@ -198,13 +175,16 @@ class Scorer:
         batch = {self.settings.input_name: np.asarray([ids], dtype=np.int64)}
         async with self._window:
             try:
-                outputs = await asyncio.wrap_future(reader.submit(batch))  # type: ignore[attr-defined]
+                outputs = await asyncio.wrap_future(reader.submit(batch))
             except BatchRejectedError as e:
                 raise APIError(400, f"the teachers refused this prompt: {e}", "prompt") from None
             except NoTeacherError as e:
                 self._drop(temperature, reader)
                 raise APIError(503, f"no teacher is usable: {e}") from None
-            except DistillError as e:
+            except TimeoutError:
+                raise APIError(503, "no teacher answered this prompt within the gateway's deadline (--timeout, "
+                                    "--no-teacher-timeout); retry") from None
+            except DistillError as e:  # the reader was closed under the request (the gateway is stopping)
                 self._drop(temperature, reader)
                 raise APIError(503, f"scoring failed: {e}") from None
         name = self.settings.output_name

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -149,3 +150,84 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
             wait_for_status(base + "/health", 200, START_S)
         # the teacher drained and deregistered: no usable teacher, 503 again
         wait_for_status(base + "/health", 503, START_S)
+
+
+# ---- scoring through the mesh: TRL's own client, unchanged, against the gateway ----------------------
+SEQUENCES = [[5, 9, 30, 2, 77, 41, 8, 13], [12, 3, 40, 41, 42], [60, 61, 62, 63, 64, 65, 66, 67, 68, 1, 2]]
+PROMPT_LENGTHS = [3, 1, 6]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def two_teachers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
+    """Two real teacher-server processes on the same tiny Llama (no registry: a fixed list)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(teacher_process(teacher_args(llama_dir, "--metrics-port", "0"),
+                                                   tmp_path_factory.mktemp("gw-teacher")))
+               for _ in range(2)]
+
+
+def vllm_client(base: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """TRL's VLLMClient as shipped; only its `vllm`-is-installed check is satisfied (see
+    tests/test_trl_client.py: nothing the scoring path runs uses vLLM)."""
+    pytest.importorskip("trl")
+    module = pytest.importorskip("trl.generation.vllm_client")
+    monkeypatch.setattr(module, "is_vllm_available", lambda *a, **k: True)
+    return module.VLLMClient(base_url=base, connection_timeout=60)
+
+
+def test_trls_get_sequence_logprobs_through_the_gateway_equals_the_model(
+        two_teachers: list[Any], reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.hf_models import reference_logprobs
+
+    teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in two_teachers)
+    with gateway_process(["--teachers", teachers, "--model", "tiny-llama"]) as (_, base):
+        wait_for_status(base + "/health", 200, START_S)
+        client = vllm_client(base, monkeypatch)
+        assert client.model == "tiny-llama"
+        k, temperature = 4, 0.8
+        result = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=k, temperature=temperature,
+                                              chunk_size=1, max_concurrent_requests=3)
+    for b, (seq, start) in enumerate(zip(SEQUENCES, PROMPT_LENGTHS, strict=True)):
+        logp = reference_logprobs(reference, seq, temperature)
+        assert len(result["logprobs"][b]) == len(seq) - start
+        for j, p in enumerate(range(start, len(seq))):
+            top = logp[p - 1].topk(k)
+            assert result["logprob_token_ids"][b][j] == top.indices.tolist()
+            assert result["logprobs"][b][j] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert result["actual_token_ids"][b][j] == [seq[p]]
+            assert result["actual_logprobs"][b][j] == pytest.approx([float(logp[p - 1, seq[p]])], abs=1e-4)
+
+
+def test_a_teacher_sigkilled_behind_the_gateway_fails_no_request(
+        llama_dir: Path, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two teachers, requests in a loop from TRL's client; one teacher is SIGKILLed mid-run: every
+    request is answered, and right."""
+    from tests.hf_models import reference_logprobs
+
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(teacher_process(teacher_args(llama_dir), tmp_path)) for _ in range(2)]
+        teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in procs)
+        _, base = stack.enter_context(gateway_process(["--teachers", teachers, "--timeout", "5"]))
+        wait_for_status(base + "/health", 200, START_S)
+        client = vllm_client(base, monkeypatch)
+        want = [reference_logprobs(reference, seq, 1.0) for seq in SEQUENCES]
+        deadline = time.monotonic() + 120
+        killer = threading.Timer(0.01, procs[0][0].kill)  # SIGKILL while a request is in flight
+        for i in range(12):
+            assert time.monotonic() < deadline
+            if i == 4:
+                killer.start()
+            result = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=2, chunk_size=1,
+                                                  max_concurrent_requests=3)
+            for b, (seq, start) in enumerate(zip(SEQUENCES, PROMPT_LENGTHS, strict=True)):
+                p = len(seq) - 1
+                assert result["actual_logprobs"][b][-1] == pytest.approx([float(want[b][p - 1, seq[p]])], abs=1e-4)
+                assert len(result["logprobs"][b]) == len(seq) - start
+        killer.join(10)
+        assert procs[0][0].wait(10) == -9  # it was killed, not drained
