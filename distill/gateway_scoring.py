@@ -11,8 +11,8 @@ KServe v2; `protos.vllm` turns them into vLLM's answer.
 The wire top-k is the gateway's `max_logprobs` whatever a body asks (a body's `prompt_logprobs: k`
 is a slice of it), so one reader serves every body of a temperature: a trainer (TRL) scores at one
 temperature for a whole run, and gets one reader, one student record and one demand figure in the
-registry. Readers of other temperatures are made on first use, at most `MAX_READERS`, the least
-recently used closed first.
+registry (student id `<host-pid>-gateway-t<T>`). Readers of other temperatures are made on first
+use, at most `MAX_READERS`, the least recently used closed first.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from distill.errors import BatchRejectedError, DistillError, NoTeacherError
-from distill.options import ReaderOptions
+from distill.options import ReaderOptions, default_student_id
 from distill.reader import DistillReader
 from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored
 
@@ -71,7 +71,7 @@ class ScoringSettings:
             prefetch=self.max_in_flight,
             top_k=self.max_logprobs, logprobs=True, temperature=temperature, topk_tail=False, output_dtype="FP32",
             token_logprobs=True, token_ranks=True,
-            student_id=f"{self.student_id}-t{temperature:g}" if self.student_id else "")
+            student_id=f"{self.student_id or default_student_id()}-gateway-t{temperature:g}")
 
 
 class Scorer:
@@ -169,7 +169,20 @@ class Scorer:
     async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:
         """Every prompt's reduced outputs, through the mesh; APIError with the status to answer."""
         reader = await self._reader(temperature)
-        return list(await asyncio.gather(*(self._one(reader, temperature, ids) for ids in prompts)))
+        tasks = [asyncio.ensure_future(self._one(reader, temperature, ids)) for ids in prompts]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # the first refusal answers the body (or the caller left): the other prompts are dropped
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in tasks:
+            if task in done and (error := task.exception()) is not None:
+                for other in done:  # retrieved, so none is logged as never retrieved
+                    other.exception()
+                raise error
+        return [task.result() for task in tasks]
 
     async def _one(self, reader: DistillReader, temperature: float, ids: Sequence[int]) -> Scored:
         batch = {self.settings.input_name: np.asarray([ids], dtype=np.int64)}

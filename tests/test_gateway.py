@@ -1,9 +1,13 @@
 """`distill gateway` as a real process in front of real `teacher-server --model hf:DIR` processes:
-its flags, /health (503 with no teacher, 200 once one registers in a real etcd), /v1/models, and
-the refusals it answers itself, in OpenAI's error form."""
+its flags; /health (503 with no teacher, 200 once one registers in a real etcd, 503 again once it
+leaves), /v1/models, the refusals it answers itself in OpenAI's error form, and its demand in the
+registry; TRL's own `VLLMClient.get_sequence_logprobs`, unchanged, through the gateway in front of
+two teachers: the top-k and actual-token log-probs equal the in-process model's, and a teacher
+SIGKILLed during a run of requests fails none of them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,10 +24,11 @@ from typing import Any
 
 import pytest
 
+from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import cli as distill_cli
 from distill.gateway_cli import config_from_args
-from tests.etcd_fixtures import unique_service
+from tests.etcd_fixtures import arun, unique_service
 from tests.hf_models import save_llama
 from tests.servers import REPO, teacher_process
 
@@ -107,6 +112,20 @@ def wait_for_status(url: str, status: int, timeout: float) -> float:
     raise AssertionError(f"{url} did not answer {status} within {timeout} s (last: {last})")
 
 
+def wait_for_demand(etcd: LocalEtcd, service: str, suffix: str, timeout: float = 15.0) -> None:
+    """Poll the registry until a student whose id ends with `suffix` publishes demand > 0."""
+    async def poll() -> None:
+        async with open_registry(etcd.address) as reg:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if any(d.student_id.endswith(suffix) and d.samples_per_s > 0 for d in await reg.demand(service)):
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"no student *{suffix} published demand on {service} within {timeout} s")
+
+    arun(poll(), timeout + 5)
+
+
 def test_the_flags_the_manifest_and_the_readme_use() -> None:
     parser = distill_cli.build_parser()
     args = parser.parse_args(["gateway", "--registry", "etcd://10.0.0.5", "--service", "llm-teacher", "--port",
@@ -148,6 +167,10 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
         with teacher_process(teacher_args(llama_dir, "--registry", etcd.address, "--service", service),
                              tmp_path):
             wait_for_status(base + "/health", 200, START_S)
+            status, answer = call(base + "/v1/completions", {"prompt": [[5, 9, 30, 2]], "prompt_logprobs": 2,
+                                                             "model": "teacher-pool"})
+            assert status == 200 and len(answer["choices"][0]["prompt_logprobs"]) == 4, answer
+            wait_for_demand(etcd, service, "-gateway-t1")  # what the autoscaler reads
         # the teacher drained and deregistered: no usable teacher, 503 again
         wait_for_status(base + "/health", 503, START_S)
 
