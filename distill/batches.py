@@ -109,14 +109,19 @@ def signature_of(fields: Mapping[str, FieldArray]) -> Signature:
 
 class Submitted:
     """A batch the training loop handed to ``submit``: its outputs settle `future` (on the engine's
-    thread) instead of going to the sink. A future cancelled meanwhile is left as it is."""
+    thread) instead of going to the sink. A future cancelled meanwhile is left as it is. `timer`, the
+    batch's deadline, is cancelled when it settles (it holds the batch's outputs until it fires)."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "timer")
 
     def __init__(self, future: Any) -> None:
         self.future = future
+        self.timer: asyncio.TimerHandle | None = None
 
     def settle(self, outputs: Any, error: BaseException | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         try:
             if error is not None:
                 self.future.set_exception(error)

@@ -49,6 +49,7 @@ from distill.batches import (
     Job,
     LoaderThread,
     Sink,
+    Submitted,
     extract_inputs,
     signature_of,
 )
@@ -220,12 +221,12 @@ class Engine:
         self.begin_epoch(None)
         self._delivery.ordered = False
 
-    def submit(self, batch: Any, size: int, fields: dict[str, FieldArray], deadline_s: float) -> None:
-        """Send one batch the training loop made (on the loop thread; `batch` is a `Submitted`, its
-        future settled once: with the outputs, the teachers' refusal, or a timeout at `deadline_s`)."""
+    def submit(self, batch: Submitted, size: int, fields: dict[str, FieldArray], deadline_s: float) -> None:
+        """Send one batch the training loop made (on the loop thread), its future settled once: with
+        the outputs, the teachers' refusal, or a timeout at `deadline_s`."""
         job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields))
         self._submitted += 1
-        asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
+        batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
         for svc in self._services.values():
             job.remaining[svc.name] = job.sent
             svc.push(Chunk(job, svc.name, 0, job.sent))

@@ -18,6 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -141,6 +144,15 @@ def test_submit_is_bounded_and_close_fails_what_is_unsettled(teacher: dict[str, 
         _check(reference, batches[0], first.result(60))
         _check(reference, batches[1], asyncio.run(_awaited(second)))  # the same future, awaited on another loop
         _check(reference, batches[2], reader.score(batches[2]))  # room again
+        # A settled batch is let go at once: its deadline timer (80 s here) no longer holds its outputs.
+        settled = weakref.ref(first)
+        del first
+        for _ in range(50):  # the hedge timer (at least 0.25 s) may hold it a moment
+            gc.collect()
+            if settled() is None:
+                break
+            time.sleep(0.1)
+        assert settled() is None
         pending = [reader.submit(b) for b in batches[:2]]
     finally:
         reader.close()
