@@ -148,7 +148,7 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
                                                                   tmp_path: Path) -> None:
     service = unique_service("gw")
     with gateway_process(["--registry", etcd.address, "--service", service, "--served-model-name", "teacher-pool",
-                          "--max-model-len", "64"]) as (_, base):
+                          "--max-model-len", "64", "--max-body-mb", "0.01"]) as (_, base):
         status, body = call(base + "/health")
         assert status == 503 and body["error"]["code"] == 503 and "no teacher" in body["error"]["message"]
         assert call(base + "/v1/models")[1]["data"][0] | {"created": 0} == {
@@ -164,6 +164,8 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
             got, answer = call(base + "/v1/completions", body)
             assert (got, answer["error"]["param"]) == (status, param), answer
         assert call(base + "/v2/models/x/infer", {})[0] == 404
+        status, answer = call(base + "/v1/completions", {"prompt": [[7] * 5000]})  # ~15 kB over 10 kB
+        assert status == 413 and "limit" in answer["error"]["message"], answer
         with teacher_process(teacher_args(llama_dir, "--registry", etcd.address, "--service", service),
                              tmp_path):
             wait_for_status(base + "/health", 200, START_S)
