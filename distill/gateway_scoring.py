@@ -130,7 +130,8 @@ class Scorer:
 
     async def _evict(self) -> None:
         while len(self._readers) > MAX_READERS:
-            _, old = self._readers.popitem(last=False)
+            temperature, old = self._readers.popitem(last=False)
+            self._starting.pop(temperature, None)  # asked again, it is started afresh
             await asyncio.to_thread(old.close)
 
     async def _reader(self, temperature: float) -> DistillReader:
@@ -157,6 +158,8 @@ class Scorer:
         if now - self._ready_checked < 0.2:
             return self._ready
         readers = list(self._readers.values())
+        if not readers and not self._closed:
+            self._reader_task(1.0)  # every reader was dropped (its teachers went away): look for them again
         ready = False
         for reader in readers:
             stats = await asyncio.to_thread(reader.stats)
