@@ -144,6 +144,30 @@ def test_the_flags_the_manifest_and_the_readme_use() -> None:
             config_from_args(parser.parse_args(argv))
 
 
+def test_the_python_api_answers_503_when_no_teacher_comes() -> None:
+    """`distill.gateway.Gateway` in process, its teacher list pointing at a port where nothing
+    listens: /health 503, and a completion waits --no-teacher-timeout and answers 503 naming them."""
+    from discovery.local_etcd import free_port
+    from distill.gateway import Gateway, GatewayConfig
+
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def go() -> tuple[int, Any, int]:
+        import aiohttp
+
+        config = GatewayConfig(port=0, teachers=dead, model="m", no_teacher_timeout=1.0, timeout=1.0)
+        async with Gateway(config) as gw, aiohttp.ClientSession() as session:
+            base = f"http://127.0.0.1:{gw.port}"
+            async with session.get(base + "/health") as resp:
+                health = resp.status
+            async with session.post(base + "/v1/completions", json={"prompt": [[1, 2, 3]], "model": "m"}) as resp:
+                return resp.status, await resp.json(), health
+
+    status, body, health = arun(go(), 60)
+    assert health == 503
+    assert status == 503 and dead in body["error"]["message"], body
+
+
 def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtcd, llama_dir: Path,
                                                                   tmp_path: Path) -> None:
     service = unique_service("gw")
