@@ -1,6 +1,7 @@
 """The ``distill`` command: tools for people running a distillation mesh.
 
     distill top --registry etcd://10.0.0.5:2379 [--service NAME] [--interval 1] [--once]
+    distill gateway --registry etcd://10.0.0.5:2379 --service NAME --port 8000   (distill.gateway)
 
 Subcommands live in their own modules (``discovery.top``, an operator tool that reads only the
 registry; ``distill.cache.cli``); this module only dispatches, so adding one does not touch the others.
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from discovery import top
+from distill import gateway_cli
 from distill.cache import cli as cache_cli
 
 
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     ))
     cache_cli.add_parser(sub)
     cache_cli.add_record_parser(sub)
+    gateway_cli.add_parser(sub)
     return parser
 
 
@@ -38,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cache_cli.run(args)
     if args.command == "record":
         return cache_cli.record(args)
+    if args.command == "gateway":
+        return gateway_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

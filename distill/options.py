@@ -194,6 +194,11 @@ class ReaderOptions:
         "may be asked with it); False: never (default: the server's)", check=maybe_bool, wire="token_logprobs",
         store=lambda v: {"extra": (("token_logprobs", "true"),)} if v else {}, stated=_stated(False),
         flag=Flag(switch=True))
+    token_ranks: bool | None = option(
+        None, help="ask the teachers for <OUT>_TOKEN_RANKS [B, T] INT32, the rank of each position's next token among "
+        "the classes (1 + how many score higher; vLLM's prompt-token rank), 0 at the last position and on padding",
+        check=maybe_bool, wire="token_ranks", store=lambda v: {"extra": (("token_ranks", "true"),)} if v else {},
+        stated=_stated(False), flag=Flag(switch=True))
     student_id: str = option("", help="identity in the registry (default: host-pid[-rankN])",
                              check=lambda s: s or default_student_id())
     registry_options: Mapping[str, Any] = option(

@@ -20,14 +20,16 @@ from collections.abc import Mapping
 
 from distill.types import ParameterValue, TensorMeta
 
-__all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOPK_PARTS", "base_output", "derived_names", "ids_output",
-           "per_sample_shape", "wanted_outputs"]
+__all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "base_output", "derived_names",
+           "ids_output", "per_sample_shape", "wanted_outputs"]
 
 TOPK = "_TOPK_"
 TOPK_PARTS = ("VALUES", "INDICES", "TAIL")
 """The outputs top-k makes of one output: values, their class ids, and the mass outside them."""
 TOKEN_LOGPROBS = "_TOKEN_LOGPROBS"
 """Suffix of the log-probability of each position's next token (request parameter token_logprobs)."""
+TOKEN_RANKS = "_TOKEN_RANKS"
+"""Suffix of the rank of each position's next token among the classes (request parameter token_ranks)."""
 SCORED = "_SCORED_LOGPROBS"
 """Suffix of the log-probabilities at the ids of input SCORE_IDS."""
 AUX_INPUTS = {"SCORE_IDS": "INT32"}
@@ -38,7 +40,7 @@ def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterV
                    scored: bool = False) -> list[str]:
     """The output names an answer must carry: the outputs asked for, or with top-k their values and
     indices, and the tail mass when asked for (a tail a server sends by default, unasked, is dropped);
-    with token_logprobs each output's token log-probs, and when the request sends SCORE_IDS
+    with token_logprobs / token_ranks each output's token log-probs / ranks, and when the request sends SCORE_IDS
     (`scored`) its scored log-probs."""
     suffixes: list[str] = []
     if parameters.get("top_k"):
@@ -46,6 +48,8 @@ def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterV
         suffixes += [f"{TOPK}{part}" for part in parts]
     if parameters.get("token_logprobs"):
         suffixes.append(TOKEN_LOGPROBS)
+    if parameters.get("token_ranks"):
+        suffixes.append(TOKEN_RANKS)
     if scored:
         suffixes.append(SCORED)
     if not suffixes:
@@ -58,7 +62,7 @@ def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
     """The per-sample shape of answer output `name` (-1: any size), from the teacher's declared
     outputs; None if unknown. A top-k output keeps the declared shape with its last dimension cut
     to k; the tail mass has one value per position (the class dimension is gone)."""
-    for suffix, last in ((TOKEN_LOGPROBS, ()), (SCORED, (-1,))):
+    for suffix, last in ((TOKEN_LOGPROBS, ()), (TOKEN_RANKS, ()), (SCORED, (-1,))):
         if name.endswith(suffix):
             meta = declared.get(name[: -len(suffix)])
             return None if meta is None or not meta.shape else (*meta.shape[:-1], *last)
@@ -77,7 +81,7 @@ def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
 
 def base_output(name: str) -> str:
     """The teacher output a (possibly transformed) output name comes from."""
-    for suffix in (TOKEN_LOGPROBS, SCORED):
+    for suffix in (TOKEN_LOGPROBS, TOKEN_RANKS, SCORED):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     base, sep, part = name.rpartition(TOPK)
@@ -86,7 +90,8 @@ def base_output(name: str) -> str:
 
 def derived_names(name: str) -> tuple[str, ...]:
     """Every name output `name` may be stored under: itself, its top-k parts and its token scores."""
-    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS), f"{name}{TOKEN_LOGPROBS}", f"{name}{SCORED}")
+    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS), f"{name}{TOKEN_LOGPROBS}",
+            f"{name}{TOKEN_RANKS}", f"{name}{SCORED}")
 
 
 def ids_output(name: str) -> str:

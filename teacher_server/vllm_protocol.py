@@ -1,211 +1,27 @@
-"""vLLM's OpenAI-compatible scoring subset, as JSON shapes: what `POST /v1/completions` may carry,
-how each prompt becomes one protocol-neutral `InferRequest`, and how the teacher's device-side
-outputs become vLLM's `prompt_logprobs` answer.
+"""vLLM's scoring subset on the teacher: each prompt becomes one protocol-neutral `InferRequest`,
+and its encoded outputs become the `Scored` arrays `protos.vllm` writes vLLM's answer from.
 
-LLM trainers (TRL's `VLLMClient.get_sequence_logprobs` and async distillation worker, verl's
-teacher replicas) score sequences with one request shape: token-id prompts, `max_tokens: 1`,
-`prompt_logprobs: k`, `temperature`. Each prompt is sent to the teacher as its own request
-(batch 1) asking for the causal LM's output with `logprobs`, `top_k`, `token_logprobs` and
-`token_ranks` (`teacher_server.transforms`), so the padded batcher groups prompts by length with
-everyone else's and only `[T, k]` values, ids, and the prompt tokens' own log-probs and ranks
-leave the device. Position i of `prompt_logprobs` scores prompt token i from position i - 1's
-distribution (vLLM's layout: `null` first); the one generated token is the greedy one, the top-1
-at the last position. Temperature is applied to the reported log-probs (vLLM's
-`--logprobs-mode processed_logprobs`, what TRL asks for); temperature 0 means greedy and scores at 1.
-
-Nothing here touches the event loop or a socket: `teacher_server.vllm_routes` does.
+Each prompt is sent to the teacher's own lifecycle as its own request (batch 1) asking for the
+causal LM's output with `protos.vllm.scoring_parameters` (`logprobs`, `top_k`, `temperature`,
+`token_logprobs`, `token_ranks`; `teacher_server.transforms`), so the padded batcher groups prompts
+by length with everyone else's and only `[T, k]` values, ids, and the prompt tokens' own log-probs
+and ranks leave the device. The JSON shapes themselves are `protos.vllm` (shared with the
+student-side gateway); nothing here touches the event loop or a socket: `teacher_server.vllm_routes`
+does.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
-import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from protos.kserve import DATATYPES
-from teacher_server.errors import echo
+from protos.vllm import Scored, scoring_parameters
 from teacher_server.infer_request import InferRequest, InputTensor, RequestedOutput
 from teacher_server.outputs import EncodedOutput
 
-MAX_PROMPT_LOGPROBS = 20
-"""Most `prompt_logprobs` per position (vLLM's default --max-logprobs)."""
-
-MAX_PROMPTS = 1024
-"""Most prompts in one request."""
-
-MAX_TOKENS = 1
-"""Tokens generated per prompt: one greedy token, the scoring call's `max_tokens: 1`."""
-
-LOGPROB_FLOOR = -9999.0
-"""vLLM's stand-in for a log-probability of -inf, which JSON cannot carry."""
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
-
-# Fields of vLLM's completion request that do not change a one-token scoring answer: accepted and
-# ignored, as vLLM ignores fields it does not use.
-_IGNORED = frozenset({
-    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "user", "suffix", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "priority",
-    "request_id", "logit_bias", "length_penalty", "use_beam_search", "cache_salt", "detokenize",
-    "allowed_token_ids", "bad_words", "structured_outputs", "response_format", "stream_options",
-    "return_tokens_as_token_ids", "top_logprobs", "max_completion_tokens", "kv_transfer_params", "vllm_xargs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "logits_processors", "prompt_embeds",
-})
-# Fields this endpoint acts on: a near-miss of one of them is refused, not ignored.
-_KNOWN = ("model", "prompt", "max_tokens", "prompt_logprobs", "temperature", "return_token_ids",
-          "add_special_tokens", "n", "best_of", "stream", "echo", "logprobs")
-
-
-class APIError(Exception):
-    """A refusal in OpenAI's form: HTTP `status`, `message` for the caller, the field at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    """OpenAI's (and vLLM's) error body: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    """A parsed `/v1/completions` body. `prompts` are token-id lists, or strings when `text`."""
-
-    prompts: Sequence[Sequence[int] | str]
-    text: bool
-    prompt_logprobs: int | None
-    temperature: float
-    model: str | None
-    return_token_ids: bool = False
-    add_special_tokens: bool = True
-
-
-def _int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _prompts(raw: object) -> tuple[list[Any], bool]:
-    if isinstance(raw, str):
-        return [raw], True
-    if not isinstance(raw, list) or not raw:
-        raise APIError(400, "prompt must be a token-id list, a list of them, a string or a list of strings "
-                            "(not empty)", "prompt")
-    if all(_int(t) for t in raw):
-        return [raw], False
-    if all(isinstance(p, str) for p in raw):
-        return raw, True
-    if not all(isinstance(p, list) for p in raw):
-        raise APIError(400, "prompt mixes kinds: send one token-id list (ints), a list of token-id lists, or "
-                            "strings", "prompt")
-    for i, p in enumerate(raw):
-        if not p:
-            raise APIError(400, f"prompt {i} is empty; every prompt needs at least one token", "prompt")
-        if not all(_int(t) for t in p):
-            bad = next(t for t in p if not _int(t))
-            raise APIError(400, f"prompt {i}: token ids must be integers, got {echo(bad)}", "prompt")
-    return raw, False
-
-
-def _check_fields(body: Mapping[str, Any]) -> None:
-    for key in body:
-        if key in _KNOWN or key in _IGNORED:
-            continue
-        close = difflib.get_close_matches(key, _KNOWN, n=1, cutoff=0.8)
-        if close:
-            raise APIError(400, f"unknown field {echo(key)}; did you mean {close[0]!r}? (fields this endpoint does "
-                                "not use are ignored, but near-misses of its own are refused so that a typo cannot "
-                                "silently change the answer)", key)
-
-
-def parse_completion(raw: bytes, max_prompt_logprobs: int = MAX_PROMPT_LOGPROBS) -> CompletionRequest:
-    """Parse and check a `/v1/completions` body; APIError(400) naming the first problem."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the request's JSON does not parse: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request must be a JSON object with 'prompt'")
-    _check_fields(body)
-    if "prompt" not in body:
-        raise APIError(400, "missing field 'prompt': send token ids (a list of ints, or a list of them)", "prompt")
-    prompts, text = _prompts(body["prompt"])
-    if len(prompts) > MAX_PROMPTS:
-        raise APIError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS} (split the batch)",
-                       "prompt")
-    max_tokens = body.get("max_tokens", MAX_TOKENS)
-    if max_tokens is None:
-        max_tokens = MAX_TOKENS
-    if not _int(max_tokens) or max_tokens < 1 or max_tokens > MAX_TOKENS:
-        raise APIError(400, f"max_tokens {echo(max_tokens)} is not served: this teacher scores prompts and "
-                            "generates exactly one greedy token; send max_tokens: 1 with prompt_logprobs", "max_tokens")
-    k = body.get("prompt_logprobs")
-    if k is not None:
-        if k == -1:
-            k = max_prompt_logprobs
-        if not _int(k) or k < 0:
-            raise APIError(400, f"prompt_logprobs must be a non-negative integer, got {echo(k)}", "prompt_logprobs")
-        if k > max_prompt_logprobs:
-            raise APIError(400, f"prompt_logprobs {k} exceeds this teacher's maximum of {max_prompt_logprobs} "
-                                "per position; ask for fewer (the binary KServe v2 path with top_k has no such cap)",
-                           "prompt_logprobs")
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = 1.0
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise APIError(400, f"temperature must be a finite number >= 0, got {echo(temperature)}", "temperature")
-    for key, wanted, why in (("n", 1, "one completion per prompt"), ("best_of", 1, "one completion per prompt"),
-                             ("stream", False, "answers are not streamed"), ("echo", False, "prompts are not echoed"),
-                             ("logprobs", None, "log-probs of generated tokens are not served; ask for "
-                                                "prompt_logprobs")):
-        value = body.get(key, wanted)
-        if value is not None and value != wanted and not (key == "logprobs" and value == 0):
-            raise APIError(400, f"{key} {echo(value)} is not served ({why})", key)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {echo(model)}", "model")
-    flags = {}
-    for key in ("return_token_ids", "add_special_tokens"):
-        value = body.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise APIError(400, f"{key} must be a boolean, got {echo(value)}", key)
-        flags[key] = value
-    return CompletionRequest(prompts, text, k, float(temperature) or 1.0, model,
-                             bool(flags["return_token_ids"]), flags["add_special_tokens"] is not False)
-
-
-def check_prompt(index: int, ids: Sequence[int], vocab: int | None, context: int | None) -> None:
-    """One prompt's length and ids against the model's context and vocabulary (APIError 400)."""
-    if context is not None and len(ids) > context:
-        raise APIError(400, f"prompt {index} has {len(ids)} tokens; this model's maximum context length is "
-                            f"{context} tokens (max_model_len): shorten it", "prompt")
-    limit = vocab if vocab is not None else 1 << 31  # without a declared vocabulary: what INT32 ids can hold
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise APIError(400, f"prompt {index}: token id {bad} at position {list(ids).index(bad)} is outside the "
-                            f"vocabulary (ids must be in 0..{limit - 1})", "prompt")
-
-
-def scoring_parameters(top_k: int, temperature: float) -> dict[str, object]:
-    """The transform parameters of one prompt's request: everything reduced on the device."""
-    return {"logprobs": True, "top_k": top_k, "temperature": temperature, "token_logprobs": True,
-            "token_ranks": True, "topk_tail": False, "output_dtype": "FP32"}
+__all__ = ["infer_request", "scored"]
 
 
 def infer_request(model: str, ids: Sequence[int], *, input_name: str, datatype: str, output_name: str, top_k: int,
@@ -218,17 +34,6 @@ def infer_request(model: str, ids: Sequence[int], *, input_name: str, datatype: 
                         raw_inputs=[raw])
 
 
-@dataclass(frozen=True)
-class Scored:
-    """One prompt's device outputs, on the host: per position t the top-k log-probs and ids of
-    the next token, and the log-prob and rank of the prompt's own token t + 1."""
-
-    top_values: np.ndarray  # [T, k] float32
-    top_ids: np.ndarray  # [T, k] int32
-    token_logprobs: np.ndarray  # [T] float32
-    token_ranks: np.ndarray  # [T] int32
-
-
 def scored(outputs: Sequence[EncodedOutput], output_name: str) -> Scored:
     """The four reduced outputs of one prompt's answer, viewed as arrays."""
     by_name = {name: (dtype, shape, raw) for name, dtype, shape, raw in outputs}
@@ -238,79 +43,3 @@ def scored(outputs: Sequence[EncodedOutput], output_name: str) -> Scored:
         return np.frombuffer(raw, dtype=DATATYPES[dtype].numpy_dtype).reshape(shape)[0]
 
     return Scored(get("_TOPK_VALUES"), get("_TOPK_INDICES"), get("_TOKEN_LOGPROBS"), get("_TOKEN_RANKS"))
-
-
-Decoder = Callable[[Sequence[int]], Mapping[int, str]]
-
-
-def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, decode: Decoder | None,
-           return_token_ids: bool) -> str:
-    """One prompt's entry of `choices`, as JSON text: the greedy token and, when asked, vLLM's
-    prompt_logprobs."""
-    greedy = int(result.top_ids[-1, 0])
-    names: Mapping[int, str] = {}
-    if decode is not None:
-        wanted = {greedy}
-        if k is not None:
-            wanted.update(int(i) for i in np.unique(result.top_ids[:-1, :k]))
-            wanted.update(ids)
-        names = decode(sorted(wanted))
-    entry: dict[str, Any] = {"index": index, "text": names.get(greedy, ""), "logprobs": None,
-                             "finish_reason": "length", "stop_reason": None}
-    if return_token_ids:
-        entry["prompt_token_ids"] = list(ids)
-        entry["token_ids"] = [greedy]
-    text = json.dumps(entry, separators=(",", ":"))
-    if k is None:
-        return text
-    quoted = {i: json.dumps(n) for i, n in names.items()} if decode is not None else None
-    return f'{text[:-1]},"prompt_logprobs":{prompt_logprobs(ids, result, k, quoted)}}}'
-
-
-def _number(x: float) -> str:
-    return repr(x) if math.isfinite(x) else "NaN"  # NaN as Python's json writes it (a model's NaN shows)
-
-
-def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[int, str] | None) -> str:
-    """vLLM's layout as JSON text: null for the first token, then per token i a map from token id
-    (a string) to `{"logprob", "rank", "decoded_token"}` holding position i - 1's top-k and token i
-    itself with its true rank. Written directly, not through dicts and json.dumps: a quarter of
-    the CPU for the ~20 entries per token this answer carries. `names`: JSON-quoted decoded tokens."""
-    top_values = np.maximum(result.top_values[:, :k], LOGPROB_FLOOR)
-    own_values = np.maximum(result.token_logprobs, LOGPROB_FLOOR)
-    finite = bool(np.isfinite(top_values).all() and np.isfinite(own_values).all())
-    values, own = top_values.tolist(), own_values.tolist()
-    if not finite:
-        values = [[_number(x) for x in row] for row in values]
-        own = [_number(x) for x in own]
-    top = result.top_ids[:, :k].tolist()
-    ranks = result.token_ranks.tolist()
-    parts = ["null"]
-    for t in range(len(ids) - 1):
-        token = int(ids[t + 1])
-        if names is None:
-            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":null}}'
-                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
-            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":null}}')
-        else:
-            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{names[i]}}}'
-                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
-            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":{names[token]}}}')
-        parts.append("{" + ",".join(entries) + "}")
-    return "[" + ",".join(parts) + "]"
-
-
-def completion_body(model: str, choices: list[str], prompt_tokens: int) -> bytes:
-    """The whole `/v1/completions` answer, around the choices' JSON text."""
-    head = json.dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                       "model": model}, separators=(",", ":"))
-    usage = json.dumps({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(choices),
-                        "completion_tokens": len(choices)}, separators=(",", ":"))
-    return f'{head[:-1]},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
-
-
-def models_body(name: str, max_model_len: int | None) -> dict[str, Any]:
-    """`/v1/models`: the one model served (`data[0].id` is what clients name in `model`)."""
-    return {"object": "list", "data": [{
-        "id": name, "object": "model", "created": int(time.time()), "owned_by": "distill-mesh", "root": name,
-        "parent": None, "max_model_len": max_model_len, "permission": []}]}

@@ -8,7 +8,7 @@
 Each prompt becomes its own request to the same `RequestLifecycle` the gRPC and KServe HTTP
 front ends use (so the same validation, batcher, device-side transforms and metrics), all of a
 body's prompts in flight at once; the first refusal answers the whole body and cancels the rest.
-Refusals use OpenAI's error form (`vllm_protocol.error_body`): 400 invalid, 404 unknown model or
+Refusals use OpenAI's error form (`protos.vllm.error_body`): 400 invalid, 404 unknown model or
 path, 413 body too large, 429 queue full, 503 loading or draining, 500 model failure.
 
 Text prompts need the teacher's tokenizer: an `hf:DIR` holding tokenizer files has one (loaded
@@ -29,6 +29,17 @@ from typing import Any
 
 from aiohttp import web
 
+from protos.vllm import (
+    MAX_PROMPT_LOGPROBS,
+    APIError,
+    CompletionRequest,
+    check_prompt,
+    choice,
+    completion_body,
+    error_body,
+    models_body,
+    parse_completion,
+)
 from teacher_server.errors import InferError, capped
 from teacher_server.hf_model import PREFIX as HF_PREFIX
 from teacher_server.http_body import BodyReader, BodyRefused
@@ -37,19 +48,7 @@ from teacher_server.lifecycle import RequestLifecycle
 from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import ModelIO
 from teacher_server.transforms import scoreable, token_input
-from teacher_server.vllm_protocol import (
-    MAX_PROMPT_LOGPROBS,
-    APIError,
-    CompletionRequest,
-    check_prompt,
-    choice,
-    completion_body,
-    error_body,
-    infer_request,
-    models_body,
-    parse_completion,
-    scored,
-)
+from teacher_server.vllm_protocol import infer_request, scored
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from discovery.options import add_registry_security_args
 from distill import cli as distill_cli
 from distill.autoscale.cli import build_parser as autoscaler_parser
+from distill.gateway_cli import config_from_args
 from teacher_server.cli import build_parser as teacher_parser
 from teacher_server.cli import config_options
 from tests.test_deploy_render import (
@@ -34,22 +34,11 @@ Doc = dict[str, Any]
 
 
 def gateway_args(argv: list[str]) -> argparse.Namespace:
-    """`distill gateway ARGS` parsed by the real `distill` parser once it has the subcommand; until
-    then by the interface it is being built to (`--registry URL --service NAME --port N --host H`
-    and the registry TLS flags every other command takes)."""
-    parser = distill_cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "gateway" in sub.choices:
-        return parser.parse_args(argv)
-    interface = argparse.ArgumentParser(prog="distill")
-    g = interface.add_subparsers(dest="command", required=True).add_parser("gateway")
-    g.add_argument("--registry")
-    g.add_argument("--service")
-    g.add_argument("--teachers")
-    g.add_argument("--port", type=int, required=True)
-    g.add_argument("--host", default="127.0.0.1")
-    add_registry_security_args(g)
-    return interface.parse_args(argv)
+    """`distill gateway ARGS` parsed by the real `distill` parser: every flag the manifest passes is
+    one the command takes."""
+    args = distill_cli.build_parser().parse_args(argv)
+    assert args.command == "gateway"
+    return args
 
 
 def test_llm_teacher_command_parses_with_teacher_servers_parser() -> None:
@@ -138,6 +127,9 @@ def test_trainer_job_runs_the_gateway_as_a_native_sidecar_on_loopback() -> None:
     args = gateway_args(gw["command"][1:] + gw["args"])
     assert gw["command"] == ["distill"] and args.command == "gateway"
     assert args.host == "127.0.0.1"
+    config = config_from_args(args)  # the flags go together (no TLS files here: they are the etcd-tls overlay's)
+    assert (config.port, config.host, config.registry, config.service) == (
+        args.port, "127.0.0.1", args.registry, args.service)
     teacher = teacher_parser().parse_args(container(find(objs, "Deployment", "llm-teacher"), "teacher")["args"])
     assert (args.registry, args.service) == (teacher.registry, teacher.service)
     for probe in ("startupProbe", "livenessProbe"):

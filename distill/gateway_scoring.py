@@ -1,0 +1,248 @@
+"""The gateway's scoring: vLLM-style prompts answered through the mesh by `DistillReader`s.
+
+Each prompt is one batch of one sequence (`[1, T]` token ids) submitted to a reader built without
+a loader (`reader.submit(batch)`, the on-policy API), so every prompt of every body goes through
+the reader's routing, per-chunk deadlines, ejection, failover and hedging on its own, and the
+teachers' padded batchers regroup them by length with every other student's sequences. The
+reader asks the teachers for the prompt's top-k log-probs and ids, its own tokens' log-probs and
+ranks (`protos.vllm.scoring_parameters`), reduced on the teacher's device and carried in binary
+KServe v2; `protos.vllm` turns them into vLLM's answer.
+
+The wire top-k is the gateway's `max_logprobs` whatever a body asks (a body's `prompt_logprobs: k`
+is a slice of it), so one reader serves every body of a temperature: a trainer (TRL) scores at one
+temperature for a whole run, and gets one reader, one student record and one demand figure in the
+registry (student id `<host-pid>-gateway-t<T>`). Readers of other temperatures are made on first
+use, at most `MAX_READERS`, the least recently used closed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distill.errors import BatchRejectedError, DistillError, NoTeacherError
+from distill.options import ReaderOptions, default_student_id
+from distill.reader import DistillReader
+from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored
+
+__all__ = ["MAX_READERS", "Scorer", "ScoringSettings"]
+
+log = logging.getLogger("distill.gateway")
+
+MAX_READERS = 4
+"""Readers (one per temperature asked) kept open at once."""
+
+RETRY_START_S = 1.0
+"""Pause between attempts to start a reader while no teacher is there yet."""
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """Where the teachers are and how prompts reach them (the reader's options, less the transforms)."""
+
+    teachers: str | None = None
+    registry: str | None = None
+    service: str | None = None
+    registry_options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    input_name: str = "INPUT_IDS"
+    output_name: str = "LOGITS"
+    max_logprobs: int = MAX_PROMPT_LOGPROBS
+    timeout: float = 30.0
+    no_teacher_timeout: float = 30.0
+    hedge_after: float | str | None = "auto"
+    max_in_flight: int = 64
+    student_id: str = ""
+
+    def reader_options(self, temperature: float) -> ReaderOptions:
+        """The options of the reader serving bodies at `temperature` (validated by ReaderOptions)."""
+        return ReaderOptions(
+            inputs=[self.input_name], outputs=[self.output_name], teachers=self.teachers, registry=self.registry,
+            service=self.service, registry_options=self.registry_options, model=self.model, timeout=self.timeout,
+            no_teacher_timeout=self.no_teacher_timeout, hedge_after=self.hedge_after, ordered=False,
+            prefetch=self.max_in_flight,
+            top_k=self.max_logprobs, logprobs=True, temperature=temperature, topk_tail=False, output_dtype="FP32",
+            token_logprobs=True, token_ranks=True,
+            student_id=f"{self.student_id or default_student_id()}-gateway-t{temperature:g}")
+
+
+class Scorer:
+    """Owns the readers; `score` answers prompts, `ready` says whether a teacher is usable. Lives on
+    the gateway's event loop; every blocking reader call runs on a worker thread."""
+
+    def __init__(self, settings: ScoringSettings) -> None:
+        self.settings = settings
+        self._readers: OrderedDict[float, DistillReader] = OrderedDict()
+        self._starting: dict[float, asyncio.Task[DistillReader]] = {}
+        self._window = asyncio.Semaphore(settings.max_in_flight)
+        self._closed = False
+        self._ready_checked = 0.0
+        self._ready = False
+
+    async def start(self) -> None:
+        """Start the reader of temperature 1 in the background: /health turns 200 once it has a teacher."""
+        self._reader_task(1.0)
+
+    def _reader_task(self, temperature: float) -> asyncio.Task[DistillReader]:
+        task = self._starting.get(temperature)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.get_running_loop().create_task(self._start_reader(temperature),
+                                                          name=f"gateway-reader-t{temperature:g}")
+            task.add_done_callback(_log_failure)
+            self._starting[temperature] = task
+        return task
+
+    async def _start_reader(self, temperature: float) -> DistillReader:
+        """A started reader; retried while no teacher or no registry is there (the gateway may start
+        before the teachers do). A setup error (wrong model name, access refused) is not retried."""
+        options = self.settings.reader_options(temperature)
+        while True:
+            reader = DistillReader(None, options)  # no loader: prompts come through submit()
+            try:
+                await _started(reader)
+            except NoTeacherError as e:
+                log.info("gateway: no teacher yet (%s); trying again", str(e).split(";")[0])
+                await asyncio.to_thread(reader.close)
+                await asyncio.sleep(RETRY_START_S)
+                continue
+            except OSError as e:  # the registry is not reachable yet
+                log.info("gateway: registry not reachable yet (%s); trying again", e)
+                await asyncio.to_thread(reader.close)
+                await asyncio.sleep(RETRY_START_S)
+                continue
+            except BaseException:
+                await asyncio.to_thread(reader.close)
+                raise
+            if self._closed:
+                await asyncio.to_thread(reader.close)
+                raise asyncio.CancelledError
+            self._readers[temperature] = reader
+            await self._evict()
+            return reader
+
+    async def _evict(self) -> None:
+        while len(self._readers) > MAX_READERS:
+            temperature, old = self._readers.popitem(last=False)
+            self._starting.pop(temperature, None)  # asked again, it is started afresh
+            await asyncio.to_thread(old.close)
+
+    async def _reader(self, temperature: float) -> DistillReader:
+        reader = self._readers.get(temperature)
+        if reader is not None:
+            self._readers.move_to_end(temperature)
+            return reader
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._reader_task(temperature)),
+                                          self.settings.no_teacher_timeout)
+        except TimeoutError:
+            raise APIError(503, f"no teacher is usable (waited {self.settings.no_teacher_timeout:g} s): "
+                                f"{self._where()}; retry once teachers are up") from None
+        except DistillError as e:  # a setup error (model name, access): said as is, tried again next time
+            raise APIError(503, f"the gateway cannot use the teachers: {e}") from None
+
+    def _where(self) -> str:
+        s = self.settings
+        return f"service {s.service!r} in {s.registry}" if s.registry else f"teachers {s.teachers}"
+
+    async def ready(self) -> bool:
+        """Whether some reader has a usable teacher now (checked at most every 0.2 s)."""
+        now = time.monotonic()
+        if now - self._ready_checked < 0.2:
+            return self._ready
+        readers = list(self._readers.values())
+        if not readers and not self._closed:
+            self._reader_task(1.0)  # every reader was dropped (its teachers went away): look for them again
+        ready = False
+        for reader in readers:
+            stats = await asyncio.to_thread(reader.stats)
+            if stats.teachers_in_use > 0:
+                ready = True
+                break
+        self._ready, self._ready_checked = ready, time.monotonic()
+        return ready
+
+    async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:
+        """Every prompt's reduced outputs, through the mesh; APIError with the status to answer."""
+        reader = await self._reader(temperature)
+        tasks = [asyncio.ensure_future(self._one(reader, temperature, ids)) for ids in prompts]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # the first refusal answers the body (or the caller left): the other prompts are dropped
+            for task in tasks:
+                task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in tasks:
+            if task in done and (error := task.exception()) is not None:
+                for other in done:  # retrieved, so none is logged as never retrieved
+                    other.exception()
+                raise error
+        return [task.result() for task in tasks]
+
+    async def _one(self, reader: DistillReader, temperature: float, ids: Sequence[int]) -> Scored:
+        batch = {self.settings.input_name: np.asarray([ids], dtype=np.int64)}
+        async with self._window:
+            try:
+                outputs = await asyncio.wrap_future(reader.submit(batch))
+            except BatchRejectedError as e:
+                raise APIError(400, f"the teachers refused this prompt: {e}", "prompt") from None
+            except NoTeacherError as e:
+                self._drop(temperature, reader)
+                raise APIError(503, f"no teacher is usable: {e}") from None
+            except TimeoutError:
+                raise APIError(503, "no teacher answered this prompt within the gateway's deadline (--timeout, "
+                                    "--no-teacher-timeout); retry") from None
+            except DistillError as e:  # the reader was closed under the request (the gateway is stopping)
+                self._drop(temperature, reader)
+                raise APIError(503, f"scoring failed: {e}") from None
+        name = self.settings.output_name
+
+        def get(suffix: str) -> np.ndarray:
+            return np.asarray(outputs[name + suffix][0].numpy())
+
+        return Scored(get("_TOPK_VALUES"), get("_TOPK_INDICES"), get("_TOKEN_LOGPROBS"), get("_TOKEN_RANKS"))
+
+    def _drop(self, temperature: float, reader: DistillReader) -> None:
+        """A reader whose engine gave up (no teacher for its timeout) is replaced on the next body."""
+        if self._readers.get(temperature) is reader:
+            del self._readers[temperature]
+            self._starting.pop(temperature, None)
+            asyncio.get_running_loop().run_in_executor(None, reader.close)
+
+    async def close(self) -> None:
+        """Stop starting readers and close every one (off the event loop)."""
+        self._closed = True
+        for task in self._starting.values():
+            task.cancel()
+        await asyncio.gather(*self._starting.values(), return_exceptions=True)
+        readers, self._readers = list(self._readers.values()), OrderedDict()
+        for reader in readers:
+            await asyncio.to_thread(reader.close)
+
+
+async def _started(reader: DistillReader) -> None:
+    """`reader.start()` on a worker thread. Cancelled meanwhile, it waits for the start to end (a
+    thread cannot be interrupted) and closes the reader, so no engine thread outlives the gateway."""
+    start = asyncio.ensure_future(asyncio.to_thread(reader.start))
+    try:
+        await asyncio.shield(start)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await start
+        await asyncio.to_thread(reader.close)
+        raise
+
+
+def _log_failure(task: asyncio.Task[DistillReader]) -> None:
+    """A reader that cannot start for a reason waiting does not fix (a model name no teacher serves,
+    access refused) is said at once; requests get the same error as a 503."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("gateway: the reader does not start: %s", error)
