@@ -243,6 +243,26 @@ def test_the_python_entry_point_records_and_resumes(teacher: str, tmp_path: Path
     _check_store(cache, 6)
 
 
+def test_recording_waits_for_a_writer_that_is_behind(teacher: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer queue of 8 batches, much slower than the teacher: a training reader would drop what
+    does not fit (and ask again next time); recording waits instead, so one pass stores every sample."""
+    from distill.cache import reader_side, writer
+
+    monkeypatch.setattr(reader_side, "WRITE_QUEUE_BATCHES", 8)
+    real_append = writer.ShardWriter.append
+
+    def slow_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)  # a disk much slower than the teacher
+        return real_append(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer.ShardWriter, "append", slow_disk)
+    result = record(_batches(40), cache=tmp_path / "kd", teachers=teacher, inputs=["X"], outputs=["Y"],
+                    key="index", prefetch=1, progress=False)
+    assert (result.samples, result.new_samples, result.stored_after) == (400, 400, 400), result
+    _check_store(tmp_path / "kd", 40)
+
+
 def test_record_finds_its_teachers_in_the_registry(tmp_path: Path) -> None:
     """The issue's form: distill record --registry ... --service ... --cache PATH -- python -m MODULE."""
     (tmp_path / "kd_data.py").write_text(DATA_MODULE)

@@ -144,10 +144,15 @@ _STOP = object()
 _SEAL = object()
 
 
+WRITE_QUEUE_BATCHES = 64
+"""Batches the writer thread may have queued; a training reader drops (and re-asks later) beyond it,
+so the training loop never waits on the disk. `distill record` waits for the writer instead."""
+
+
 class ReaderCache:
     """The store, opened for one reader, and its writer thread (see the module docstring)."""
 
-    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, *, queue_batches: int = 64,
+    def __init__(self, store: TeacherOutputStore | None, mode: str, key: str | int, *, queue_batches: int = 0,
                  create: tuple[str, Namespace] | None = None, variable: frozenset[str] = frozenset(),
                  seq_inputs: tuple[str, ...] | None = None, id_dtypes: Mapping[str, torch.dtype] | None = None
                  ) -> None:
@@ -177,7 +182,7 @@ class ReaderCache:
         self._sealed = threading.Condition()
         self.written_samples = 0
         self.write_error: BaseException | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches or WRITE_QUEUE_BATCHES)
         self._thread: threading.Thread | None = None
         if store is not None and mode != "read":
             self._start_writer()

@@ -118,11 +118,33 @@ def record(
     samples = 0
     with reader, tqdm(total=total, unit="batch", disable=not progress, file=progress_file or sys.stderr) as bar:
         for batch, _ in reader:
-            samples += len(batch_keys(batch, key))
+            n = len(batch_keys(batch, key))
+            samples += n
+            _wait_for_writer(reader, samples, n)
             bar.update(1)
     elapsed = time.perf_counter() - started  # the reader's close (the last shard sealed) is inside
     after = _stored(path)
     return RecordResult(samples, after - before, before, after, elapsed)
+
+
+def _wait_for_writer(reader: Any, samples: int, per_batch: int, timeout_s: float = 300.0) -> None:
+    """Hold the loop while the store's writer is more than half its queue behind the samples delivered.
+
+    A training reader drops what its writer cannot keep up with (the loop never waits on the disk;
+    the dropped samples are asked of a teacher again next time); recording is only the writing, so
+    it waits instead and the store gains every sample in one pass. Bounded: after `timeout_s` it
+    goes on (and what is dropped is recorded by a resumed run)."""
+    from distill.cache.reader_side import WRITE_QUEUE_BATCHES
+
+    # Batches read ahead are queued for the writer, or counted as hits, before the loop sees them.
+    ahead = 2 * int(getattr(reader.options, "prefetch", 0))
+    allowed = max(1, WRITE_QUEUE_BATCHES // 2 - ahead) * max(per_batch, 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = reader.stats()
+        if samples - stats.cache_hits - stats.cache_written <= allowed:
+            return
+        time.sleep(0.002)
 
 
 def loader_from_callable(spec: str) -> Iterable[Any]:
