@@ -134,7 +134,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_route("*", "/{tail:.*}", self.not_served)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -186,6 +186,12 @@ class Gateway:
         return web.Response(body=body, content_type="application/json")
 
     async def _complete(self, request: web.Request) -> bytes:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", ""):
+            # The gateway serves its own trainer on loopback, where compression buys nothing; refusing it
+            # keeps inflation (a small body that inflates to gigabytes) off this event loop entirely.
+            raise APIError(415, f"Content-Encoding {encoding!r} is not accepted by the gateway; send the JSON body "
+                                "uncompressed (it serves the trainer on loopback)")
         raw = await request.read()
         k_max = self.config.max_logprobs
         if len(raw) > OFFLOAD_BYTES:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import subprocess
@@ -190,6 +191,11 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
         assert call(base + "/v2/models/x/infer", {})[0] == 404
         status, answer = call(base + "/v1/completions", {"prompt": [[7] * 5000]})  # ~15 kB over 10 kB
         assert status == 413 and "limit" in answer["error"]["message"], answer
+        zipped = urllib.request.Request(base + "/v1/completions", data=gzip.compress(b" " * (1 << 20)), headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"})  # 1 KB on the wire, 1 MiB inflated
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(zipped, timeout=60)
+        assert refused.value.code == 415 and "uncompressed" in json.loads(refused.value.read())["error"]["message"]
         with teacher_process(teacher_args(llama_dir, "--registry", etcd.address, "--service", service),
                              tmp_path):
             wait_for_status(base + "/health", 200, START_S)
