@@ -20,7 +20,6 @@ interleaved per repetition; medians are reported, with the gateway/direct ratios
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -28,34 +27,17 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, machine_info, median, run_and_report
 from benchmarks.cpu import process_cpu_seconds
-from benchmarks.vllm_json import Settings as JsonSettings
-from benchmarks.vllm_json import draw, measure_json, save_teacher
+from benchmarks.vllm_json import Settings, draw, measure_json, save_teacher
+from benchmarks.vllm_json import parse_args as scoring_args
 
 VARIANTS = ("direct", "gateway")
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass(frozen=True)
-class Settings:
-    sequences: int = 64
-    min_len: int = 64
-    max_len: int = 256
-    top_k: int = 20
-    clients: int = 8
-    reps: int = 5
-    vocab: int = 32000
-    device: str = "cpu"
-    quick: bool = False
-
-    def json_settings(self, clients: int) -> JsonSettings:
-        return JsonSettings(sequences=self.sequences, min_len=self.min_len, max_len=self.max_len, top_k=self.top_k,
-                            clients=clients, vocab=self.vocab, device=self.device)
 
 
 def start_gateway(address: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -88,7 +70,7 @@ async def wait_healthy(url: str, timeout: float = 120.0) -> None:
 def run(s: Settings) -> dict[str, Any]:
     from teacher_server.launch import teacher_process
 
-    seqs = draw(s.json_settings(s.clients))
+    seqs = draw(s)
     tokens = sum(len(q) for q in seqs)
     per_rep: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
@@ -103,7 +85,7 @@ def run(s: Settings) -> dict[str, Any]:
                 pids = {"teacher": info["pid"], "gateway": gateway.pid}
 
                 def measure(name: str, clients: int) -> Callable[[], Awaitable[tuple[float, int]]]:
-                    return lambda: measure_json(urls[name], seqs, s.json_settings(clients))
+                    return lambda: measure_json(urls[name], seqs, replace(s, clients=clients))
 
                 for name in VARIANTS:  # warm-up: connections, thread pools, the gateway's reader
                     asyncio.run(measure(name, s.clients)())
@@ -153,21 +135,7 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
-    p = argparse.ArgumentParser(prog="benchmarks.gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sequences", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=20, help="prompt_logprobs (at most 20)")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quick", action="store_true", help="8 short sequences, one repetition: a smoke test")
-    a = p.parse_args(argv)
-    s = Settings(a.sequences, a.min_len, a.max_len, a.top_k, a.clients, a.reps, device=a.device)
-    if a.quick:
-        s = replace(s, sequences=8, min_len=16, max_len=32, clients=4, reps=1, quick=True)
-    return s
+    return scoring_args(argv, prog="benchmarks.gateway", doc=__doc__, reps=5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -182,15 +182,16 @@ def report(doc: dict[str, Any]) -> str:
                                      "speed vs fp16", "bytes vs fp16"], rows)
 
 
-def parse_args(argv: Sequence[str] | None) -> Settings:
-    p = argparse.ArgumentParser(prog="benchmarks.vllm_json", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Sequence[str] | None, prog: str = "benchmarks.vllm_json", doc: str | None = __doc__,
+               reps: int = 3) -> Settings:
+    """The scoring workload's flags; `benchmarks.gateway` measures the same workload with them."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sequences", type=int, default=64)
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--top-k", type=int, default=20, help="prompt_logprobs / top_k (at most 20 on /v1/completions)")
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=reps)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="8 short sequences, one repetition: a smoke test")
     a = p.parse_args(argv)
