@@ -30,6 +30,14 @@ def save_llama(directory: Path, tokenizer: bool = False) -> None:
         fast.save_pretrained(str(directory))
 
 
+def load_reference(directory: Path) -> torch.nn.Module:
+    """The saved causal LM, loaded in process (local files only, eval mode): what answers are checked against."""
+    import transformers
+
+    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    return model.eval()
+
+
 def reference_logprobs(model: torch.nn.Module, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(model(x) / T) of one prompt, [T, V]."""
     with torch.inference_mode():

@@ -30,7 +30,7 @@ from discovery.local_etcd import LocalEtcd
 from distill import cli as distill_cli
 from distill.gateway_cli import config_from_args
 from tests.etcd_fixtures import arun, unique_service
-from tests.hf_models import save_llama
+from tests.hf_models import load_reference, save_llama
 from tests.servers import REPO, teacher_process
 
 transformers = pytest.importorskip("transformers")
@@ -214,8 +214,7 @@ PROMPT_LENGTHS = [3, 1, 6]
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")

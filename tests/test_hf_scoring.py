@@ -22,6 +22,7 @@ from teacher_server.outputs import OutputTransform
 from teacher_server.scoring import head_split
 from teacher_server.validation import pad_plan
 from teacher_server.work import Work
+from tests.hf_models import load_reference
 from tests.servers import teacher_process
 
 transformers = pytest.importorskip("transformers")
@@ -42,8 +43,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import tritonclient.grpc as tg
 
 from teacher_server import BatchingConfig, ServerConfig
 from teacher_server.model import ModelLoadError, load_model
+from tests.hf_models import load_reference
 from tests.servers import ServerThread, teacher_process
 
 transformers = pytest.importorskip("transformers")
@@ -37,8 +38,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")

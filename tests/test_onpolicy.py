@@ -31,6 +31,7 @@ import torch
 from distill import DistillReader, ReaderClosedError, SubmitLimitError
 from distill.losses import ScoredTargets, TokenKDLoss, sampled_token_pg_loss
 from teacher_server.launch import TeacherProcess
+from tests.hf_models import load_reference
 from tests.servers import REPO, teacher_process
 
 transformers = pytest.importorskip("transformers")
@@ -58,8 +59,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 def _args(llama_dir: Path) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.hf_models import reference_logprobs, save_llama
+from tests.hf_models import load_reference, reference_logprobs, save_llama
 from tests.servers import teacher_process
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +43,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")

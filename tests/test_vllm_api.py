@@ -19,7 +19,7 @@ import torch
 import tritonclient.grpc as tg
 
 from teacher_server import ServerConfig
-from tests.hf_models import CONTEXT, VOCAB, reference_logprobs, save_llama
+from tests.hf_models import CONTEXT, VOCAB, load_reference, reference_logprobs, save_llama
 from tests.servers import ServerThread
 
 transformers = pytest.importorskip("transformers")
@@ -41,8 +41,7 @@ def bare_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), local_files_only=True)
-    return model.eval()
+    return load_reference(llama_dir)
 
 
 @pytest.fixture(scope="module")
