@@ -330,3 +330,35 @@ def print_rep(rep: int, name: str, m: Measurement) -> None:
         line += (f"  cores: client {m.cpu.client_cores:.2f} server {m.cpu.server_cores:.2f} "
                  f"foreign {m.cpu.foreign_cores:.2f}")
     print(line, flush=True)
+
+
+@dataclass
+class Workload:
+    """What both W6 modes measure: the teacher, its held-out sequences and the in-process model."""
+
+    directory: Path
+    max_len: int
+    vocab: int
+    seqs: list[list[int]]
+    pad_id: int
+    model: torch.nn.Module
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(q) for q in self.seqs]
+
+
+def prepare(s: Settings) -> Workload:
+    """The teacher directory, its sequences (printed), the torch threads and the in-process model."""
+    from transformers import AutoConfig
+
+    directory = teacher_directory(s)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    max_len, vocab = int(config.max_position_embeddings), int(config.vocab_size)
+    seqs, pad_id = draw_sequences(directory, s, max_len)
+    lengths = [len(q) for q in seqs]
+    print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
+          f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
+    torch.set_num_threads(s.server_threads)
+    s.choice.check()
+    return Workload(directory, max_len, vocab, seqs, pad_id, load_inprocess(directory, s.choice))

@@ -53,18 +53,16 @@ from benchmarks.llm_parts import (
     PADDING_GOAL,
     Measurement,
     Settings,
-    draw_sequences,
     executions,
-    load_inprocess,
     make_request,
     measure_inprocess,
     measure_server,
     on_device,
     padded_batches,
+    prepare,
     print_rep,
     scrape_tokens,
     server_args,
-    teacher_directory,
 )
 from teacher_server.launch import TeacherProcess
 
@@ -132,20 +130,11 @@ async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int) 
 
 
 async def run(s: Settings) -> dict[str, Any]:
-    from transformers import AutoConfig
-
     from distill import DistillReader
 
-    directory = teacher_directory(s)
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    max_len, vocab = int(config.max_position_embeddings), int(config.vocab_size)
-    seqs, pad_id = draw_sequences(directory, s, max_len)
-    lengths = [len(q) for q in seqs]
-    print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
-          f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
-    torch.set_num_threads(s.server_threads)
-    s.choice.check()
-    model = load_inprocess(directory, s.choice)
+    w = prepare(s)
+    directory, max_len, vocab, seqs, pad_id, model = w.directory, w.max_len, w.vocab, w.seqs, w.pad_id, w.model
+    lengths = w.lengths
     batches = on_device(padded_batches(seqs, s.batch, pad_id), s.choice)
     student = [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in padded_batches(seqs, s.batch, pad_id)]
     requests = [make_request(q, top_k=s.top_k) for q in seqs]

@@ -72,18 +72,16 @@ from benchmarks.llm_parts import (
     RATIO_GOAL,
     Measurement,
     Settings,
-    draw_sequences,
-    load_inprocess,
     make_request,
     measure_inprocess,
     measure_server,
     on_device,
     output_work,
     padded_batches,
+    prepare,
     print_rep,
     server_args,
     sorted_batches,
-    teacher_directory,
 )
 from teacher_server.launch import TeacherProcess
 
@@ -110,18 +108,9 @@ async def full_vocab_bytes(stub: Any, seq: list[int]) -> float:
 
 # ---- the run ---------------------------------------------------------------------------------
 async def run(s: Settings) -> dict[str, Any]:
-    from transformers import AutoConfig
-
-    directory = teacher_directory(s)
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    max_len, vocab = int(config.max_position_embeddings), int(config.vocab_size)
-    seqs, pad_id = draw_sequences(directory, s, max_len)
-    lengths = [len(q) for q in seqs]
-    print(f"teacher {directory}: vocabulary {vocab}, context {max_len}; {len(seqs)} held-out sequences, "
-          f"lengths {min(lengths)}..{max(lengths)} (mean {sum(lengths) / len(lengths):.1f})", flush=True)
-    torch.set_num_threads(s.server_threads)
-    s.choice.check()
-    model = load_inprocess(directory, s.choice)
+    w = prepare(s)
+    directory, max_len, vocab, seqs, pad_id, model = w.directory, w.max_len, w.vocab, w.seqs, w.pad_id, w.model
+    lengths = w.lengths
     baseline = sorted_batches(seqs, s.token_budget, pad_id) if s.choice.cuda else padded_batches(seqs, s.batch, pad_id)
     batches = on_device(baseline, s.choice)
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
