@@ -27,6 +27,7 @@ from benchmarks.common import (
 from benchmarks.cpu import CpuMeter, CpuUsage
 from benchmarks.device import DeviceChoice
 from teacher_server.batch_rules import TYPICAL_LENGTH
+from teacher_server.server import default_instances
 
 MODEL_NAME = "llm_teacher"
 RATIO_GOAL = 0.90
@@ -72,7 +73,8 @@ class Settings:
 
     @property
     def server_instances(self) -> int:
-        return self.instances or (os.cpu_count() or 1)
+        """--instances, else the teacher's own default for the device."""
+        return self.instances or default_instances(self.device)
 
     @property
     def server_threads(self) -> int:

@@ -100,8 +100,10 @@ async def check_outputs(stub: Any, model: torch.nn.Module, seq: list[int], k: in
     return diff
 
 
-async def full_vocab_bytes(stub: Any, seq: list[int]) -> float:
-    """Bytes per token of the raw fp32 logits (no transform), measured from one response."""
+async def full_vocab_bytes(stub: Any, seq: list[int], vocab: int) -> float:
+    """Bytes per token of the raw fp32 logits (no transform), measured from one response: of `seq`
+    cut to what fits a 64 MiB message (a 1,024-token answer at a 152k vocabulary is 600 MiB)."""
+    seq = seq[: max(1, (64 << 20) // (4 * vocab))]
     resp = await stub.ModelInfer(make_request(seq, top_k=0, logprobs=False, dtype="FP32", tail=False), timeout=60)
     return sum(len(c) for c in resp.raw_output_contents) / len(seq)
 
@@ -131,7 +133,7 @@ async def run(s: Settings) -> dict[str, Any]:
             for k in servers:
                 diff = await check_outputs(stubs[k], model, longest, s.top_k)
                 print(f"{k}: top-{s.top_k} log-probs match the in-process model (max |diff| {diff:.1e})", flush=True)
-            full_bytes = await full_vocab_bytes(stubs["server_buckets"], longest)
+            full_bytes = await full_vocab_bytes(stubs["server_buckets"], longest, vocab)
             # Warm-up: a few batches each, so no variant pays first-call costs inside a repetition.
             warm = min(len(seqs), 4 * s.batch)
             measure_inprocess(model, batches[: max(1, warm // s.batch)], s.top_k, s.server_instances, pids)

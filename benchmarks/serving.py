@@ -72,6 +72,7 @@ from benchmarks.serving_measure import (
 )
 from examples.refteacher import build
 from teacher_server.launch import TeacherProcess
+from teacher_server.server import default_instances
 
 MODEL_REF = REF_MODEL_REF
 W2_GOAL = 0.95  # this benchmark's bar; DESIGN.md's W2 goal is 0.90
@@ -117,7 +118,8 @@ class Settings:
 
     @property
     def server_instances(self) -> int:
-        return self.instances or (os.cpu_count() or 1)
+        """--instances, else the teacher's own default for the device."""
+        return self.instances or default_instances(self.device)
 
     @property
     def requests_in_flight(self) -> int:

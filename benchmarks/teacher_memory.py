@@ -54,7 +54,8 @@ def save_model(directory: Path, vocab: int, seq: int) -> None:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(str(directory))
 
 
-def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int) -> dict[str, Any]:
+def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int, *,
+          compute_dtype: str = "FP32") -> dict[str, Any]:
     """Score one sequence in `mode`; return the memory figures (run in its own process)."""
     import torch
 
@@ -64,7 +65,7 @@ def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int) -> d
     from teacher_server.validation import pad_plan
     from teacher_server.work import Work
 
-    model = load_model(f"hf:{directory}", device=device)
+    model = load_model(f"hf:{directory}", device=device, compute_dtype=compute_dtype)
     weights = sum(p.numel() * p.element_size() for p in model.module.parameters())  # type: ignore[attr-defined]
     inst = ModelInstance(model, 0, max_batch_size=1)
     inst.chunked = mode == "chunked"
@@ -97,19 +98,27 @@ def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int) -> d
             "peak_bytes": peak, "scoring_bytes": peak - before, "seconds": seconds, "response_bytes": sent}
 
 
-def run(device: str, seq: int, vocab: int, chunk_mib: int = 64) -> dict[str, Any]:
+def run(device: str, seq: int, vocab: int, chunk_mib: int = 64, *, teacher: str = "",
+        compute_dtype: str = "FP32") -> dict[str, Any]:
+    """Both modes on the tiny-hidden Llama at `vocab`, or on `teacher` (a save_pretrained directory,
+    e.g. a real shape from benchmarks.shapes) with its own vocabulary."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="teacher-memory-") as tmp:
-        save_model(Path(tmp), vocab, seq)
+    with tempfile.TemporaryDirectory(prefix="teacher-memory-") as scratch:
+        tmp = teacher or scratch
+        if teacher:
+            vocab = int(json.loads((Path(teacher) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+        else:
+            save_model(Path(tmp), vocab, seq)
         for mode in MODES:
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.teacher_memory", "--child", mode, "--dir", tmp, "--device", device,
-                 "--seq", str(seq), "--chunk-mib", str(chunk_mib)],
+                 "--seq", str(seq), "--chunk-mib", str(chunk_mib), "--compute-dtype", compute_dtype],
                 capture_output=True, text=True, timeout=900, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"mode {mode} failed ({out.returncode}):\n{out.stderr[-4000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return {"seq": seq, "vocab": vocab, "device": device, "chunk_mib": chunk_mib, "modes": rows,
+            "teacher": teacher or "tiny-hidden Llama", "compute_dtype": compute_dtype,
             "machine": machine_info()}
 
 
@@ -129,16 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--chunk-mib", type=int, default=64, help="fp32 MiB of logits per chunk (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="512 tokens at a 32k vocabulary (a smoke run)")
+    p.add_argument("--teacher", default="", help="a save_pretrained causal LM directory instead of the tiny Llama")
+    p.add_argument("--compute-dtype", type=str.upper, default="FP32", choices=("FP32", "FP16", "BF16"))
+    p.add_argument("--out", default="teacher_memory", help="results file: benchmarks/results/<OUT>.json")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.device, args.seq, args.chunk_mib)))
+        print(json.dumps(child(args.child, args.dir, args.device, args.seq, args.chunk_mib,
+                               compute_dtype=args.compute_dtype)))
         return 0
     seq, vocab = (512, 32000) if args.quick else (args.seq, args.vocab)
-    data = run(args.device, seq, vocab, args.chunk_mib)
+    data = run(args.device, seq, vocab, args.chunk_mib, teacher=args.teacher, compute_dtype=args.compute_dtype)
     if not args.quick:
-        write_results("teacher_memory", data)
+        write_results(args.out, data)
     print(report(data))
     return 0
 

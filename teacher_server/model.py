@@ -240,9 +240,24 @@ def load_model(
             f"model {source!r} declares no inputs: pass --input NAME:DATATYPE:SHAPE (and --output), "
             "a --model-config JSON file, or set an `io_spec` (teacher_server.ModelIO) on the module"
         )
+    module = _cuda_layout(module, declared, dev)
     model = LoadedModel(module, declared, dev, FLOAT_OUTPUT_DTYPES[compute_dtype], autocast=not hf)
     model.io = _probe(model)
     return model
+
+
+def _cuda_layout(module: Any, io: ModelIO, device: torch.device) -> Any:
+    """On CUDA, what the best plain PyTorch does for a fixed-shape image model: cuDNN picks its
+    fastest convolution per shape (shapes repeat batch after batch), and the weights go
+    channels_last, the layout tensor cores want (convolutions then take NCHW inputs as they come).
+    A TorchScript module keeps its layout: it cannot be converted after scripting."""
+    if device.type != "cuda":
+        return module
+    torch.backends.cudnn.benchmark = True
+    images = any(len(s.shape) == 3 and -1 not in s.shape for s in io.inputs)
+    if images and isinstance(module, torch.nn.Module) and not isinstance(module, torch.jit.ScriptModule):
+        module = module.to(memory_format=torch.channels_last)
+    return module
 
 
 def _probe(model: LoadedModel) -> ModelIO:

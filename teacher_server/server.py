@@ -356,7 +356,8 @@ def default_instances(device: str | None) -> int:
     gRPC takes a core: every intra-op sync point waits for the descheduled thread. Independent
     single-threaded instances only lose that thread's share (W2 on 2 cores: 0.80 -> 0.94 of in-process).
     """
-    if resolve_device(device).type != "cpu":
+    named = device not in (None, "", "auto")
+    if (torch.device(str(device)).type if named else resolve_device(device).type) != "cpu":
         return 1
     return max(1, os.cpu_count() or 1)
 

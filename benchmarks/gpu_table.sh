@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The README's GPU rows, each stage the command that produced one. From the project's root, on a
+# machine with a CUDA GPU and the project installed:
+#
+#   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
+#
+# Stages: tests w6 reader memory instances llm_instances serving w1 w7
+# Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
+# is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
+# $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
+# The LLM rows use a Qwen2.5-1.5B-shaped causal LM with random weights (benchmarks/shapes.py) and
+# the LLM example's smoke tokenizer and held-out corpus (`--tiny`): the cost of a real forward pass
+# and a 152k vocabulary, not a trained model's outputs.
+set -u
+PY=${PY:-python}
+LOGS=${LOGS:-benchmarks/results/gpu-logs}
+SHAPES=${SHAPES:-/tmp/distill-shapes}
+Q15=$SHAPES/qwen2.5-1.5b
+DTYPE=${DTYPE:-BF16}
+mkdir -p "$LOGS"
+
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start; start=$(date +%s)
+  echo "== $name (at most ${limit} s): $*"
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $(( $(date +%s) - start )) s"
+  tail -n "${TAIL:-18}" "$LOGS/$name.log"
+  eval "${AFTER:-true}"
+}
+
+shape() {  # the random-weight Qwen2.5-1.5B shape, with the smoke tokenizer (trained here if missing)
+  [ -f "$Q15/config.json" ] && return 0
+  local tok; tok=$($PY -c 'from examples.llm.tokenizer import tokenizer_dir; print(tokenizer_dir(smoke=True))')
+  [ -f "$tok/tokenizer.json" ] || $PY -m examples.llm.tokenizer --smoke || return 1
+  $PY -m benchmarks.shapes qwen2.5-1.5b --tokenizer "$tok" --out "$Q15" --device cuda --dtype "$DTYPE"
+}
+
+LLM=(--tiny --teacher "$Q15" --device cuda --compute-dtype "$DTYPE" --batch 256 --clients 256 --sequences 512)
+
+run_stage() {
+  case $1 in
+    tests)  # the suite on a CUDA machine (teacher-servers default to the GPU); peers needing their own
+            # virtualenvs or a cluster are left out
+      stage tests 300 $PY -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider --timeout 240 tests \
+        --ignore=tests/test_triton_peer.py --ignore=tests/test_perf_analyzer.py --ignore=tests/test_trl_client.py \
+        --ignore=tests/test_trl_trainer.py --ignore=tests/test_packaging.py --ignore=tests/test_deploy.py \
+        --ignore=tests/test_deploy_etcd_tls.py --ignore=tests/test_deploy_llm.py \
+        --ignore=tests/test_deploy_llm_serve.py --ignore=tests/test_autoscale_kubernetes.py ;;
+    shape) stage shape 240 shape ;;
+    w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps 3 --out llm_serving_gpu ;;
+    reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps 3 \
+              --out llm_reader_gpu ;;
+    memory)
+      shape && stage memory_4k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
+        --teacher "$Q15" --seq 4096 --out teacher_memory_gpu_4k
+      stage memory_8k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
+        --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k ;;
+    instances) stage instances 200 $PY -m benchmarks.instances --device cuda --compute-dtype FP16 \
+                 --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --out instances_gpu_resnet50 ;;
+    llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps 2 \
+                     --instances 2 --out llm_serving_gpu_2inst ;;
+    serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick ;;
+    w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
+    w7) shape && stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --out onpolicy_gpu ;;
+    *) echo "unknown stage $1"; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || set -- tests w6 reader memory instances llm_instances serving w1 w7
+for s in "$@"; do run_stage "$s"; done
