@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
-# Stages: tests w6 reader memory instances llm_instances serving w1 w7
+# Stages: tests (or cuda_tests, the GPU-relevant part) w6 reader memory instances llm_instances serving w1 w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -48,6 +48,11 @@ run_stage() {
         --ignore=tests/test_trl_trainer.py --ignore=tests/test_packaging.py --ignore=tests/test_deploy.py \
         --ignore=tests/test_deploy_etcd_tls.py --ignore=tests/test_deploy_llm.py \
         --ignore=tests/test_deploy_llm_serve.py --ignore=tests/test_autoscale_kubernetes.py ;;
+    cuda_tests)  # the tests whose teachers and models run on the GPU when there is one
+      stage cuda_tests 150 $PY -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider --timeout 120 \
+        tests/test_hf_scoring.py tests/test_hf_teacher.py tests/test_output_transforms.py \
+        tests/test_padded_batching.py tests/test_row_rebatching.py tests/test_staging.py tests/test_teacher_server.py \
+        tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py ;;
     shape) stage shape 240 shape ;;
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps 3 --out llm_serving_gpu ;;
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps 3 \
