@@ -59,7 +59,7 @@ class Stager:
                 staged = StagedInputs(tensors, _key(works))
             else:
                 with torch.cuda.stream(self._stream):
-                    tensors = [batch_input(works, i).pin_memory().to(self.device, non_blocking=True)
+                    tensors = [batch_input(works, i, pin=True).to(self.device, non_blocking=True)
                                for i in range(n_inputs)]
                     event = torch.cuda.Event()
                     event.record(self._stream)

@@ -70,22 +70,29 @@ class Work:
         return tensor.narrow(axis, 0, self.length)
 
 
-def batch_input(works: Sequence[Work], index: int) -> torch.Tensor:
+def batch_input(works: Sequence[Work], index: int, *, pin: bool = False) -> torch.Tensor:
     """Input `index` of a whole batch: the requests concatenated, or, for a padded input of
-    requests of different lengths, copied once into a buffer filled with the pad value."""
+    requests of different lengths, copied once into a buffer filled with the pad value.
+
+    `pin`: build it in pinned (page-locked) memory, ready for an asynchronous copy to a GPU. The
+    requests are copied once, straight into a block of torch's caching host allocator, instead of
+    into fresh pageable memory (page faults on every batch) and then again into pinned memory:
+    for a batch of 256 images that is 38 MB copied once instead of twice."""
     parts = [w.inputs[index] for w in works]
     plan = works[0].pads[index] if works[0].pads else None
-    if plan is None:
-        return torch.cat(parts)
+    longest = max(p.shape[plan[0] + 1] for p in parts) if plan is not None else 0
+    if plan is None or all(p.shape[plan[0] + 1] == longest for p in parts):
+        if not pin:
+            return torch.cat(parts)
+        shape = list(parts[0].shape)
+        shape[0] = sum(p.shape[0] for p in parts)
+        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
     axis, value = plan
     axis += 1  # the batch dimension comes first
-    longest = max(p.shape[axis] for p in parts)
-    if all(p.shape[axis] == longest for p in parts):
-        return torch.cat(parts)
     shape = list(parts[0].shape)
     shape[0] = sum(p.shape[0] for p in parts)
     shape[axis] = longest
-    out = torch.full(shape, value, dtype=parts[0].dtype)
+    out = torch.full(shape, value, dtype=parts[0].dtype, pin_memory=pin)
     row = 0
     for p in parts:
         out[row : row + p.shape[0]].narrow(axis, 0, p.shape[axis]).copy_(p)
