@@ -34,7 +34,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -94,7 +93,7 @@ def offpolicy_tokens(splits: Splits, pad_id: int, s: Settings, seed: int) -> int
     return sum(len(splits.train[i]) - 1 for rows in plan for i in rows)
 
 
-def train_on_policy(splits: Splits, pad_id: int, vocab_size: int, reader: Any, s: Settings, *, seed: int,
+def train_on_policy(splits: Splits, pad_id: int, vocab_size: int, reader: onpolicy.Scorer, s: Settings, *, seed: int,
                     budget: int) -> tuple[torch.nn.Module, list[float], int, float]:
     """The on-policy arm: sample, score through ``reader``, step, until ``budget`` teacher-scored
     tokens are spent. Returns (student, loss per step, tokens scored, training seconds)."""
@@ -139,7 +138,7 @@ def held_out_prompts(splits: Splits, s: Settings) -> torch.Tensor:
 
 
 def run_seed(splits: Splits, pad_id: int, vocab_size: int, s: Settings, *, seed: int, kd_source: TargetSource,
-             scorer: Any, evaluator: Any, prompts: torch.Tensor) -> list[ArmResult]:
+             scorer: onpolicy.Scorer, evaluator: onpolicy.Scorer, prompts: torch.Tensor) -> list[ArmResult]:
     """The three arms of one seed, each evaluated on held-out text and on its own held-out samples."""
     budget = offpolicy_tokens(splits, pad_id, s, seed)
     out: list[ArmResult] = []

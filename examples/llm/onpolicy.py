@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,14 @@ from examples.llm.student import OUTPUT
 
 SCORE_INPUTS = {"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask", "SCORE_IDS": "score_ids"}
 TOKEN_INPUTS = {"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}
+
+
+class Scorer(Protocol):
+    """What scores a batch the training loop made: ``DistillReader(None, **reader_options(...))``."""
+
+    def score(self, batch: Any, *, deadline_s: float | None = None) -> Any:
+        """The teacher outputs of ``batch`` (a dict of tensors), waiting for them."""
+        ...
 
 
 def reader_options(*, teachers: str, k: int, temperature: float = 1.0, scoring: bool = True,
@@ -151,7 +159,7 @@ class SampleNLL:
         return self.teacher_nll - self.student_nll
 
 
-def teacher_nll(model: nn.Module, reader: Any, prompts: Tensor, new_tokens: int, *, seed: int,
+def teacher_nll(model: nn.Module, reader: Scorer, prompts: Tensor, new_tokens: int, *, seed: int,
                 batch_size: int = 16) -> SampleNLL:
     """Sample ``new_tokens`` after each prompt from ``model`` (seeded), score them with the teacher
     through ``reader`` (``reader_options(scoring=False)``), and average the NLLs per sampled token."""
