@@ -74,6 +74,18 @@ def train_one(
 ) -> RunResult:
     """Train one student from the seed's initialisation on ``(batch, targets)`` pairs from ``source``;
     ``NoTeacher`` is the no-KD baseline. The batches are the seed's, whatever the source."""
+    student, losses, seconds = fit(splits, pad_id, vocab_size, source, seed=seed, steps=steps,
+                                   batch_size=batch_size, lr=lr, loss_fn=loss_fn, role=role)
+    m = evaluate(student, splits.eval_subset(eval_sequences), pad_id)
+    first, last = loss_ends(losses)
+    return RunResult(seed, not isinstance(source, NoTeacher), m.perplexity, m.accuracy, first, last, steps, seconds)
+
+
+def fit(
+    splits: Splits, pad_id: int, vocab_size: int, source: TargetSource, *, seed: int, steps: int,
+    batch_size: int, lr: float, loss_fn: TokenKDLoss, role: str = "student",
+) -> tuple[torch.nn.Module, list[float], float]:
+    """The training of ``train_one``: (the trained student, its loss per step, training seconds)."""
     seed_everything(seed)
     student = models.build(role, vocab_size, max_len=splits.seq_len, pad_token_id=pad_id)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -93,11 +105,13 @@ def train_one(
         losses.append(float(loss.detach()))
     if len(losses) != steps:
         raise RuntimeError(f"the {source.name} source yielded {len(losses)} batches for {steps} steps")
-    seconds = time.perf_counter() - started
-    m = evaluate(student, splits.eval_subset(eval_sequences), pad_id)
+    return student, losses, time.perf_counter() - started
+
+
+def loss_ends(losses: Sequence[float]) -> tuple[float, float]:
+    """The mean training loss over the first and the last few steps (a quarter of the run, at most 10)."""
     window = max(1, min(10, len(losses) // 4))
-    return RunResult(seed, not isinstance(source, NoTeacher), m.perplexity, m.accuracy,
-                     sum(losses[:window]) / window, sum(losses[-window:]) / window, steps, seconds)
+    return sum(losses[:window]) / window, sum(losses[-window:]) / window
 
 
 def train_batches(splits: Splits, pad_id: int, *, batch_size: int, seed: int, steps: int) -> TrainBatches:
