@@ -1,6 +1,6 @@
 """W7 on-policy distillation: a step (generate, score, train) with the teacher served vs in process.
 
-    .venv/bin/python -m benchmarks.onpolicy [--reps 5] [--steps 16] [--quick] [--tiny] [--teacher DIR]
+    .venv/bin/python -m benchmarks.onpolicy [--reps 7] [--steps 16] [--quick] [--tiny] [--teacher DIR]
                                             [--shape qwen2.5-1.5b] [--device cuda --compute-dtype BF16]
 
 The student samples continuations of prompts with its current weights, the teacher scores the
@@ -68,7 +68,7 @@ VARIANTS = ("mesh", "inprocess")
 class Settings:
     """One run's knobs; recorded verbatim in the JSON."""
 
-    reps: int = 5
+    reps: int = 7
     steps: int = 16
     batch: int = 8
     prompt_len: int = 16

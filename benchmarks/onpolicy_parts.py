@@ -105,24 +105,26 @@ def models(*, shape: str, teacher: str, tiny: bool, prompts: int, prompt_len: in
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: use one of {', '.join(SHAPES)}")
     teacher_cfg, student_cfg = SHAPES[shape]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # saving and loading a temporary model is no news
     torch.set_num_threads(threads or torch.get_num_threads())
     choice.check()
     with tempfile.TemporaryDirectory(prefix=f"w7-{shape}-") as tmp:
         directory = Path(tmp)
         torch.manual_seed(seed)
+        shared = {k: teacher_cfg[k] for k in ("vocab_size", "tie_word_embeddings", "max_position_embeddings")}
         with torch.device(choice.torch_device):  # random init where the compute is (seconds for 1.5B on a GPU)
             model = _qwen2(teacher_cfg, 0)
+            student = _qwen2(student_cfg | shared, 0)
         torch.nn.Module.to(model, choice.dtype)
         model.save_pretrained(str(directory))
         del model
         vocab, context = int(teacher_cfg["vocab_size"]), int(teacher_cfg["max_position_embeddings"])
-        student = _qwen2(student_cfg | {k: teacher_cfg[k] for k in ("vocab_size", "tie_word_embeddings",
-                                                                      "max_position_embeddings")}, 0)
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(1, vocab, (prompts, prompt_len), generator=g)
         print(f"teacher: random weights of shape {shape} in {directory}; student {parameters(student):,} "
               f"parameters; {prompts} random prompts of {prompt_len} tokens", flush=True)
-        torch.nn.Module.to(student, choice.torch_device)
         yield Models(directory, vocab, context, 0, ids.to(choice.torch_device),
                      llm_parts.load_inprocess(directory, choice), student, f"random weights, shape {shape}")
 
