@@ -18,7 +18,8 @@ student weights and sampler seed:
 Headline: mesh / inprocess steps per second, the median of the per-repetition ratios. Also: the
 phases of a step (generation, scoring or waiting for the teacher, training); the teacher's scoring
 rate (positions per second of the server's compute time, from its metrics) beside W6's teacher
-tokens/s (benchmarks/results/llm_serving.json) and the in-process scoring rate; bytes per scored
+tokens/s (--w6-results, by default the committed benchmarks/results/llm_serving.json; a W6 run on
+the same device and dtype makes the comparison like for like) and the in-process scoring rate; bytes per scored
 token on the wire: the tensors sent and received per step, and the KServe v2 protobuf messages of
 one step's request measured whole. Before measuring, one batch's token log-probs through the mesh
 must equal the in-process teacher's (allclose; fp32 refuses a difference over 1e-3).
@@ -63,7 +64,7 @@ from benchmarks.llm_parts import MAX_MESSAGE, MODEL_NAME
 from benchmarks.onpolicy_parts import SHAPES, TOKENS_OUT, Loop, Models, StepTimes, models, parameters, score_inprocess
 from teacher_server.launch import TeacherProcess
 
-W6_RESULTS = Path(__file__).resolve().parent / "results" / "llm_serving.json"
+W6_RESULTS = "benchmarks/results/llm_serving.json"  # relative to the repository unless it exists from here
 VARIANTS = ("mesh", "inprocess")
 
 
@@ -84,6 +85,7 @@ class Settings:
     shape: str = ""
     quick: bool = False
     out: str = "onpolicy"
+    w6_results: str = W6_RESULTS  # W6's result file the teacher's scoring rate is compared with
     device: str = "cpu"
     compute_dtype: str = "FP32"
 
@@ -189,18 +191,20 @@ def print_rep(rep: int, name: str, t: StepTimes) -> None:
     print(line, flush=True)
 
 
-def w6_reference() -> dict[str, Any] | None:
-    """W6's committed teacher tokens/s (server, length buckets) and what it measured them on."""
+def w6_reference(path: str, device: str, compute_dtype: str) -> dict[str, Any] | None:
+    """W6's teacher tokens/s (server, length buckets) from its result file, and what it measured
+    them on; `same_setup` says whether that was this run's device and dtype."""
     try:
-        w6 = json.loads(W6_RESULTS.read_text(encoding="utf-8"))
+        w6 = json.loads((Path(path) if Path(path).exists() else REPO_ROOT / path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    where = (w6["machine"].get("device", "cpu"), w6["machine"].get("compute_dtype", "FP32"))
     return {"server_tokens_per_s": w6["medians_tokens_per_s"]["server_buckets"],
             "inprocess_tokens_per_s": w6["medians_tokens_per_s"]["inprocess"],
             "device": w6["machine"].get("device", "cpu"), "compute_dtype": w6["machine"].get("compute_dtype", "FP32"),
             "teacher_parameters": w6.get("teacher", {}).get("parameters"),
-            "teacher_vocab_size": w6.get("teacher", {}).get("vocab_size"),
-            "file": "benchmarks/results/llm_serving.json"}
+            "teacher_vocab_size": w6.get("teacher", {}).get("vocab_size"), "file": path,
+            "same_setup": where == (device, compute_dtype)}
 
 
 def summarise(s: Settings, per_rep: dict[str, list[StepTimes]], check: dict[str, Any],
@@ -213,7 +217,7 @@ def summarise(s: Settings, per_rep: dict[str, list[StepTimes]], check: dict[str,
                              f"student sent {mesh[0].teacher_positions} a loop")
     teacher_rate = median([t.teacher_positions / t.teacher_compute_s for t in mesh if t.teacher_compute_s])
     local_rate = median([t.teacher_positions / t.score_s for t in local])
-    w6 = w6_reference()
+    w6 = w6_reference(s.w6_results, s.device, s.compute_dtype)
     step_scored = s.batch * s.new_tokens
 
     def phases(ts: list[StepTimes]) -> dict[str, float]:
@@ -270,7 +274,8 @@ def report(doc: dict[str, Any]) -> str:
             f"{t['inprocess_positions_per_s']:,.0f}")
     if t["w6"]:
         line += (f"; W6's server {t['w6']['server_tokens_per_s']:,.0f} tokens/s on {t['w6']['device']} "
-                 f"({t['mesh_over_w6_server']:.2f}x)")
+                 f"{t['w6']['compute_dtype']} ({t['mesh_over_w6_server']:.3g}x"
+                 f"{'' if t['w6']['same_setup'] else ', another device or dtype'})")
     out.append(line)
     w = doc["wire_bytes_per_scored_token"]
     out.append(f"wire bytes per scored token: response {w['response_tensors']:.2f} (tensors), "
@@ -301,6 +306,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads in each process (default %(default)s; 0: one per core)")
     add_device_args(p)
+    p.add_argument("--w6-results", default=d.w6_results,
+                   help="W6's result file to compare the teacher's scoring rate with (default: the committed one)")
     p.add_argument("--out", default=d.out, help="results file benchmarks/results/<OUT>.json (default %(default)s)")
     a = p.parse_args(argv)
 
@@ -310,7 +317,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     s = Settings(reps=pick(a.reps, d.reps, 2), steps=pick(a.steps, d.steps, 3), batch=pick(a.batch, d.batch, 4),
                  prompt_len=pick(a.prompt_len, d.prompt_len, 8), new_tokens=pick(a.new_tokens, d.new_tokens, 16),
                  lr=a.lr, seed=a.seed, threads=a.threads, teacher=a.teacher, tiny=a.tiny, shape=a.shape,
-                 quick=a.quick, out=a.out, device=a.device, compute_dtype=a.compute_dtype)
+                 quick=a.quick, out=a.out, w6_results=a.w6_results, device=a.device, compute_dtype=a.compute_dtype)
     if min(s.reps, s.steps, s.batch, s.new_tokens) < 1 or s.prompt_len < 2:
         p.error("--reps, --steps, --batch, --new-tokens must be >= 1 and --prompt-len >= 2")
     return s

@@ -49,7 +49,11 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
     env[CACHE_ENV] = str(tmp_path / "cache")
     env.pop("DISTILL_LLM_TEACHER", None)
-    cmd = [sys.executable, "-m", "benchmarks.onpolicy", "--quick", "--tiny", "--threads", "1", "--out", "w7"]
+    w6 = tmp_path / "w6.json"  # the W6 result the teacher's scoring rate is compared with
+    w6.write_text(json.dumps({"medians_tokens_per_s": {"server_buckets": 1000.0, "inprocess": 1100.0},
+                              "machine": {"device": "cpu", "compute_dtype": "FP32"}}))
+    cmd = [sys.executable, "-m", "benchmarks.onpolicy", "--quick", "--tiny", "--threads", "1", "--out", "w7",
+           "--w6-results", str(w6)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "results" / "w7.json").read_text())
@@ -72,5 +76,7 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert wire["request_and_response_protobuf"] > wire["request_tensors"] + wire["response_tensors"]
     scoring = doc["teacher_scoring"]
     assert scoring["mesh_positions_per_compute_s"] > 0 and scoring["inprocess_positions_per_s"] > 0
+    assert scoring["w6"]["server_tokens_per_s"] == 1000.0 and scoring["w6"]["same_setup"]
+    assert scoring["mesh_over_w6_server"] == pytest.approx(scoring["mesh_positions_per_compute_s"] / 1000.0, abs=2e-4)
     assert doc["machine"]["device"] == "cpu" and doc["teacher"]["vocab_size"] == 512
     assert doc["server_exit_code"] == 0
