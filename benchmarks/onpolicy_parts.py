@@ -35,23 +35,22 @@ import torch
 
 from benchmarks.cpu import CpuMeter, CpuUsage
 from benchmarks.device import DeviceChoice
+from benchmarks.shapes import SHAPES as PUBLISHED
 
 TOKENS_OUT = "LOGITS_TOKEN_LOGPROBS"
 
 # (teacher, student) Qwen2 shapes with random weights; the student shares the teacher's vocabulary.
-# The Qwen2.5 entries are the published configurations (hidden, layers, heads, KV heads, MLP width).
-_Q = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
+# The Qwen2.5 teachers are benchmarks.shapes' published configurations; the students are smaller.
+_CONTEXT = {"max_position_embeddings": 4096}
 SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tiny": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256),
              dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=64)),
-    "qwen2.5-0.5b": (dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                          intermediate_size=4864, **_Q),
+    "qwen2.5-0.5b": (PUBLISHED["qwen2.5-0.5b"] | _CONTEXT,
                      dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                           intermediate_size=1408)),
-    "qwen2.5-1.5b": (dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                          intermediate_size=8960, **_Q),
+    "qwen2.5-1.5b": (PUBLISHED["qwen2.5-1.5b"] | _CONTEXT,
                      dict(hidden_size=896, num_hidden_layers=6, num_attention_heads=14, num_key_value_heads=2,
                           intermediate_size=4864)),
 }

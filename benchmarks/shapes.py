@@ -24,6 +24,9 @@ from benchmarks.device import DTYPES
 
 # Published configurations (hidden size, layers, heads, vocabulary) of the models the GPU rows name.
 SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
     "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
                      "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
                      "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
