@@ -59,6 +59,7 @@ class ModelInstance:
         self._finisher = Finisher(index)
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
+        self._staging_read: torch.cuda.Event | None = None  # recorded after the last copies out of _staging
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
         self._split = head_split(model.module)
         # Whether a separable model's output projection runs a chunk of positions at a time, and
@@ -156,14 +157,22 @@ class ModelInstance:
         if (staged := take_staged(works)) is not None:  # built and copied ahead by the batcher's stager
             return staged
         total = sum(w.batch_size for w in works)
+        if self._staging_read is not None:
+            # The last batch's copies out of the reused buffers may still be queued behind an
+            # earlier batch (launches do not wait for their batch): wait for them before refilling.
+            self._staging_read.synchronize()
+            self._staging_read = None
         xs = []
         for i, buf in enumerate(self._staging):
             if buf is None or total > buf.shape[0]:
-                host = batch_input(works, i).pin_memory()
+                host = batch_input(works, i).pin_memory()  # fresh pinned memory: torch tracks its copy
             else:
                 host = buf[:total]
                 torch.cat([w.inputs[i] for w in works], out=host)
+                self._staging_read = torch.cuda.Event()
             xs.append(host.to(self.model.device, non_blocking=True))
+        if self._staging_read is not None:
+            self._staging_read.record()
         return xs
 
     def _transform(self, outs: list[torch.Tensor], works: Sequence[Work], xs: list[torch.Tensor],
