@@ -1,7 +1,7 @@
 """Sequence packing for `hf:` causal LMs, measured before it is built into the server (issue 26).
 
     .venv/bin/python -m benchmarks.packing [--quick] [--sequences 256] [--budget 4096] [--row 256]
-                                           [--hidden 256 --layers 4 --vocab 4096]
+                                           [--hidden 256 --layers 4 --vocab 4096] [--out NAME]
 
 Packing puts several sequences in one row of the batch, positions restarting at 0 for each, with
 attention confined to each sequence: with `position_ids` and no attention mask, the installed
@@ -60,6 +60,7 @@ class Settings:
     seed: int = 0
     threads: int = 0  # torch intra-op threads (0: torch's default)
     quick: bool = False
+    out: str = ""  # results file benchmarks/results/<out>.json (default packing, packing_quick)
 
 
 def make_model(s: Settings) -> tuple[torch.nn.Module, str]:
@@ -272,12 +273,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     for name in ("sequences", "min_len", "row", "budget", "hidden", "layers", "heads", "vocab", "reps", "seed",
                  "threads"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"(default {getattr(d, name)})")
+    p.add_argument("--out", default="", help="results file benchmarks/results/<OUT>.json (default packing)")
     a = p.parse_args(argv)
-    values = {k: v for k, v in vars(a).items() if v is not None and k != "quick"}
+    values = {k: v for k, v in vars(a).items() if v is not None and k not in ("quick", "out")}
     if a.quick:
         values = {"sequences": 24, "reps": 1, "row": 64, "budget": 512, "hidden": 64, "layers": 2,
                   "vocab": 512, **values}
-    s = Settings(quick=a.quick, **values)
+    s = Settings(quick=a.quick, out=a.out or ("packing_quick" if a.quick else "packing"), **values)
     if s.min_len < 1 or s.min_len > s.row or s.budget < s.row or s.sequences < 1 or s.reps < 1:
         p.error("need 1 <= --min-len <= --row <= --budget, --sequences >= 1, --reps >= 1")
     return s
@@ -286,7 +288,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
     run_once: Callable[[], dict[str, Any]] = lambda: run(s)  # noqa: E731
-    return run_and_report(run_once, "packing_quick" if s.quick else "packing", report)
+    return run_and_report(run_once, s.out, report)
 
 
 if __name__ == "__main__":
