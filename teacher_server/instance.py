@@ -143,7 +143,7 @@ class ModelInstance:
                 return Launched(host, None, start_ns, self._computed)
             with torch.cuda.stream(self._stream):
                 host = self._execute(self._gather_cuda(works), works).map(copy_to_host)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the finishing thread sleeps, not spins, on it
                 event.record(self._stream)
             return Launched(host, event, start_ns, self._computed)
 
@@ -197,7 +197,7 @@ class ModelInstance:
             else:
                 host = buf[:total]
                 torch.cat([w.inputs[i] for w in works], out=host)
-                self._staging_read = torch.cuda.Event()
+                self._staging_read = torch.cuda.Event(blocking=True)
             xs.append(host.to(self.model.device, non_blocking=True))
         if self._staging_read is not None:
             self._staging_read.record()
