@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from teacher_server.packing import packable
 from teacher_server.work import Work
 
 TYPICAL_LENGTH = 64
@@ -26,7 +25,6 @@ class BatchingConfig:
     max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
     length_buckets: bool = True  # padded models: batch only requests of one length bucket
     min_padding_efficiency: float = 0.85  # padded models, with length_buckets: useful / computed per batch
-    pack_sequences: bool = False  # hf: causal LMs: several sequences per row (teacher_server.packing)
     async_outputs: bool = True  # batches finished (host copies awaited, cut, encoded) off the instance's thread
 
     def __post_init__(self) -> None:
@@ -69,20 +67,10 @@ def compatible(first: Work, other: Work, buckets: bool = True) -> bool:
 
 
 class BatchRules:
-    """The fit and choice rules of one batcher's batches.
+    """The fit and choice rules of one batcher's batches."""
 
-    `packs`: the instances run batches of fully real rows packed (`teacher_server.packing`), so
-    such a batch costs its useful positions, not samples x padded length: while a batch and a
-    candidate are all packable, the candidate fits if the useful positions stay within the token
-    budget (packed rows compute a few more: the rows' unused tails)."""
-
-    def __init__(self, config: BatchingConfig, packs: bool = False) -> None:
+    def __init__(self, config: BatchingConfig) -> None:
         self.config = config
-        self.packs = packs
-
-    def packed(self, batch: Sequence[Candidate]) -> bool:
-        """The batch runs packed, so it is counted by useful positions (else the padded bound applies)."""
-        return self.packs and batch[0].work.length is not None and all(packable(p.work) for p in batch)
 
     def fits(self, samples: int, padded_len: int | None) -> bool:
         """A batch of `samples` fits: padded models within the token budget (padded_len given),
@@ -92,9 +80,7 @@ class BatchRules:
         return samples * padded_len <= self.config.token_budget
 
     def full(self, batch: Sequence[Candidate]) -> bool:
-        """Not even one more sample of the batch's padded length would fit (packed: one more position)."""
-        if self.packed(batch):
-            return sum(p.work.tokens for p in batch) >= self.config.token_budget
+        """Not even one more sample of the batch's padded length would fit."""
         size = sum(p.work.batch_size for p in batch)
         longest = max(p.work.length or 0 for p in batch) if batch[0].work.length is not None else None
         return not self.fits(size + 1, longest)
@@ -106,20 +92,16 @@ class BatchRules:
         size = sum(p.work.batch_size for p in batch)
         longest = max(p.work.length or 0 for p in batch)
         useful = sum(p.work.tokens for p in batch)
-        packing = self.packed(batch)  # so far all packable: counted by useful positions
         taken: list[T] = []
         for p in candidates:
             w = p.work
             padded_len = max(longest, w.length or 0)
-            packs = packing and packable(w)
-            if packs and useful + w.tokens > self.config.token_budget:
-                return taken, True
-            if not packs and not self.fits(size + w.batch_size, padded_len if w.length is not None else None):
+            if not self.fits(size + w.batch_size, padded_len if w.length is not None else None):
                 return taken, True
             if floor and w.length is not None and useful + w.tokens < floor * (size + w.batch_size) * padded_len:
                 continue
             taken.append(p)
-            size, longest, useful, packing = size + w.batch_size, padded_len, useful + w.tokens, packs
+            size, longest, useful = size + w.batch_size, padded_len, useful + w.tokens
         return taken, False
 
     def closest_lengths(self, batch: Sequence[Candidate], candidates: list[T],

@@ -104,13 +104,7 @@ class DynamicBatcher:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
-        for inst in instances:
-            inst.pack_sequences = inst.pack_sequences or config.pack_sequences
-        packs = config.pack_sequences and all(inst.packs for inst in instances)
-        if config.pack_sequences and not packs:
-            log.warning("pack_sequences: the model cannot run packed rows (an hf: causal LM on a transformers "
-                        "that reads packing from position ids can); its batches run padded")
-        self._rules = BatchRules(config, packs)
+        self._rules = BatchRules(config)
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
                          if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -237,7 +231,7 @@ class DynamicBatcher:
             return True
         if not self._queue:
             return False
-        buckets = self._config.length_buckets and not self._rules.packs  # packed rows mix any lengths
+        buckets = self._config.length_buckets
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
         floor = self._config.min_padding_efficiency if buckets else 0.0
@@ -346,7 +340,7 @@ class DynamicBatcher:
             listener(samples, len(batch), result.compute_ns)
         if batch[0].work.length is not None:
             useful = sum(p.work.tokens for p in batch)
-            computed = result.computed_positions or samples * max(p.work.length or 0 for p in batch)
+            computed = samples * max(p.work.length or 0 for p in batch)
             for token_listener in self._token_listeners:
                 token_listener(useful, computed)
 

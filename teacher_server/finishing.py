@@ -46,7 +46,6 @@ class BatchResult:
 
     per_request: list[list[EncodedOutput]]
     compute_ns: int
-    computed_positions: int = 0  # positions a packed forward pass computed (rows x width); 0: samples x padded length
 
 
 @dataclass
@@ -89,7 +88,6 @@ class Launched:
     outputs: BatchOutputs
     event: Any
     start_ns: int
-    computed_positions: int = 0
 
 
 class Finisher:
@@ -115,7 +113,7 @@ class Finisher:
         with self._lock:
             compute_ns = end - max(launched.start_ns, self._last_end_ns)
             self._last_end_ns = max(end, self._last_end_ns)
-        return BatchResult(per_request, max(compute_ns, 0), launched.computed_positions)
+        return BatchResult(per_request, max(compute_ns, 0))
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""

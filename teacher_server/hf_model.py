@@ -60,7 +60,6 @@ class HFTeacher(nn.Module):
         self.kind = kind
         self.width = width
         self._split_checked: bool | None = None
-        self._packing_checked: bool | None = None
         if kind == CAUSAL_LM:
             pad = 0 if pad_token_id is None else pad_token_id
             inputs = [f"INPUT_IDS:INT64:-1:pad={pad}", "ATTENTION_MASK:INT64:-1:mask"]
@@ -106,39 +105,6 @@ class HFTeacher(nn.Module):
             return False
         tol = 1e-4 if next(self.model.parameters()).dtype == torch.float32 else 3e-2  # bf16/fp16 kernels round
         return whole.shape == split.shape and bool(torch.allclose(whole, split, atol=tol, rtol=tol))
-
-    def packs(self) -> bool:
-        """Whether this causal LM runs packed rows (`teacher_server.packing`): checked once, two
-        sequences in one row against each alone (transformers reads packing from the position
-        ids only in its newer versions and for some attention implementations)."""
-        if self.kind != CAUSAL_LM:
-            return False
-        if self._packing_checked is None:
-            device = next(self.model.parameters()).device
-            a, b = torch.arange(1, 6, device=device) % self.width, torch.arange(7, 10, device=device) % self.width
-            positions = torch.cat([torch.arange(5, device=device), torch.arange(3, device=device)])
-            try:
-                with torch.inference_mode():
-                    packed = self.packed_forward(torch.cat([a, b])[None], positions[None])[0].float()
-                    alone = [self.forward(x[None], torch.ones_like(x)[None])[0].float() for x in (a, b)]
-            except (RuntimeError, TypeError, AttributeError, ValueError):
-                self._packing_checked = False
-                return False
-            tol = 1e-4 if next(self.model.parameters()).dtype == torch.float32 else 3e-2
-            self._packing_checked = bool(torch.allclose(packed, torch.cat(alone), atol=tol, rtol=tol))
-        return self._packing_checked
-
-    def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[R, W, V]` of packed rows: no attention mask, the positions restarting per sequence."""
-        logits: torch.Tensor = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        return logits
-
-    def packed_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The final hidden states `[R, W, H]` of packed rows (as `hidden`, for `head`)."""
-        model: Any = self.model
-        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden: torch.Tensor = out.last_hidden_state
-        return hidden
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """The final hidden states `[B, T, H]` (after the decoder's last norm), in place of LOGITS."""
@@ -210,5 +176,4 @@ def load_hf_teacher(source: str, device: torch.device, dtype: torch.dtype) -> HF
                         max_positions=None if positions is None else int(positions)).to(device)
     teacher.eval()
     teacher.head_split()  # checked here, on the loading thread, not when the server builds its instances
-    teacher.packs()
     return teacher

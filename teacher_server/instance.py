@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -28,7 +27,6 @@ from teacher_server.outputs import (
     OutputContext,
     transform_output,
 )
-from teacher_server.packing import pack
 from teacher_server.scoring import head_split, row_context
 from teacher_server.staging import take_staged
 from teacher_server.transform_rows import RowContext
@@ -54,7 +52,7 @@ def copy_to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelInstance:
     """Launches batches of one LoadedModel on a dedicated thread; a `Finisher` completes them."""
 
-    def __init__(self, model: LoadedModel, index: int, max_batch_size: int, pack: bool = False) -> None:
+    def __init__(self, model: LoadedModel, index: int, max_batch_size: int) -> None:
         self.model = model
         self.index = index
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"instance-{index}")
@@ -71,12 +69,6 @@ class ModelInstance:
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
-        # Sequence packing (teacher_server.packing): asked for, and a model that runs packed rows.
-        self.pack_sequences = pack
-        packs = getattr(model.module, "packs", None)
-        self._packer: Any = model.module if callable(packs) and packs() else None
-        self.packed_batches = 0  # batches run packed (tests and logs read it)
-        self._computed = 0  # positions the last forward pass computed when packed (0: samples x padded length)
         self._lock = threading.Lock()
         self._unfinished = 0  # batches launched (or launching) and not finished
 
@@ -93,11 +85,6 @@ class ModelInstance:
     @property
     def executor(self) -> ThreadPoolExecutor:
         return self._executor
-
-    @property
-    def packs(self) -> bool:
-        """Batches of fully real rows run packed: asked for, and the model can."""
-        return self.pack_sequences and self._packer is not None
 
     @property
     def busy(self) -> bool:
@@ -139,38 +126,23 @@ class ModelInstance:
     def _launch(self, works: Sequence[Work], start_ns: int) -> Launched:
         with torch.inference_mode():
             if self._stream is None:
-                host = self._execute(self._gather(works), works).map(copy_to_host)
-                return Launched(host, None, start_ns, self._computed)
+                return Launched(self._execute(self._gather(works), works).map(copy_to_host), None, start_ns)
             with torch.cuda.stream(self._stream):
                 host = self._execute(self._gather_cuda(works), works).map(copy_to_host)
                 event = torch.cuda.Event(blocking=True)  # the finishing thread sleeps, not spins, on it
                 event.record(self._stream)
-            return Launched(host, event, start_ns, self._computed)
+            return Launched(host, event, start_ns)
 
     def _execute(self, xs: list[torch.Tensor], works: Sequence[Work]) -> BatchOutputs:
         """The forward pass and the transforms. A model with a separable output projection (an
         hf: causal LM) returns its final hidden states instead when every request wants that
         output reduced (top-k, scores): the transforms then apply the projection a chunk of
-        positions at a time, and the full logits never exist. With packing (`pack_sequences`, an
-        hf: causal LM), a batch of fully real rows runs packed and its output is put back in the
-        padded layout before the transforms (`teacher_server.packing`)."""
+        positions at a time, and the full logits never exist."""
         split = self._split
-        packer = self._packer if self.packs else None
-        packed = pack(xs[self._token], works) if packer is not None and self._token is not None else None
-        self.packed_batches += packed is not None
-        self._computed = packed.ids.numel() if packed is not None else 0
         if split is not None and self.chunked and all(
                 want.reduces(bool(w.aux)) for w in works for want in w.outputs if want.name == split.head_output):
-            if packer is not None and packed is not None:
-                hidden = [packed.unpacked(packer.packed_hidden(packed.ids, packed.positions))]
-            else:
-                hidden = split.hidden(*xs)
-            return self._transform(hidden, works, xs, split.head)
-        if packer is not None and packed is not None:
-            outs = [packed.unpacked(packer.packed_forward(packed.ids, packed.positions))]
-        else:
-            outs = self.model.forward(xs)
-        return self._transform(outs, works, xs, None)
+            return self._transform(split.hidden(*xs), works, xs, split.head)
+        return self._transform(self.model.forward(xs), works, xs, None)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
         if (staged := take_staged(works)) is not None:  # built ahead by the batcher's stager

@@ -124,10 +124,6 @@ BATCHING = (
     Setting("length_buckets", "models with padded inputs: pad requests of any length together (default: by "
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",
             kind="negated"),
-    Setting("pack_sequences", "hf: causal LMs: run several sequences per row of a batch, positions restarting "
-            "and attention confined to each (no padding computed); requests of any length share a batch, "
-            "up to --max-batch-tokens useful positions (default: padded batches)", "batching",
-            _BATCHING_DEFAULTS["pack_sequences"], kind="switch"),
     Setting("async_outputs", "finish each batch (wait for its device-to-host copies, cut and encode each "
             "request's outputs) on the instance's thread before it takes the next batch (default: on a "
             "finishing thread of its own, overlapping the next batch's compute)", "batching",
