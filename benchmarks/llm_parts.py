@@ -61,6 +61,7 @@ class Settings:
     mode: str = "server"  # "server": W6 as below; "reader": the reader path (benchmarks/llm_reader.py)
     device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
     compute_dtype: str = "FP32"
+    extra_server_args: tuple[str, ...] = ()  # --server-arg: e.g. --no-async-outputs for an A/B
 
     @property
     def choice(self) -> DeviceChoice:
@@ -266,6 +267,7 @@ def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: 
         "--instances", str(s.server_instances), "--threads", str(s.server_threads),
         "--metrics-port", "0", "--log-level", "WARNING",
     ]
+    args += s.extra_server_args
     return args if buckets else [*args, "--no-length-buckets"]
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR] [--mode reader]
                                                [--device cuda:0 --compute-dtype BF16]
+                                               [--server-arg=--no-async-outputs]
 
 `--mode reader` measures the reader path instead: `DistillReader` with the student's padded
 batches in loader order against the same server fed one sequence per request
@@ -274,6 +275,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--mode", choices=("server", "reader"), default="server",
                    help="server: in-process vs the server fed one sequence per request (default); reader: "
                    "DistillReader with padded batches in loader order vs one sequence per request")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra teacher-server flag for every server (repeatable), e.g. --server-arg=--no-async-outputs")
     p.add_argument("--out", default=None,
                    help="results file benchmarks/results/<OUT>.json "
                    "(default llm_serving, or llm_reader with --mode reader)")
@@ -289,7 +292,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         gate_budget_s=a.gate_budget if a.gate_budget is not None else (5.0 if a.quick else Settings.gate_budget_s),
         max_redos=0 if a.quick else Settings.max_redos,
         out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
-        device=a.device, compute_dtype=a.compute_dtype,
+        device=a.device, compute_dtype=a.compute_dtype, extra_server_args=tuple(a.server_arg),
     )
 
 

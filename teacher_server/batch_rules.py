@@ -25,6 +25,7 @@ class BatchingConfig:
     max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
     length_buckets: bool = True  # padded models: batch only requests of one length bucket
     min_padding_efficiency: float = 0.85  # padded models, with length_buckets: useful / computed per batch
+    async_outputs: bool = True  # batches finished (host copies awaited, cut, encoded) off the instance's thread
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -23,6 +23,13 @@ queued, a batch waits out the delay or runs smaller rather than pad a wide sprea
 `length_buckets=False` turns these length rules off (any lengths, oldest first): the baseline
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
+
+Outputs go back asynchronously (`BatchingConfig.async_outputs`, on by default): an instance's
+thread only launches a batch (`ModelInstance.launch`: device work and host copies enqueued) and
+the worker hands it the next one at once, while the instance's finishing stage
+(`teacher_server.finishing`) waits for the copies and encodes; a task per launched batch answers
+its requests when that is done. Each instance holds at most two batches launched and not
+answered (plus one staged ahead, where batches are staged), so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from teacher_server import staging
 from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
-from teacher_server.instance import ModelInstance
+from teacher_server.instance import BatchResult, ModelInstance
 from teacher_server.outputs import EncodedOutput
 from teacher_server.staging import Stager
 from teacher_server.work import Work
@@ -103,6 +111,7 @@ class DynamicBatcher:
         self._waiters: list[asyncio.Future[None]] = []
         self._workers: list[asyncio.Task[None]] = []
         self._executing = 0
+        self._answering: set[asyncio.Task[None]] = set()  # launched batches awaiting their finish
         self._listeners: list[BatchListener] = []
         self._token_listeners: list[TokenListener] = []
         self._closed = False
@@ -124,7 +133,7 @@ class DynamicBatcher:
 
     @property
     def executing(self) -> int:
-        """Batches running on instances right now."""
+        """Batches handed to instances and not yet answered (being launched, computing or finished)."""
         return self._executing
 
     def start(self) -> None:
@@ -237,32 +246,44 @@ class DynamicBatcher:
         return full or self._rules.full(batch)
 
     async def _worker(self, inst: ModelInstance) -> None:
+        """Hand batches to `inst` for as long as the batcher runs. A batch is formed once the
+        instance has a slot for it: with asynchronous outputs the instance may hold two batches
+        launched and not finished (one being finished while the next computes), one otherwise;
+        with a stager, one more, formed and staged while the instance runs (at most one batch
+        waits staged). The worker goes on as soon as the instance's thread has launched a batch;
+        the batch is answered by its own task once finished (`_answer`). If the server stops, the
+        requests of a batch formed and not launched are answered UNAVAILABLE."""
         stager = self._stagers.get(inst.index)
-        if stager is not None:
-            await self._pipelined(inst, stager)
-            return
-        while True:
-            await self._execute(inst, await self._next_batch())
-
-    async def _pipelined(self, inst: ModelInstance, stager: Stager) -> None:
-        """Run batches on `inst` while the next one is formed and staged (`teacher_server.staging`):
-        the instance starts each batch with its inputs already on the device. At most one batch
-        waits staged per instance; if the server stops, its requests are answered UNAVAILABLE."""
-        nxt = asyncio.ensure_future(self._next_staged(stager))
+        slots = asyncio.Semaphore((2 if self._config.async_outputs else 1) + (stager is not None))
+        nxt: asyncio.Future[list[_Pending]] | None = None
         try:
             while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(self._next_ready(stager, slots))
                 batch = await nxt
-                nxt = asyncio.ensure_future(self._next_staged(stager))
-                await self._execute(inst, batch)
+                nxt = asyncio.ensure_future(self._next_ready(stager, slots)) if stager is not None else None
+                await self._launch(inst, batch, slots)
         finally:
-            if nxt.done() and not nxt.cancelled() and nxt.exception() is None:
-                _fail(nxt.result(), BatcherClosedError("the server stopped before this request ran"))
-            nxt.cancel()  # its own handler fails a batch it had already taken
-            with contextlib.suppress(BaseException):
-                await nxt
+            if nxt is not None:
+                if nxt.done() and not nxt.cancelled() and nxt.exception() is None:
+                    _fail(nxt.result(), BatcherClosedError("the server stopped before this request ran"))
+                nxt.cancel()  # its own handler fails a batch it had already taken
+                with contextlib.suppress(BaseException):
+                    await nxt
 
-    async def _next_staged(self, stager: Stager) -> list[_Pending]:
-        batch = await self._next_batch()
+    async def _next_ready(self, stager: Stager | None, slots: asyncio.Semaphore) -> list[_Pending]:
+        """The instance's next batch, formed once it has a slot for it, and staged with a stager."""
+        await slots.acquire()
+        try:
+            batch = await self._next_batch()
+            if stager is not None:
+                await self._stage(stager, batch)
+        except BaseException:
+            slots.release()
+            raise
+        return batch
+
+    async def _stage(self, stager: Stager, batch: list[_Pending]) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(stager.executor, stager.stage, [p.work for p in batch])
         except asyncio.CancelledError:
@@ -270,24 +291,47 @@ class DynamicBatcher:
             raise
         except Exception:
             log.exception("staging a batch of %d requests failed; the instance gathers its inputs itself", len(batch))
-        return batch
 
-    async def _execute(self, inst: ModelInstance, batch: list[_Pending]) -> None:
-        """Run one batch on `inst` and answer its requests (their futures), then the listeners."""
+    async def _launch(self, inst: ModelInstance, batch: list[_Pending], slots: asyncio.Semaphore) -> None:
+        """Have `inst`'s thread launch one batch; a task of its own answers it once finished. The
+        batch's slot is given back when it is answered (or failed)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         self._executing += 1
         try:
-            result = await loop.run_in_executor(inst.executor, inst.run, [p.work for p in batch])
+            done = await loop.run_in_executor(inst.executor, inst.launch, [p.work for p in batch],
+                                              self._config.async_outputs)
+        except BaseException as e:
+            self._executing -= 1
+            slots.release()
+            if isinstance(e, asyncio.CancelledError):
+                _fail(batch, BatcherClosedError("the server stopped before this batch finished"))
+                raise
+            if not isinstance(e, Exception):
+                raise
+            log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
+            _fail(batch, e)
+            return
+        task = asyncio.create_task(self._answer(inst, batch, done, started, slots),
+                                   name=f"batcher-answer-{inst.index}")
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, inst: ModelInstance, batch: list[_Pending], done: Future[BatchResult], started: int,
+                      slots: asyncio.Semaphore) -> None:
+        """Wait for a launched batch to be finished and answer its requests, then the listeners."""
+        try:
+            result = await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             _fail(batch, BatcherClosedError("the server stopped before this batch finished"))
             raise
         except Exception as e:
-            log.exception("model instance %d failed on a batch of %d requests", inst.index, len(batch))
+            log.exception("model instance %d failed finishing a batch of %d requests", inst.index, len(batch))
             _fail(batch, e)
             return
         finally:
             self._executing -= 1
+            slots.release()
         samples = sum(p.work.batch_size for p in batch)
         for p, outs in zip(batch, result.per_request, strict=True):
             if not p.future.done():
@@ -309,6 +353,10 @@ class DynamicBatcher:
             t.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
+        answering = list(self._answering)
+        for t in answering:
+            t.cancel()
+        await asyncio.gather(*answering, return_exceptions=True)
         while (p := self._pop_live()) is not None:
             p.future.set_exception(BatcherClosedError("the server stopped before this request ran"))
         for stager in self._stagers.values():

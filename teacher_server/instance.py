@@ -1,60 +1,65 @@
-"""A model instance: one thread (and one CUDA stream on GPU) that executes whole batches.
+"""A model instance: one thread (and one CUDA stream on GPU) that launches whole batches, and a
+finishing stage (`teacher_server.finishing`) that completes them.
 
-Everything heavy happens here, off the event loop: concatenating the requests' inputs, the
-host-to-device copy, the forward pass, the output transforms (on the model's device, so only the
-reduced tensors are copied back), the device-to-host copy, and splitting + encoding each request's
-outputs. torch releases the GIL inside its kernels, so N instances overlap their compute.
+The instance's thread does the device work: concatenating the requests' inputs (unless the
+batcher's stager built them ahead), the host-to-device copy, the forward pass, the output
+transforms (on the model's device, so only the reduced tensors are copied back) and the
+device-to-host copies, which on CUDA are only enqueued (non-blocking, into pinned memory) with an
+event recorded after them. It then returns to take the next batch, while the instance's
+`Finisher` thread waits for that event, cuts each request's outputs and encodes them. torch
+releases the GIL inside its kernels, so N instances overlap their compute.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from teacher_server.finishing import BatchOutputs, BatchResult, Finisher, Launched
 from teacher_server.model import LoadedModel
 from teacher_server.outputs import (
     CHUNK_BYTES,
-    EncodedOutput,
     NamedTensor,
     OutputContext,
-    encode_named,
     transform_output,
 )
 from teacher_server.scoring import head_split, row_context
-from teacher_server.spec import TensorSpec
 from teacher_server.staging import take_staged
 from teacher_server.transform_rows import RowContext
 from teacher_server.transforms import OutputTransform, scoreable, token_input
 from teacher_server.work import Work, batch_input
 
+__all__ = ["BatchResult", "ModelInstance", "copy_to_host"]
+
 
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
-    """The one device-to-host copy of a transformed output (synchronous: the batch is done when it
-    returns); a CPU tensor is returned as is."""
-    return t if t.device.type == "cpu" else t.to("cpu")
-
-
-@dataclass
-class BatchResult:
-    """Each request's encoded outputs, in batch order, and the batch's compute time."""
-
-    per_request: list[list[EncodedOutput]]
-    compute_ns: int
+    """The one device-to-host copy of a transformed output. From CUDA it is enqueued on the
+    current stream into pinned host memory and not waited for: the tensor holds the data once the
+    batch's event has completed (`Finisher.finish` waits for it). A CPU tensor is returned as is."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type != "cuda":
+        return t.to("cpu")
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
 
 
 class ModelInstance:
-    """Executes batches of one LoadedModel on a dedicated thread."""
+    """Launches batches of one LoadedModel on a dedicated thread; a `Finisher` completes them."""
 
     def __init__(self, model: LoadedModel, index: int, max_batch_size: int) -> None:
         self.model = model
         self.index = index
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"instance-{index}")
+        self._finisher = Finisher(index)
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
+        self._staging_read: torch.cuda.Event | None = None  # recorded after the last copies out of _staging
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
         self._split = head_split(model.module)
         # Whether a separable model's output projection runs a chunk of positions at a time, and
@@ -64,7 +69,8 @@ class ModelInstance:
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
-        self._running = 0
+        self._lock = threading.Lock()
+        self._unfinished = 0  # batches launched (or launching) and not finished
 
     def _pinned_staging(self, max_batch_size: int) -> list[torch.Tensor | None]:
         """Pinned host buffers per input, so a batch is assembled once and copied to the GPU async."""
@@ -82,29 +88,52 @@ class ModelInstance:
 
     @property
     def busy(self) -> bool:
-        """A batch is running on this instance's thread right now."""
-        return self._running > 0
+        """A batch is being launched on this instance's thread or waits to be finished."""
+        return self._unfinished > 0
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self._unfinished += delta
+
+    def launch(self, works: Sequence[Work], pipelined: bool = True) -> Future[BatchResult]:
+        """Enqueue one batch's device work and host copies (called on this instance's thread) and
+        return its result's future. `pipelined`: the batch is finished on the finishing stage's
+        thread and this returns as soon as it is enqueued; else it is finished here and the
+        future is done when this returns. An error of the forward pass or the transforms raises
+        here; one of the finishing fails the future."""
+        start = time.perf_counter_ns()
+        self._count(1)
+        try:
+            launched = self._launch(works, start)
+            if pipelined:
+                done = self._finisher.submit(launched)
+            else:
+                done = Future()
+                try:
+                    done.set_result(self._finisher.finish(launched))
+                except Exception as e:
+                    done.set_exception(e)
+        except BaseException:
+            self._count(-1)
+            raise
+        done.add_done_callback(lambda _: self._count(-1))
+        return done
 
     def run(self, works: Sequence[Work]) -> BatchResult:
-        """Run one batch (called on this instance's thread)."""
-        self._running += 1
-        try:
-            return self._run(works)
-        finally:
-            self._running -= 1
+        """Run one batch to its end on the calling thread (tests, benchmarks, tools)."""
+        return self.launch(works, pipelined=False).result()
 
-    def _run(self, works: Sequence[Work]) -> BatchResult:
-        start = time.perf_counter_ns()
+    def _launch(self, works: Sequence[Work], start_ns: int) -> Launched:
         with torch.inference_mode():
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    host = self._execute(self._gather_cuda(works), works)
-            else:
-                host = self._execute(self._gather(works), works)
-            per_request = [encode_named(named) for named in host]
-        return BatchResult(per_request, time.perf_counter_ns() - start)
+            if self._stream is None:
+                return Launched(self._execute(self._gather(works), works).map(copy_to_host), None, start_ns)
+            with torch.cuda.stream(self._stream):
+                host = self._execute(self._gather_cuda(works), works).map(copy_to_host)
+                event = torch.cuda.Event(blocking=True)  # the finishing thread sleeps, not spins, on it
+                event.record(self._stream)
+            return Launched(host, event, start_ns)
 
-    def _execute(self, xs: list[torch.Tensor], works: Sequence[Work]) -> list[list[NamedTensor]]:
+    def _execute(self, xs: list[torch.Tensor], works: Sequence[Work]) -> BatchOutputs:
         """The forward pass and the transforms. A model with a separable output projection (an
         hf: causal LM) returns its final hidden states instead when every request wants that
         output reduced (top-k, scores): the transforms then apply the projection a chunk of
@@ -128,49 +157,47 @@ class ModelInstance:
         if (staged := take_staged(works)) is not None:  # built and copied ahead by the batcher's stager
             return staged
         total = sum(w.batch_size for w in works)
+        if self._staging_read is not None:
+            # The last batch's copies out of the reused buffers may still be queued behind an
+            # earlier batch (launches do not wait for their batch): wait for them before refilling.
+            self._staging_read.synchronize()
+            self._staging_read = None
         xs = []
         for i, buf in enumerate(self._staging):
             if buf is None or total > buf.shape[0]:
-                host = batch_input(works, i).pin_memory()
+                host = batch_input(works, i).pin_memory()  # fresh pinned memory: torch tracks its copy
             else:
                 host = buf[:total]
                 torch.cat([w.inputs[i] for w in works], out=host)
+                self._staging_read = torch.cuda.Event(blocking=True)
             xs.append(host.to(self.model.device, non_blocking=True))
+        if self._staging_read is not None:
+            self._staging_read.record()
         return xs
 
     def _transform(self, outs: list[torch.Tensor], works: Sequence[Work], xs: list[torch.Tensor],
-                   head: Callable[[torch.Tensor], torch.Tensor] | None) -> list[list[NamedTensor]]:
-        """Each request's transformed outputs as host tensors. The transforms run on the device
-        the outputs live on; only their results are copied to the host. When every request of the
-        batch wants the same transforms (the usual case), they run once on the whole batch and the
-        host tensors are split after the one copy."""
+                   head: Callable[[torch.Tensor], torch.Tensor] | None) -> BatchOutputs:
+        """The batch's transformed outputs, on the device the outputs live on (only these are
+        copied to the host). When every request of the batch wants the same transforms (the usual
+        case), they run once on the whole batch and each request's rows are cut from the host
+        tensors when the batch is finished."""
         specs = self.model.io.outputs
         first = works[0].outputs
         if all(w.outputs == first and w.aux.keys() == works[0].aux.keys() for w in works[1:]):
             rows = self._row_context(xs, works, outs, first)
-            whole = [
-                (name, copy_to_host(t), specs[self._spec_index[want.name]])
-                for want in first
-                for name, t in self._apply(outs, want, rows, head)
-            ]
-            result: list[list[NamedTensor]] = []
-            offset = 0
-            for w in works:  # per-position outputs (and their top-k) cut back to each request's length
-                result.append([(name, _cut(w, name, t[offset : offset + w.batch_size], spec))
-                               for name, t, spec in whole])
-                offset += w.batch_size
-            return result
-        result = []
+            return BatchOutputs(works, whole=[(name, t, specs[self._spec_index[want.name]])
+                                              for want in first for name, t in self._apply(outs, want, rows, head)])
+        result: list[list[NamedTensor]] = []
         offset = 0
         for w in works:
             named: list[NamedTensor] = []
             cut = [w.cut(o[offset : offset + w.batch_size], s) for o, s in zip(outs, specs, strict=True)]
             rows = self._row_context([x[offset : offset + w.batch_size] for x in xs], [w], cut, w.outputs)
             for want in w.outputs:
-                named.extend((name, copy_to_host(t)) for name, t in self._apply(cut, want, rows, head))
+                named.extend(self._apply(cut, want, rows, head))
             result.append(named)
             offset += w.batch_size
-        return result
+        return BatchOutputs(works, per_request=result)
 
     def _apply(self, outs: list[torch.Tensor], want: OutputTransform, rows: RowContext | None,
                head: Callable[[torch.Tensor], torch.Tensor] | None) -> list[NamedTensor]:
@@ -197,16 +224,8 @@ class ModelInstance:
                            None if self._mask is None else xs[self._mask][:, :length], works, length)
 
     def close(self, wait: bool = True) -> None:
-        """Stop the thread; with wait=False, return at once and leave a running batch behind (a
-        forward pass cannot be interrupted; its thread ends when the pass does)."""
+        """Stop the instance's thread, then its finishing stage; with wait=False, return at once and
+        leave a running batch behind (a forward pass cannot be interrupted; its thread ends when
+        the pass does). Batches not yet started are cancelled: their futures say so."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
-
-
-def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """A request's rows of a whole-batch output, cut back to its length (and its own number of
-    score ids)."""
-    t = w.cut(t, spec)
-    scores = w.aux.get("SCORE_IDS")
-    if scores is not None and name.endswith("_SCORED_LOGPROBS") and t.shape[-1] != scores.shape[-1]:
-        t = t.narrow(-1, 0, scores.shape[-1])
-    return t
+        self._finisher.close(wait)

@@ -124,6 +124,10 @@ BATCHING = (
     Setting("length_buckets", "models with padded inputs: pad requests of any length together (default: by "
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",
             kind="negated"),
+    Setting("async_outputs", "finish each batch (wait for its device-to-host copies, cut and encode each "
+            "request's outputs) on the instance's thread before it takes the next batch (default: on a "
+            "finishing thread of its own, overlapping the next batch's compute)", "batching",
+            _BATCHING_DEFAULTS["async_outputs"], flag="--no-async-outputs", kind="negated"),
 )
 
 COMMAND_LINE = (

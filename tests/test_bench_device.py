@@ -38,6 +38,8 @@ def test_every_benchmark_passes_the_device_to_its_servers() -> None:
     s3 = llm_serving.parse_args(flags)
     args = llm_serving.server_args(s3, Path("/x"), 0, 10, True)
     assert args[args.index("--device") + 1] == "cuda:1" and args[args.index("--compute-dtype") + 1] == "BF16"
+    ab = llm_serving.parse_args(["--server-arg=--no-async-outputs"])  # the async-output A/B
+    assert "--no-async-outputs" in llm_serving.server_args(ab, Path("/x"), 0, 10, True)
     for s in (serving.parse_args([]), mesh.parse_args([]), llm_serving.parse_args([])):
         assert (s.device, s.compute_dtype) == ("cpu", "FP32")
 

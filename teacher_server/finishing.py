@@ -1,0 +1,130 @@
+"""A batch's last steps, off the instance's thread: wait for its outputs to reach the host, cut
+each request's share out of them and encode it, while the instance already runs the next batch.
+
+Without this stage an instance runs input copy, forward pass, transforms, device-to-host copy and
+encoding one after another on its one thread, so on a GPU the device idles while the host copies
+and encodes each batch. Instead the instance thread only enqueues the device work and the copies
+(non-blocking, into pinned host memory, on the instance's CUDA stream), records a CUDA event after
+them and hands the batch (`Launched`) to its `Finisher`: one thread per instance that waits on the
+event (a host wait for that batch only; the stream runs on), cuts and encodes, and resolves the
+batch's future. On CPU the outputs are host tensors when the forward pass returns; finishing batch
+n (cutting and encoding) then overlaps batch n+1's forward pass.
+
+The batcher bounds how many batches an instance has launched and not finished
+(`teacher_server.batcher`), so the outputs waiting here are bounded too. Batches finish in launch
+order (one thread), which is what makes the compute-time accounting below a simple running
+maximum.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named
+from teacher_server.spec import TensorSpec
+from teacher_server.work import Work
+
+WholeOutput = tuple[str, torch.Tensor, TensorSpec]
+"""One transformed output of a whole batch: (name, tensor, the model output's spec)."""
+
+
+@dataclass
+class BatchResult:
+    """Each request's encoded outputs, in batch order, and the batch's compute time.
+
+    compute_ns is the time this batch held its instance that no earlier batch of the instance
+    already held (from its start, or from the previous batch's end if that came later, to its
+    end): with batches overlapping, their compute times add up to the instance's busy time, which
+    is what the load figures and the autoscaler divide by."""
+
+    per_request: list[list[EncodedOutput]]
+    compute_ns: int
+
+
+@dataclass
+class BatchOutputs:
+    """A batch's transformed outputs before they are cut per request. `whole`: each output for
+    the whole batch (the usual case: every request wants the same transforms); else
+    `per_request`: each request's outputs, already its own."""
+
+    works: Sequence[Work]
+    whole: list[WholeOutput] | None = None
+    per_request: list[list[NamedTensor]] | None = None
+
+    def map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> BatchOutputs:
+        """The same outputs with `f` applied to every tensor (the copies to the host)."""
+        if self.whole is not None:
+            return BatchOutputs(self.works, whole=[(n, f(t), s) for n, t, s in self.whole])
+        assert self.per_request is not None
+        return BatchOutputs(self.works, per_request=[[(n, f(t)) for n, t in r] for r in self.per_request])
+
+    def split(self) -> list[list[NamedTensor]]:
+        """Each request's outputs: its rows of the whole-batch tensors cut back to its length
+        (views, no copies)."""
+        if self.whole is None:
+            assert self.per_request is not None
+            return self.per_request
+        result: list[list[NamedTensor]] = []
+        offset = 0
+        for w in self.works:
+            result.append([(name, _cut(w, name, t[offset : offset + w.batch_size], spec))
+                           for name, t, spec in self.whole])
+            offset += w.batch_size
+        return result
+
+
+@dataclass
+class Launched:
+    """A batch whose device work and host copies are enqueued: `outputs` are host tensors, valid
+    once `event` (a torch.cuda.Event on the instance's stream; None on CPU) has completed."""
+
+    outputs: BatchOutputs
+    event: Any
+    start_ns: int
+
+
+class Finisher:
+    """One instance's finishing stage: its own thread, owned by the instance and shut down with it."""
+
+    def __init__(self, index: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"finish-{index}")
+        self._lock = threading.Lock()
+        self._last_end_ns = 0
+
+    def submit(self, launched: Launched) -> Future[BatchResult]:
+        """Finish `launched` on this stage's thread, after the batches submitted before it."""
+        return self._executor.submit(self.finish, launched)
+
+    def finish(self, launched: Launched) -> BatchResult:
+        """Wait for the batch's copies, cut and encode each request's outputs (on any thread:
+        the stage's, or the instance's when finishing is not asynchronous)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        with torch.inference_mode():
+            per_request = [encode_named(named) for named in launched.outputs.split()]
+        end = time.perf_counter_ns()
+        with self._lock:
+            compute_ns = end - max(launched.start_ns, self._last_end_ns)
+            self._last_end_ns = max(end, self._last_end_ns)
+        return BatchResult(per_request, max(compute_ns, 0))
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A request's rows of a whole-batch output, cut back to its length (and its own number of
+    score ids)."""
+    t = w.cut(t, spec)
+    scores = w.aux.get("SCORE_IDS")
+    if scores is not None and name.endswith("_SCORED_LOGPROBS") and t.shape[-1] != scores.shape[-1]:
+        t = t.narrow(-1, 0, scores.shape[-1])
+    return t
