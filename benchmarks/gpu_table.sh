@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
-# Stages: tests (or cuda_tests, the GPU-relevant part) w6 reader memory instances llm_instances serving w1 w7
+# Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_sync reader memory instances llm_instances serving w1 w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -17,6 +17,7 @@ LOGS=${LOGS:-benchmarks/results/gpu-logs}
 SHAPES=${SHAPES:-/tmp/distill-shapes}
 Q15=$SHAPES/qwen2.5-1.5b
 DTYPE=${DTYPE:-BF16}
+REPS=${REPS:-3}  # repetitions of the LLM rows and the instance counts
 mkdir -p "$LOGS"
 
 stage() {  # stage NAME SECONDS COMMAND...
@@ -54,8 +55,8 @@ run_stage() {
         tests/test_padded_batching.py tests/test_row_rebatching.py tests/test_staging.py tests/test_teacher_server.py \
         tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py ;;
     shape) stage shape 240 shape ;;
-    w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps 3 --out llm_serving_gpu ;;
-    reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps 3 \
+    w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
+    reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps "$REPS" \
               --out llm_reader_gpu ;;
     memory)
       shape && stage memory_4k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
@@ -63,12 +64,16 @@ run_stage() {
       stage memory_8k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k ;;
     instances) stage instances 200 $PY -m benchmarks.instances --device cuda --compute-dtype FP16 \
-                 --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --out instances_gpu_resnet50 ;;
-    llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps 2 \
+                 --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --reps "$REPS" --out instances_gpu_resnet50 ;;
+    llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                      --instances 2 --out llm_serving_gpu_2inst ;;
     serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
-    w7) shape && stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --out onpolicy_gpu ;;
+    w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
+          --batch 32 --prompt-len 64 --new-tokens 64 --steps 8 --reps "$REPS" --out onpolicy_gpu \
+          --w6-results benchmarks/results/llm_serving_gpu.json ;;
+    w6_sync) shape && stage w6_sync 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
+               --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac
 }
