@@ -111,9 +111,11 @@ async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: A
                        executions=await executions(stub) - exec0)
 
 
-async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int) -> float:
+async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int, *, half: bool = False) -> float:
     """The reader's answer to the first padded batch equals one request per row at every real
-    position, with zeros at padding; returns the max |diff|."""
+    position, with zeros at padding; returns the max |diff|. In fp32 the two agree to 2e-2; a
+    model computing in bf16/fp16 gives a row a few ulps of its log-probs apart in batches of other
+    shapes (kernels pick other tilings), so there 0.15 is allowed (the H200 run: 0.094 in bf16)."""
     _, out = next(iter(reader))
     values = out["LOGITS_TOPK_VALUES"].float().numpy()
     worst = 0.0
@@ -124,7 +126,7 @@ async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int) 
         worst = max(worst, float(np.abs(values[r, : len(seq)] - alone).max()))
         if values[r, len(seq) :].any():
             raise AssertionError(f"row {r}: the reader got non-zero values at padding")
-    if worst > 2e-2:
+    if worst > (1.5e-1 if half else 2e-2):
         raise AssertionError(f"padded batch rows differ from one request per row by up to {worst}")
     return worst
 
@@ -153,7 +155,7 @@ async def run(s: Settings) -> dict[str, Any]:
         plain = stack.enter_context(DistillReader(loader, **reader_options(server.endpoint, s, matched=False)))
         try:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(chan)
-            diff = await check_rows(stub, reader, seqs[: s.batch], s.top_k)
+            diff = await check_rows(stub, reader, seqs[: s.batch], s.top_k, half=s.compute_dtype != "FP32")
             print(f"reader: padded rows match one request per row (max |diff| {diff:.1e}), zeros at padding",
                   flush=True)
             # Warm-up, so no variant pays first-call costs inside a repetition.
