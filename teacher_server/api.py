@@ -264,7 +264,7 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     """Serve ``model`` until SIGINT or SIGTERM, then drain; the blocking form (call it from the main
     thread: it installs the signal handlers). ``teacher-server`` is this function behind argparse:
     its keywords are the flags' (``teacher_server.options.SETTINGS``), with the flags' defaults
-    (``port=8001``, Triton's gRPC port; ``instances``: one per core on CPU, 1 on GPU).
+    (``port=8001``, Triton's gRPC port; ``instances``: one per core on CPU, 2 on GPU).
 
     ``inputs``/``outputs``: declarations ``"NAME:DATATYPE:D1,D2"`` (or ``TensorSpec``) in
     ``forward()`` order, batch dimension left out; outputs are inferred when not declared.

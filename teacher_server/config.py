@@ -158,10 +158,10 @@ class ServerConfig(OutputSettings, HTTPLimits):
     compute_dtype: str = setting(
         "FP32", "autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
         "(default: %(default)s)", group="model", type=str.upper, choices=DTYPES)
-    # serve() and the CLI default to 0 (one per core on CPU, 1 on GPU); a config built directly, to 1.
+    # serve() and the CLI default to 0 (one per core on CPU, 2 on GPU); a config built directly, to 1.
     instances: int = setting(
-        0, "model instances, each on its own thread (default: one per core on CPU, 1 on GPU)", group="model",
-        type=int, check=at_least(0, "(0: one per core on CPU, 1 on GPU)"), field_default=1)
+        0, "model instances, each on its own thread (default: one per core on CPU, 2 on GPU)", group="model",
+        type=int, check=at_least(0, "(0: one per core on CPU, 2 on GPU)"), field_default=1)
     model_args: Mapping[str, Any] = setting(
         {}, "keyword argument for a module:factory (repeat); VALUE is parsed as JSON when it parses "
         "(3, 0.5, true, [1,2], \"text\"), else taken as a string", group="model", flag="--model-arg",

@@ -259,3 +259,10 @@ def test_serve_refuses_credentials_etcd_refuses_before_serving(tmp_path: Path) -
                                  registry_options={"username": "root", "password": "wrong"})
     assert e.value.user == "root" and "authentication failed" in e.value.said
     assert warmed == [], "refused before the warm-up"
+
+
+def test_the_instance_default_follows_the_device_named_even_without_that_device_here() -> None:
+    from teacher_server.server import GPU_INSTANCES, default_instances
+
+    assert default_instances("cpu") == max(1, os.cpu_count() or 1)
+    assert default_instances("cuda") == default_instances("cuda:1") == GPU_INSTANCES == 2
