@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,56 +129,6 @@ class Submitted:
             pass
 
 
-class LoaderThread:
-    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
-    event loop and never keeps the interpreter from exiting."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # put/get in C
-        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the awaiting coroutine
-                _deliver(loop, _set_exception, fut, e)
-            else:
-                _deliver(loop, _set_result, fut, result)
-
-        self._jobs.put(run)
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
-             fut: asyncio.Future[Any], value: Any) -> None:
-    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
-    try:
-        loop.call_soon_threadsafe(setter, fut, value)
-    except RuntimeError:  # the event loop is closed
-        pass
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
 class Sink(Protocol):
     """Where finished work goes: the reader's queue to the training loop (`distill.reader`)."""
 
@@ -230,9 +178,6 @@ class Chunk:
     @property
     def size(self) -> int:
         return self.stop - self.start
-
-
-END_OF_LOADER = object()
 
 
 def _owned_copy(t: torch.Tensor) -> torch.Tensor:
