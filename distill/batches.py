@@ -233,23 +233,34 @@ class Delivery:
                 raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
                                            f"batch's other chunks have {list(buf.shape[1:])}")
 
-    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
+    def whole(self, chunk: Chunk) -> bool:
+        """Whether `chunk` answers its whole batch (the common case): its answer's tensors then become
+        the batch's own, as they are if the client was asked for tensors the reader may keep
+        (`ChunkRequest.owned`), else copied out of the response's read-only buffer."""
+        job = chunk.job
+        cached = job.cached
+        return (chunk.size == job.size and not self.pin_memory
+                and (cached is None or len(cached.miss_indices) == job.size))
+
+    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor], owned: bool = False) -> None:
+        """Copy an answer into the batch's tensors (`owned`: the client returned tensors the batch may
+        keep, asked for when the chunk is `whole`)."""
         job = chunk.job
         if job.epoch != self.epoch or job.delivered or job.error is not None:
             return
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
             return
+        if self.whole(chunk):
+            for name, value in outputs.items():
+                dest[name] = value if owned else _owned_copy(value)
+            job.remaining[chunk.service] -= chunk.size
+            self.maybe_complete(job)
+            return
         cached = job.cached
         rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
-        # One chunk answers the whole batch (the common case): a copy of the answer, out of the
-        # response's read-only buffer, is the batch's tensor (one torch call, not an allocation and a copy).
-        whole = rows is None and chunk.size == job.size and not self.pin_memory
         for name, value in outputs.items():
-            if whole:
-                dest[name] = _owned_copy(value)
-                continue
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)

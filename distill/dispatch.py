@@ -261,7 +261,7 @@ class Dispatcher:
             model_name=t.meta.model_name, model_version=self.opts.model_version,
             request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
             stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
-            parameters=self.opts.request_parameters,
+            parameters=self.opts.request_parameters, owned=self.delivery.whole(chunk),
         )
 
     def _call_done(self, svc: Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
@@ -289,8 +289,9 @@ class Dispatcher:
         """One chunk at one teacher (already counted in flight by `_send`)."""
         router = svc.router
         started = time.perf_counter()
+        request = self._request(chunk, t)
         try:
-            outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
+            outputs = await t.client.infer(request, self.opts.timeout)
             self.delivery.check_fits(chunk, outputs)
         except RequestRejectedError as e:
             router.rejected(t, str(e))
@@ -327,7 +328,7 @@ class Dispatcher:
         for other in list(chunk.sends):
             if other is not asyncio.current_task():
                 other.cancel()
-        self.delivery.fill(chunk, outputs)
+        self.delivery.fill(chunk, outputs, owned=request.owned)
 
     def _retry(self, svc: Service, chunk: Chunk) -> None:
         if chunk.done or chunk.job.epoch != self.epoch:

@@ -74,8 +74,16 @@ class Outbox:
             self._flush()
         if not self._pending:
             self._pending_epoch = epoch
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._turn_ends)
         self._pending.append((batch, outputs, size))
+
+    def _turn_ends(self) -> None:
+        """The turn that finished the first pending batch is over. A lone batch waits one turn more
+        for the answers arriving with it (the teacher's batcher answers in bursts), then goes."""
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._flush()
 
     def _flush(self) -> None:
         if self._pending:
