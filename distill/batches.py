@@ -1,7 +1,7 @@
-"""A user's batch inside the reader: pulled from the loader on a thread of its own, its teacher
-inputs found inside whatever the loader yields, split into chunks for teachers (`Job`, `Chunk`),
-the answers copied into the batch's tensors, and the batch handed to the reader's sink exactly
-once, in loader order (`Delivery`).
+"""A user's batch inside the reader (pulled from the loader on a thread of its own by
+`distill.readahead`): its teacher inputs found inside whatever the loader yields, split into
+chunks for teachers (`Job`, `Chunk`), the answers copied into the batch's tensors, and the batch
+handed to the reader's sink exactly once, in loader order (`Delivery`).
 
 A batch may be a tensor, a tuple/list, or a dict (a torch DataLoader yields all three). The
 `inputs` option says which fields go to the teacher and under which teacher input name:

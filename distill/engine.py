@@ -5,8 +5,10 @@ teachers, the router (`distill.router`) and its routing policy (`distill.routing
 them, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
-  loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop)
-  read-ahead      a Job per batch, at most `prefetch` not yet consumed
+  loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop),
+                  a batch per free read-ahead slot, at most `prefetch` not yet consumed; the batches
+                  read since the loop last looked arrive together (distill.readahead)
+  read-ahead      a Job per batch; its chunk goes straight to a teacher when the dispatcher is idle
   dispatcher      one per service: take the oldest chunk, pick a teacher whose declared inputs
                   take the batch (none does: the batch is rejected, the teachers stay), split the
                   chunk to the teacher's max batch, hand it to the teacher's client (one
@@ -23,7 +25,8 @@ The data path, in order:
   when late       past the hedge delay a chunk is raced on another teacher, and its teacher gets a
                   readiness probe: no answer means hung, so it is ejected and its chunks re-sent
                   now rather than at their deadline
-  delivery        completed jobs go to the reader's sink in loader order (or as they finish)
+  delivery        completed jobs go to the reader's sink in loader order (or as they finish); the
+                  reader hands one loop turn's batches to the training loop as one item
 
 Exactly-once towards the training loop: a job is delivered once, when all its chunks have an
 answer; duplicate answers (hedges, late retries) are dropped. At-least-once towards teachers.

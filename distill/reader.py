@@ -60,9 +60,9 @@ class Outbox:
     """The engine's sink (`distill.engine.Sink`) on the reader's side: a thread-safe queue that the
     training loop's thread reads with `items`.
 
-    Batches finished in one turn of the event loop go over as one item, put at the end of the turn:
-    the training loop, waiting for them, is woken once for them all, and when the engine is about
-    to go idle, rather than while it still holds the GIL for the turn's other answers."""
+    Batches finished in one turn of the event loop go over as one item, put when the turn is over:
+    the training loop, waiting for them, is woken once for them all, not once for each while the
+    engine still holds the GIL for the turn's other answers."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()  # put/get in C
@@ -74,16 +74,8 @@ class Outbox:
             self._flush()
         if not self._pending:
             self._pending_epoch = epoch
-            asyncio.get_running_loop().call_soon(self._turn_ends)
-        self._pending.append((batch, outputs, size))
-
-    def _turn_ends(self) -> None:
-        """The turn that finished the first pending batch is over. A lone batch waits one turn more
-        for the answers arriving with it (the teacher's batcher answers in bursts), then goes."""
-        if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
-        else:
-            self._flush()
+        self._pending.append((batch, outputs, size))
 
     def _flush(self) -> None:
         if self._pending:
