@@ -200,7 +200,7 @@ def encode_request(req: ChunkRequest) -> bytes:
     rid = req.request_id.encode()
     parts: list[Any] = [_header(req), _ID_TAG, _varint(len(rid)), rid]
     for f in req.inputs.values():
-        view = memoryview(f.array[req.start:req.stop]).cast("B")
+        view = memoryview(f.array[req.start:req.stop]).cast("B")  # type: ignore[arg-type]
         parts += [_RAW_TAG, _varint(view.nbytes), view]
     return b"".join(parts)
 
