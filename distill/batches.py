@@ -1,7 +1,7 @@
-"""A user's batch inside the reader: pulled from the loader on a thread of its own, its teacher
-inputs found inside whatever the loader yields, split into chunks for teachers (`Job`, `Chunk`),
-the answers copied into the batch's tensors, and the batch handed to the reader's sink exactly
-once, in loader order (`Delivery`).
+"""A user's batch inside the reader (pulled from the loader on a thread of its own by
+`distill.readahead`): its teacher inputs found inside whatever the loader yields, split into
+chunks for teachers (`Job`, `Chunk`), the answers copied into the batch's tensors, and the batch
+handed to the reader's sink exactly once, in loader order (`Delivery`).
 
 A batch may be a tensor, a tuple/list, or a dict (a torch DataLoader yields all three). The
 `inputs` option says which fields go to the teacher and under which teacher input name:
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,56 +129,6 @@ class Submitted:
             pass
 
 
-class LoaderThread:
-    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
-    event loop and never keeps the interpreter from exiting."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # put/get in C
-        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # delivered to the awaiting coroutine
-                _deliver(loop, _set_exception, fut, e)
-            else:
-                _deliver(loop, _set_result, fut, result)
-
-        self._jobs.put(run)
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
-             fut: asyncio.Future[Any], value: Any) -> None:
-    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
-    try:
-        loop.call_soon_threadsafe(setter, fut, value)
-    except RuntimeError:  # the event loop is closed
-        pass
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
 class Sink(Protocol):
     """Where finished work goes: the reader's queue to the training loop (`distill.reader`)."""
 
@@ -230,9 +178,6 @@ class Chunk:
     @property
     def size(self) -> int:
         return self.stop - self.start
-
-
-END_OF_LOADER = object()
 
 
 def _owned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -288,23 +233,34 @@ class Delivery:
                 raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
                                            f"batch's other chunks have {list(buf.shape[1:])}")
 
-    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor]) -> None:
+    def whole(self, chunk: Chunk) -> bool:
+        """Whether `chunk` answers its whole batch (the common case): its answer's tensors then become
+        the batch's own, as they are if the client was asked for tensors the reader may keep
+        (`ChunkRequest.owned`), else copied out of the response's read-only buffer."""
+        job = chunk.job
+        cached = job.cached
+        return (chunk.size == job.size and not self.pin_memory
+                and (cached is None or len(cached.miss_indices) == job.size))
+
+    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor], owned: bool = False) -> None:
+        """Copy an answer into the batch's tensors (`owned`: the client returned tensors the batch may
+        keep, asked for when the chunk is `whole`)."""
         job = chunk.job
         if job.epoch != self.epoch or job.delivered or job.error is not None:
             return
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
             return
+        if self.whole(chunk):
+            for name, value in outputs.items():
+                dest[name] = value if owned else _owned_copy(value)
+            job.remaining[chunk.service] -= chunk.size
+            self.maybe_complete(job)
+            return
         cached = job.cached
         rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
-        # One chunk answers the whole batch (the common case): a copy of the answer, out of the
-        # response's read-only buffer, is the batch's tensor (one torch call, not an allocation and a copy).
-        whole = rows is None and chunk.size == job.size and not self.pin_memory
         for name, value in outputs.items():
-            if whole:
-                dest[name] = _owned_copy(value)
-                continue
             buf = dest.get(name)
             if buf is None:
                 buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)

@@ -37,6 +37,7 @@ from distill.teacher_client import (
     TeacherGoneError,
     TeacherOverloadedError,
 )
+from distill.timeline import Timeline
 
 __all__ = ["Dispatcher", "Service"]
 
@@ -55,6 +56,7 @@ class Service:
         self.suspects: deque[Chunk] = deque()
         self.suspect_out: Chunk | None = None  # the one suspect chunk being dispatched or in flight
         self.arrived = asyncio.Event()
+        self.idle = False  # the dispatcher waits for a chunk: nothing is queued or being placed
 
     def push(self, chunk: Chunk, front: bool = False) -> None:
         if chunk.suspect:
@@ -72,7 +74,11 @@ class Service:
             if self.queue:
                 return self.queue.popleft()
             self.arrived.clear()
-            await self.arrived.wait()
+            self.idle = True
+            try:
+                await self.arrived.wait()
+            finally:
+                self.idle = False
 
     def release(self, chunk: Chunk) -> None:
         """`chunk` is no longer out (answered, failed, dropped): the next suspect may go."""
@@ -111,18 +117,38 @@ class Dispatcher:
         self.rejected_batches = 0
         self.retries = 0
         self.hedges = 0
+        self.timeline = Timeline()
 
     def close(self) -> None:
         """Stop acting, and drop the engine's methods (a reference cycle through the engine)."""
         self.closed = True
         self._spawn = spawn_closed
         self._fatal = _ignore
+        self.timeline.close()
 
     def _dropped(self, svc: Service, chunk: Chunk) -> bool:
         """Whether nobody needs this chunk any more (answered, an old epoch, its batch settled)."""
         job = chunk.job
         return (chunk.done or job.epoch != self.epoch or job.error is not None
                 or job.outputs.get(svc.name, {}) is None)
+
+    def offer(self, svc: Service, chunk: Chunk) -> None:
+        """A new chunk of `svc`: sent at once when the dispatcher is idle and a teacher takes it as it
+        is (a free slot, inputs it declares, within its batch limit), else queued for the dispatcher.
+        Sending at once skips waking the dispatcher's task for every batch; with nothing queued or
+        being placed, the order of sends is the same."""
+        if svc.idle and not svc.queue and not svc.suspects and not chunk.suspect and not self.closed:
+            router = svc.router
+            t = router.pick(frozenset(), chunk.size)
+            if t is not None and router.misfit(t, chunk.job.signature) is None:
+                assert t.meta is not None
+                limit = t.meta.max_batch_size
+                if self.opts.teacher_batch_size:
+                    limit = min(limit, self.opts.teacher_batch_size)
+                if chunk.size <= limit:
+                    self._send(svc, chunk, t)
+                    return
+        svc.push(chunk)
 
     async def run(self, svc: Service) -> None:
         """Hand out `svc`'s chunks to its teachers until cancelled (one task per service)."""
@@ -208,13 +234,12 @@ class Dispatcher:
         chunk.sends.add(task)
         chunk.tried.add(t.key)
         self.watch.track(t, task)
-        task.add_done_callback(chunk.sends.discard)
-        task.add_done_callback(functools.partial(self._call_cancelled, svc, chunk, t))
-        loop = asyncio.get_running_loop()
-        loop.call_later(svc.router.late_delay(self.opts.timeout), self.watch.late, svc.pool, t, task)
+        task.add_done_callback(functools.partial(self._call_done, svc, chunk, t))
+        # The late check and the hedge are entries of one timeline, not a loop timer each per chunk.
+        self.timeline.call_later(svc.router.late_delay(self.opts.timeout), self.watch.late, svc.pool, t, task)
         delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
         if delay is not None and len(chunk.tried) == 1:
-            loop.call_later(delay, self._hedge, svc, chunk)
+            self.timeline.call_later(delay, self._hedge, svc, chunk)
 
     def _hedge(self, svc: Service, chunk: Chunk) -> None:
         """The chunk is late: if another teacher has a free slot, race it there."""
@@ -236,11 +261,15 @@ class Dispatcher:
             model_name=t.meta.model_name, model_version=self.opts.model_version,
             request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
             stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
-            parameters=self.opts.request_parameters,
+            parameters=self.opts.request_parameters, owned=self.delivery.whole(chunk),
         )
 
-    def _call_cancelled(self, svc: Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
-        """Account a call cancelled before or while it ran: it lost a hedge race, or we gave up on it."""
+    def _call_done(self, svc: Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
+        """A call ended (one done-callback does all of it): it is no longer one of the chunk's sends
+        nor in flight at `t`; a call cancelled before or while it ran is accounted (it lost a hedge
+        race, or we gave up on it)."""
+        chunk.sends.discard(task)
+        self.watch.untrack(t, task)
         if not task.cancelled():
             return
         if self.watch.was_abandoned(task):  # its teacher hung: re-send the chunk now
@@ -260,8 +289,9 @@ class Dispatcher:
         """One chunk at one teacher (already counted in flight by `_send`)."""
         router = svc.router
         started = time.perf_counter()
+        request = self._request(chunk, t)
         try:
-            outputs = await t.client.infer(self._request(chunk, t), self.opts.timeout)
+            outputs = await t.client.infer(request, self.opts.timeout)
             self.delivery.check_fits(chunk, outputs)
         except RequestRejectedError as e:
             router.rejected(t, str(e))
@@ -298,7 +328,7 @@ class Dispatcher:
         for other in list(chunk.sends):
             if other is not asyncio.current_task():
                 other.cancel()
-        self.delivery.fill(chunk, outputs)
+        self.delivery.fill(chunk, outputs, owned=request.owned)
 
     def _retry(self, svc: Service, chunk: Chunk) -> None:
         if chunk.done or chunk.job.epoch != self.epoch:

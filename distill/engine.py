@@ -5,8 +5,10 @@ teachers, the router (`distill.router`) and its routing policy (`distill.routing
 them, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
-  loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop)
-  read-ahead      a Job per batch, at most `prefetch` not yet consumed
+  loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop),
+                  a batch per free read-ahead slot, at most `prefetch` not yet consumed; the batches
+                  read since the loop last looked arrive together (distill.readahead)
+  read-ahead      a Job per batch; its chunk goes straight to a teacher when the dispatcher is idle
   dispatcher      one per service: take the oldest chunk, pick a teacher whose declared inputs
                   take the batch (none does: the batch is rejected, the teachers stay), split the
                   chunk to the teacher's max batch, hand it to the teacher's client (one
@@ -23,7 +25,8 @@ The data path, in order:
   when late       past the hedge delay a chunk is raced on another teacher, and its teacher gets a
                   readiness probe: no answer means hung, so it is ejected and its chunks re-sent
                   now rather than at their deadline
-  delivery        completed jobs go to the reader's sink in loader order (or as they finish)
+  delivery        completed jobs go to the reader's sink in loader order (or as they finish); the
+                  reader hands one loop turn's batches to the training loop as one item
 
 Exactly-once towards the training loop: a job is delivered once, when all its chunks have an
 answer; duplicate answers (hedges, late retries) are dropped. At-least-once towards teachers.
@@ -36,18 +39,14 @@ import contextlib
 import functools
 import logging
 import os
-import threading
-from collections import deque
 from collections.abc import Coroutine
 from typing import Any, cast
 
 from discovery import Registry, open_registry
 from distill.batches import (
-    END_OF_LOADER,
     Chunk,
     Delivery,
     Job,
-    LoaderThread,
     Sink,
     Submitted,
     extract_inputs,
@@ -58,6 +57,7 @@ from distill.dispatch import Dispatcher, Service
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
+from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
 from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
 from distill.teacher_client import (
     grpc_connector,
@@ -65,52 +65,6 @@ from distill.teacher_client import (
 from distill.types import FieldArray, OutputCache, StoredRows
 
 log = logging.getLogger("distill.reader")
-
-
-class ReadAhead:
-    """The read-ahead slots of one pass: taken on the event loop before a batch is read, given back
-    from the training loop's thread when it takes a batch. Giving back wakes the event loop only
-    when it waits for a slot, not once per batch."""
-
-    def __init__(self, epoch: int, slots: int) -> None:
-        self.epoch = epoch
-        self._free = slots
-        self._lock = threading.Lock()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def try_take(self) -> bool:
-        """A slot if one is free now (event loop thread)."""
-        with self._lock:
-            if self._free > 0:
-                self._free -= 1
-                return True
-            return False
-
-    async def take(self) -> None:
-        """A slot, waiting for one (event loop thread)."""
-        with self._lock:
-            if self._free > 0:
-                self._free -= 1
-                return
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter  # give_back handed its slot straight to this waiter
-
-    def give_back(self) -> None:
-        """One slot back (any thread)."""
-        with self._lock:
-            waiter, self._waiter = self._waiter, None
-            if waiter is None or waiter.done():
-                self._free += 1
-                return
-        try:
-            waiter.get_loop().call_soon_threadsafe(_wake, waiter)
-        except RuntimeError:  # the event loop closed: nobody waits any more
-            pass
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class Engine:
@@ -207,6 +161,7 @@ class Engine:
             self._epoch_task.cancel()
         self.epoch += 1
         self._dispatcher.epoch = self.epoch
+        self._slots.close()  # the last pass's loader stops reading
         self._slots = ReadAhead(self.epoch, self.opts.prefetch)
         self._delivery.reset(self.epoch)
         for svc in self._services.values():
@@ -229,7 +184,7 @@ class Engine:
         batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
         for svc in self._services.values():
             job.remaining[svc.name] = job.sent
-            svc.push(Chunk(job, svc.name, 0, job.sent))
+            self._dispatcher.offer(svc, Chunk(job, svc.name, 0, job.sent))
 
     def _expire(self, job: Job, deadline_s: float) -> None:
         if job.delivered or job.error is not None:
@@ -242,7 +197,7 @@ class Engine:
 
     def consumed(self, epoch: int) -> None:
         """The training loop took a batch of `epoch`: one more may be read ahead. Thread-safe: the
-        training loop's thread calls it directly, and the event loop is woken only when it waits."""
+        training loop's thread calls it directly, and wakes the loader thread only when it waits."""
         slots = self._slots
         if slots.epoch == epoch:
             slots.give_back()
@@ -257,64 +212,48 @@ class Engine:
             return
 
         cache = self.cache
-        over = False  # the loader ended or raised (or the pass was dropped): queued jobs call it no more
 
         def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None] | object:
-            nonlocal over
-            if over:
-                return END_OF_LOADER
             try:
                 batch = next(iterator)
-                size, fields = extract_inputs(batch, inputs)
-                if cache is None:
-                    return batch, size, fields, None
-                return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
             except StopIteration:
-                over = True
                 return END_OF_LOADER
-            except BaseException:
-                over = True
-                raise
+            size, fields = extract_inputs(batch, inputs)
+            if cache is None:
+                return batch, size, fields, None
+            return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
 
-        # One loader job per free read-ahead slot is queued at once: the loader thread then takes
-        # several batches in a row whenever it holds the GIL, instead of waiting for the event loop
-        # to ask for each (a handoff per batch between two busy threads). Jobs run in order.
-        pending: deque[asyncio.Future[Any]] = deque()
+        # The loader thread reads ahead on its own, a batch per free read-ahead slot (distill.readahead),
+        # and the batches it read since the last look arrive here together.
         slots = self._slots
+        feed = Feed(loop)
+        self._loader.run(functools.partial(pump, slots, next_batch, feed))
         seq = 0
         try:
             while True:
-                if not pending:
-                    await slots.take()
-                    pending.append(self._loader.submit(loop, next_batch))
-                while slots.try_take():
-                    pending.append(self._loader.submit(loop, next_batch))
-                try:
-                    item = await pending.popleft()
-                except Exception as e:  # the user's loader raised, or a batch could not be split
-                    self._finish_with_error(epoch, seq, e)
-                    return
-                if epoch != self.epoch:
-                    return
-                if item is END_OF_LOADER:
-                    self._delivery.end_at(seq)
-                    return
-                batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
-                job = Job(epoch, seq, batch, size, fields, signature_of(fields), cached=cached)
-                seq += 1
-                if cached is not None:
-                    settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")
-                    if settled == "hard_labels":
-                        self._dispatcher.fallback_batches += 1
-                    if settled:
-                        continue
-                for svc in self._services.values():
-                    job.remaining[svc.name] = job.sent
-                    svc.push(Chunk(job, svc.name, 0, job.sent))
+                for item in await feed.get():
+                    if epoch != self.epoch:
+                        return
+                    if isinstance(item, Failed):  # the user's loader raised, or a batch could not be split
+                        self._finish_with_error(epoch, seq, item.error)
+                        return
+                    if item is END_OF_LOADER:
+                        self._delivery.end_at(seq)
+                        return
+                    batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
+                    job = Job(epoch, seq, batch, size, fields, signature_of(fields), cached=cached)
+                    seq += 1
+                    if cached is not None:
+                        settled = self._delivery.from_store(job, hard_labels=self.opts.fallback == "hard_labels")
+                        if settled == "hard_labels":
+                            self._dispatcher.fallback_batches += 1
+                        if settled:
+                            continue
+                    for svc in self._services.values():
+                        job.remaining[svc.name] = job.sent
+                        self._dispatcher.offer(svc, Chunk(job, svc.name, 0, job.sent))
         finally:
-            over = True
-            for fut in pending:
-                fut.cancel()
+            slots.close()  # the loader stops reading for this pass
 
     def _finish_with_error(self, epoch: int, seq: int, error: BaseException) -> None:
         self._delivery.fail_at(epoch, seq, error)

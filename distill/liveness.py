@@ -10,7 +10,6 @@ in the engine.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,10 +31,10 @@ class CallWatch:
         self.closed = False
 
     def track(self, t: TeacherState, task: asyncio.Task[None]) -> None:
+        """`task` is a call in flight at `t`; `untrack` it when it ends (the dispatcher's done-callback)."""
         self._calls.setdefault(t, set()).add(task)
-        task.add_done_callback(functools.partial(self._done, t))
 
-    def _done(self, t: TeacherState, task: asyncio.Task[None]) -> None:
+    def untrack(self, t: TeacherState, task: asyncio.Task[None]) -> None:
         calls = self._calls.get(t)
         if calls is not None:
             calls.discard(task)

@@ -50,31 +50,52 @@ __all__ = ["CACHE_MODES", "DistillReader", "ReaderOptions", "default_student_id"
 log = logging.getLogger("distill.reader")
 
 # The queue between the engine thread and the training loop carries (epoch, kind, payload).
-# ERROR ends the pass; REJECTED is one batch's error, in that batch's place.
-BATCH, END, ERROR, REJECTED = "batch", "end", "error", "rejected"
+# BATCHES is a list of finished batches; ERROR ends the pass; REJECTED is one batch's error, in
+# that batch's place.
+BATCHES, END, ERROR, REJECTED = "batches", "end", "error", "rejected"
+BATCH = "batch"  # what the training loop's iterator hands on for each batch of a BATCHES item
 
 
 class Outbox:
     """The engine's sink (`distill.engine.Sink`) on the reader's side: a thread-safe queue that the
-    training loop's thread reads with `items`."""
+    training loop's thread reads with `items`.
+
+    Batches finished in one turn of the event loop go over as one item, put when the turn is over:
+    the training loop, waiting for them, is woken once for them all, not once for each while the
+    engine still holds the GIL for the turn's other answers."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()  # put/get in C
+        self._pending: list[tuple[Any, Any, int]] = []
+        self._pending_epoch = 0
 
     def batch(self, epoch: int, batch: Any, outputs: Any, size: int) -> None:
-        self._queue.put((epoch, BATCH, (batch, outputs, size)))
+        if self._pending and epoch != self._pending_epoch:
+            self._flush()
+        if not self._pending:
+            self._pending_epoch = epoch
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((batch, outputs, size))
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._queue.put((self._pending_epoch, BATCHES, pending))
 
     def end(self, epoch: int) -> None:
+        self._flush()
         self._queue.put((epoch, END, None))
 
     def error(self, epoch: int, error: BaseException) -> None:
+        self._flush()
         self._queue.put((epoch, ERROR, error))
 
     def rejected(self, epoch: int, error: BaseException) -> None:
+        self._flush()
         self._queue.put((epoch, REJECTED, error))
 
     def items(self, epoch: int, alive: Callable[[], bool], poll_s: float = 0.5) -> Iterator[tuple[str, Any]]:
-        """Items of `epoch`; stale epochs are skipped. Raises if the engine died."""
+        """Items of `epoch`, a BATCH for each batch; stale epochs are skipped. Raises if the engine died."""
         while True:
             try:
                 item_epoch, kind, payload = self._queue.get(timeout=poll_s)
@@ -84,7 +105,11 @@ class Outbox:
                 continue
             if item_epoch != epoch:
                 continue
-            yield kind, payload
+            if kind == BATCHES:
+                for one in payload:
+                    yield BATCH, one
+            else:
+                yield kind, payload
 
 
 def as_device(outputs: Any, device: torch.device | None) -> Any:

@@ -212,6 +212,9 @@ class Router:
         if pending:
             timeout = min(pending) if timeout is None else min(timeout, *pending)
         self._changed.clear()
+        if timeout is None:  # the common wait, for a slot: no deadline to keep
+            await self._changed.wait()
+            return
         # deadline (asyncio.timeout), not wait_for: on Python 3.11, wait_for returns normally when
         # the event is set in the same loop turn as the waiter is cancelled, swallowing the
         # cancellation, and the engine's dispatch loop then waits forever at close.
@@ -243,7 +246,7 @@ class Router:
                 t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
         elif latency_s > 2.5 * t.best_s:
             t.limit = max(1.0, t.limit * 0.9)
-        self.notify()
+        self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
 
     def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:
         """Account a failed chunk; the caller re-routes it."""

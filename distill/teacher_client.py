@@ -29,7 +29,7 @@ import torch
 from distill.config import ClientTLS
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
-from protos.kserve import DATATYPES, Datatype, decode_tensor, serialize_infer_request, service_pb2, shape_numel
+from protos.kserve import DATATYPES, Datatype, decode_tensor, service_pb2, shape_numel
 
 # The request and metadata types live in distill.types (below this client and the engine alike);
 # they are re-exported here, where the client's users have always found them.
@@ -145,46 +145,109 @@ def access_refused(code: grpc.StatusCode | str, details: str) -> bool:
     return name == "UNAVAILABLE" and "restricted" in details.lower()
 
 
-def encode_request(req: ChunkRequest) -> bytes:
-    """A ModelInferRequest's wire bytes: a small protobuf header, then each input's rows copied once."""
-    header = service_pb2.ModelInferRequest(model_name=req.model_name, model_version=req.model_version,
-                                           id=req.request_id)
-    raws = []
-    for name, f in req.inputs.items():
-        header.inputs.add(name=name, datatype=f.datatype, shape=[req.size, *f.sample_shape])
-        raws.append(f.array[req.start:req.stop])
+_ID_TAG = bytes([(service_pb2.ModelInferRequest.ID_FIELD_NUMBER << 3) | 2])  # length-delimited
+_RAW_TAG = bytes([(service_pb2.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER << 3) | 2])
+# Serialized headers (every field but the id and the raw inputs) by what makes them: a reader sends
+# the same few shapes for its whole life. An entry keeps the parameter mapping it was made from,
+# so the id in its key stays that mapping's.
+_HEADERS: dict[tuple[Any, ...], tuple[Any, bytes]] = {}
+
+
+def _header(req: ChunkRequest) -> bytes:
+    signature = tuple((name, f.datatype, f.array.shape[1:]) for name, f in req.inputs.items())
+    key = (req.model_name, req.model_version, req.outputs, id(req.parameters), signature, req.size)
+    hit = _HEADERS.get(key)
+    if hit is not None and hit[0] is req.parameters:
+        return hit[1]
+    header = service_pb2.ModelInferRequest(model_name=req.model_name, model_version=req.model_version)
+    for name, datatype, sample_shape in signature:
+        header.inputs.add(name=name, datatype=datatype, shape=[req.size, *sample_shape])
     for name in req.outputs:
         header.outputs.add(name=name)
     # The transforms this reader states, each by its wire name (ReaderOptions.request_parameters):
     # top_k always, 0 included, so a teacher started with a --top-k default still sends the full
     # tensors this reader expects; one left to the teacher's default is not in the mapping.
     params = header.parameters
-    for key, value in req.parameters.items():
+    for key_, value in req.parameters.items():
         if isinstance(value, bool):
-            params[key].bool_param = value
+            params[key_].bool_param = value
         elif isinstance(value, int):
-            params[key].int64_param = value
+            params[key_].int64_param = value
         elif isinstance(value, float):
-            params[key].double_param = value
+            params[key_].double_param = value
         else:
-            params[key].string_param = value
-    return serialize_infer_request(header, raws)
+            params[key_].string_param = value
+    data = header.SerializeToString()
+    if len(_HEADERS) >= 256:
+        _HEADERS.clear()
+    _HEADERS[key] = (req.parameters, data)
+    return data
 
 
-def _tensor(raw: bytes, dt: Datatype, shape: list[int]) -> torch.Tensor:
-    """A tensor over an answer's buffer (no copy), shaped by numpy: on the engine's thread a torch
-    operation releases and retakes the GIL, a handoff to the training loop's thread every time."""
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_request(req: ChunkRequest) -> bytes:
+    """A ModelInferRequest's wire bytes: the request's header (serialized by protobuf once per shape of
+    request, then reused), its id, then each input's rows copied once. Protobuf parsers take fields
+    in any order, so the result is a valid ModelInferRequest for any server."""
+    rid = req.request_id.encode()
+    parts: list[Any] = [_header(req), _ID_TAG, _varint(len(rid)), rid]
+    for f in req.inputs.values():
+        view = memoryview(f.array[req.start:req.stop]).cast("B")  # type: ignore[arg-type]
+        parts += [_RAW_TAG, _varint(view.nbytes), view]
+    return b"".join(parts)
+
+
+def _tensor(raw: bytes, dt: Datatype, shape: list[int], owned: bool) -> torch.Tensor:
+    """A tensor over an answer's buffer (no copy), or with `owned` a copy of it, shaped by numpy: on
+    the engine's thread a torch operation releases and retakes the GIL, a handoff to the training
+    loop's thread every time."""
     if dt.torch_dtype is torch.bfloat16:  # numpy has no bfloat16: torch views the 16-bit words
-        return decode_tensor(raw, dt, shape)
-    return torch.from_numpy(np.frombuffer(raw, dtype=dt.numpy_dtype).reshape(shape))
+        t = decode_tensor(raw, dt, shape)
+        return t.clone() if owned else t
+    arr = np.frombuffer(raw, dtype=dt.numpy_dtype).reshape(shape)
+    return torch.from_numpy(arr.copy() if owned else arr)
+
+
+# What an answer to a request must carry: the wanted output names with their per-sample shapes
+# (None: unknown), by the request's outputs, declared outputs, parameters and scoring. The same few
+# requests repeat for a reader's whole life; an entry keeps the declared and parameter mappings it
+# was made from, so the ids in its key stay theirs.
+_Expected = tuple[tuple[str, "tuple[int, ...] | None"], ...]
+_EXPECTED: dict[tuple[Any, ...], tuple[Any, Any, _Expected]] = {}
+
+
+def _expected(req: ChunkRequest) -> _Expected:
+    scored = "SCORE_IDS" in req.inputs
+    key = (req.outputs, id(req.declared), id(req.parameters), scored)
+    hit = _EXPECTED.get(key)
+    if hit is not None and hit[0] is req.declared and hit[1] is req.parameters:
+        return hit[2]
+    plan = tuple((name, per_sample_shape(name, req.declared, req.parameters))
+                 for name in wanted_outputs(req.outputs, req.parameters, scored=scored))
+    if len(_EXPECTED) >= 256:
+        _EXPECTED.clear()
+    _EXPECTED[key] = (req.declared, req.parameters, plan)
+    return plan
 
 
 def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> dict[str, torch.Tensor]:
-    """The wanted outputs as tensors over the answer's buffers; MalformedAnswerError when they do not
-    fit the request (a teacher that does, and keeps serving, is broken for this reader)."""
+    """The wanted outputs as tensors over the answer's buffers (copies with `req.owned`);
+    MalformedAnswerError when they do not fit the request (a teacher that does, and keeps serving,
+    is broken for this reader)."""
     if len(resp.raw_output_contents) != len(resp.outputs):
         raise MalformedAnswerError(f"{len(resp.outputs)} outputs but {len(resp.raw_output_contents)} raw buffers")
-    out: dict[str, torch.Tensor] = {}
+    expected = _expected(req)
+    wanted = {name for name, _ in expected}
+    shapes: dict[str, list[int]] = {}
+    raws: dict[str, tuple[bytes, Datatype]] = {}
     for spec, raw in zip(resp.outputs, resp.raw_output_contents, strict=True):
         dt = DATATYPES.get(spec.datatype)
         shape = list(spec.shape)
@@ -194,19 +257,23 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
             raise MalformedAnswerError(f"output {spec.name!r} has shape {shape} for a chunk of {req.size}")
         if len(raw) != shape_numel(shape) * dt.itemsize:
             raise MalformedAnswerError(f"output {spec.name!r}: {len(raw)} bytes for shape {shape} of {spec.datatype}")
-        out[spec.name] = _tensor(raw, dt, shape)
-    wanted = wanted_outputs(req.outputs, req.parameters, scored="SCORE_IDS" in req.inputs)
-    missing = [n for n in wanted if n not in out]
+        if spec.name in wanted:  # one not asked for (a tail sent by default) is dropped unread
+            shapes[spec.name] = shape
+            raws[spec.name] = (raw, dt)
+    missing = [n for n, _ in expected if n not in shapes]
     if missing:
-        raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(out)})")
-    for name in wanted:
-        want = per_sample_shape(name, req.declared, req.parameters)
-        got = tuple(out[name].shape[1:])
+        raise MalformedAnswerError(f"the answer lacks outputs {missing} (got {sorted(o.name for o in resp.outputs)})")
+    out: dict[str, torch.Tensor] = {}
+    for name, want in expected:
+        shape = shapes[name]
+        got = shape[1:]
         if want is not None and (len(want) != len(got) or any(w not in (-1, g) for w, g in zip(want, got,
                                                                                                 strict=True))):
             raise MalformedAnswerError(
-                f"output {name!r} came as {list(got)} per sample; the teacher's metadata declares {list(want)}")
-    return {n: out[n] for n in wanted}
+                f"output {name!r} came as {got} per sample; the teacher's metadata declares {list(want)}")
+        raw, dt = raws[name]
+        out[name] = _tensor(raw, dt, shape, req.owned)
+    return out
 
 
 class InferenceClient(Protocol):
@@ -214,7 +281,8 @@ class InferenceClient(Protocol):
 
     endpoint: str
 
-    async def infer(self, request: ChunkRequest, timeout: float) -> dict[str, torch.Tensor]: ...
+    async def infer(self, request: ChunkRequest, timeout: float) -> dict[str, torch.Tensor]:
+        """The checked outputs of one chunk; with `request.owned`, tensors the reader may keep as they are."""
 
     async def ready(self, model: str, timeout: float) -> bool: ...
 

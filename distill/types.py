@@ -101,18 +101,21 @@ class ChunkRequest:
     the reader computes it once from its options (``ReaderOptions.request_parameters``). Keyword
     arguments beyond the named ones are parameters too (``top_k=8``); a None value is not sent.
     ``declared`` is the teacher's metadata for its outputs: every answer is checked against it.
+    ``owned``: the answer's tensors become the batch's own as they are, so a client returns tensors
+    nothing else holds or writes (not views of a response buffer); without it, views are fine.
     A plain slotted class, not a dataclass: one is built per chunk on the engine's hot path.
     """
 
-    __slots__ = ("declared", "inputs", "model_name", "model_version", "outputs", "parameters", "request_id",
-                 "start", "stop")
+    __slots__ = ("declared", "inputs", "model_name", "model_version", "outputs", "owned", "parameters",
+                 "request_id", "start", "stop")
 
     def __init__(self, model_name: str, model_version: str, request_id: str,  # noqa: PLR0917 (the dataclass's order)
                  inputs: Mapping[str, FieldArray],
                  start: int, stop: int, outputs: tuple[str, ...],
                  declared: Mapping[str, TensorMeta] | None = None,
-                 parameters: Mapping[str, ParameterValue] | None = None,
+                 parameters: Mapping[str, ParameterValue] | None = None, owned: bool = False,
                  **transforms: ParameterValue | None) -> None:
+        self.owned = owned
         self.model_name = model_name
         self.model_version = model_version
         self.request_id = request_id

@@ -1,0 +1,179 @@
+"""Reading ahead: the user's loader on a thread of its own, bounded by read-ahead slots, its
+batches handed to the event loop in bunches.
+
+Three threads meet here, and every hand-over between two of them is a wake-up (a futex, a
+context switch, the GIL changing hands), which on a fast loader costs more than the batch itself.
+So the loader thread runs ahead on its own (`pump`): it takes read-ahead slots itself, reads as
+many batches as it holds slots for, and pushes each into a `Feed`, which wakes the event loop only
+when it is not already due to drain it. The training loop gives slots back (`ReadAhead.give_back`)
+and wakes the loader only once a quarter of the slots are free again, not for every batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["END_OF_LOADER", "Failed", "Feed", "LoaderThread", "ReadAhead", "pump"]
+
+END_OF_LOADER = object()
+
+
+class Failed:
+    """What the loader raised, in the place of the batch it could not give."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class LoaderThread:
+    """Pulls batches from the user's loader on a daemon thread, so a blocking loader never blocks the
+    event loop and never keeps the interpreter from exiting. Jobs run one at a time, in order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # put/get in C
+        self._thread = threading.Thread(target=self._run, name="distill-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run `job` on the loader thread, after the jobs before it; nobody waits for it."""
+        self._jobs.put(job)
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """`fn()` on the loader thread; its result (or error) as a future of `loop`."""
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # delivered to the awaiting coroutine
+                _deliver(loop, _set_exception, fut, e)
+            else:
+                _deliver(loop, _set_result, fut, result)
+
+        self._jobs.put(run)
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None],
+             fut: asyncio.Future[Any], value: Any) -> None:
+    """Hand a loader result to the loop; if the reader closed meanwhile, nobody waits for it."""
+    try:
+        loop.call_soon_threadsafe(setter, fut, value)
+    except RuntimeError:  # the event loop is closed
+        pass
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class ReadAhead:
+    """The read-ahead slots of one pass: taken on the loader thread before it reads a batch, given
+    back from the training loop's thread when it takes one. A loader with no slot sleeps until
+    `wake_at` slots are free (a quarter of them), so a loader faster than the training loop is woken
+    once per few batches. `close` ends the pass: the loader's `take` then returns 0."""
+
+    def __init__(self, epoch: int, slots: int) -> None:
+        self.epoch = epoch
+        self._free = slots
+        self._wake_at = max(1, slots // 4)
+        self._lock = threading.Lock()
+        self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake the loader
+        self._wakeup.acquire()
+        self._waiting = False
+        self.closed = False
+
+    def take(self) -> int:
+        """All the free slots (at least one), waiting for them; 0 once the pass is closed. Loader thread."""
+        while True:
+            with self._lock:
+                if self.closed:
+                    return 0
+                if self._free > 0:
+                    n, self._free = self._free, 0
+                    return n
+                self._waiting = True
+            self._wakeup.acquire()
+
+    def give_back(self) -> None:
+        """One slot back (any thread); wakes a waiting loader once `wake_at` slots are free."""
+        with self._lock:
+            self._free += 1
+            if self._waiting and self._free >= self._wake_at:
+                self._waiting = False
+                self._wakeup.release()
+
+    def close(self) -> None:
+        """End the pass: a loader waiting for a slot returns at once (any thread)."""
+        with self._lock:
+            self.closed = True
+            if self._waiting:
+                self._waiting = False
+                self._wakeup.release()
+
+
+class Feed:
+    """Batches from the loader thread to the event loop. `push` wakes the loop only when `get`
+    waits and has not been woken yet, so batches read in a row reach the loop in one wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: Any) -> None:
+        """Any thread."""
+        with self._lock:
+            self._items.append(item)
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            _deliver(self._loop, _set_result, waiter, None)
+
+    async def get(self) -> list[Any]:
+        """Everything pushed so far (at least one item), waiting for it. Event loop thread."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+                waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+
+def pump(slots: ReadAhead, next_batch: Callable[[], Any], feed: Feed) -> None:
+    """The loader thread's job for one pass: a batch per read-ahead slot, each pushed as soon as it is
+    read, until the loader ends (END_OF_LOADER) or raises (`Failed`), or the pass is closed."""
+    while (n := slots.take()) > 0:
+        for _ in range(n):
+            if slots.closed:
+                return
+            try:
+                item = next_batch()
+            except BaseException as e:  # the loader's (or the inputs') error, in the batch's place
+                feed.push(Failed(e))
+                return
+            feed.push(item)
+            if item is END_OF_LOADER:
+                return

@@ -1,0 +1,212 @@
+"""The reader's hand-overs between threads, on their own: the loader thread reading ahead by
+read-ahead slots (`distill.readahead`), the one-timer timeline of late and hedge checks
+(`distill.timeline`), and the outbox that hands a turn's finished batches to the training loop
+as one item (`distill.reader.Outbox`). Real threads and a real event loop; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
+from distill.reader import BATCH, END, Outbox
+from distill.timeline import Timeline
+
+LIMIT_S = 10.0
+
+
+def _wait_until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
+    slots = ReadAhead(1, 8)
+    taken: list[int] = []
+    done = threading.Event()
+
+    def loader() -> None:
+        while (n := slots.take()) > 0:
+            taken.append(n)
+        done.set()
+
+    thread = threading.Thread(target=loader, daemon=True)
+    thread.start()
+    _wait_until(lambda: taken == [8], "the first take of every slot")
+    slots.give_back()  # 1 free: below a quarter of 8, the loader sleeps on
+    time.sleep(0.05)
+    assert taken == [8]
+    slots.give_back()  # 2 free: a quarter, the loader takes both
+    _wait_until(lambda: taken == [8, 2], "the loader to take the two free slots")
+    slots.close()
+    assert done.wait(LIMIT_S), "close() must wake a loader waiting for a slot"
+    thread.join(LIMIT_S)
+    assert slots.take() == 0
+
+
+def test_pump_pushes_each_batch_then_the_end_and_stops() -> None:
+    async def scenario() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        slots, feed, loader = ReadAhead(1, 4), Feed(loop), LoaderThread()
+        source = iter(range(6))
+
+        def next_batch() -> object:
+            return next(source, END_OF_LOADER)
+
+        loader.run(lambda: pump(slots, next_batch, feed))
+        got: list[Any] = []
+        try:
+            while END_OF_LOADER not in got:
+                items = await asyncio.wait_for(feed.get(), LIMIT_S)
+                assert items, "get() returns at least one item"
+                got += items
+                for item in items:
+                    if item is not END_OF_LOADER:
+                        slots.give_back()  # the training loop took it
+        finally:
+            slots.close()
+            loader.close()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got == [0, 1, 2, 3, 4, 5, END_OF_LOADER]
+
+
+def test_pump_hands_over_the_loaders_error_in_its_place_and_stops() -> None:
+    async def scenario() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        slots, feed, loader = ReadAhead(1, 8), Feed(loop), LoaderThread()
+        calls = 0
+
+        def next_batch() -> object:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise ValueError("the loader broke")
+            return calls
+
+        loader.run(lambda: pump(slots, next_batch, feed))
+        got: list[Any] = []
+        try:
+            while not any(isinstance(i, Failed) for i in got):
+                got += await asyncio.wait_for(feed.get(), LIMIT_S)
+            await asyncio.sleep(0.05)  # nothing more comes after the error
+            assert calls == 3
+        finally:
+            slots.close()
+            loader.close()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[:2] == [1, 2] and len(got) == 3
+    assert isinstance(got[2], Failed) and str(got[2].error) == "the loader broke"
+
+
+def test_closed_pass_stops_the_pump_without_another_batch() -> None:
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        slots, feed, loader = ReadAhead(1, 2), Feed(loop), LoaderThread()
+        reads = 0
+
+        def next_batch() -> object:
+            nonlocal reads
+            reads += 1
+            return reads
+
+        finished = threading.Event()
+
+        def job() -> None:
+            pump(slots, next_batch, feed)
+            finished.set()
+
+        loader.run(job)
+        assert await asyncio.wait_for(feed.get(), LIMIT_S)
+        await asyncio.sleep(0.05)
+        slots.close()  # the pump waits for a slot (both taken): it returns at once
+        assert await asyncio.to_thread(finished.wait, LIMIT_S)
+        loader.close()
+        return reads
+
+    assert asyncio.run(scenario()) == 2
+
+
+class Fired:
+    """What a timeline's callbacks recorded; `all_in` is set once `expected` of them ran."""
+
+    def __init__(self, expected: int) -> None:
+        self.names: list[str] = []
+        self.expected = expected
+        self.all_in = asyncio.Event()
+
+    def __call__(self, name: str) -> None:
+        self.names.append(name)
+        if len(self.names) >= self.expected:
+            self.all_in.set()
+
+
+def test_timeline_runs_callbacks_in_time_order_on_one_timer() -> None:
+    async def scenario() -> list[str]:
+        timeline = Timeline()
+        fired = Fired(4)
+        timeline.call_later(0.06, fired, "late")
+        timeline.call_later(0.02, fired, "early")
+        timeline.call_later(0.02, fired, "early, scheduled second")
+        timeline.call_later(0.0, fired, "now")
+        assert len(timeline) == 4
+        await asyncio.wait_for(fired.all_in.wait(), LIMIT_S)
+        assert len(timeline) == 0
+        timeline.call_later(0.01, fired, "dropped")
+        timeline.close()
+        await asyncio.sleep(0.05)
+        return fired.names
+
+    assert asyncio.run(scenario()) == ["now", "early", "early, scheduled second", "late"]
+
+
+def test_timeline_goes_on_after_a_callback_raises(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> list[str]:
+        timeline = Timeline()
+        fired = Fired(2)
+
+        def broken() -> None:
+            raise RuntimeError("a broken check")
+
+        timeline.call_later(0.01, broken)
+        timeline.call_later(0.01, fired, "after")
+        timeline.call_later(0.03, fired, "later")
+        await asyncio.wait_for(fired.all_in.wait(), LIMIT_S)
+        return fired.names
+
+    assert asyncio.run(scenario()) == ["after", "later"]
+    assert "a scheduled reader check failed" in caplog.text
+
+
+def test_outbox_hands_over_one_turns_batches_as_one_item_in_order() -> None:
+    out = Outbox()
+
+    async def engine() -> None:
+        out.batch(1, "a", {"Y": 1}, 8)
+        out.batch(1, "b", {"Y": 2}, 8)  # same turn: one item with "a"
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        out.batch(1, "c", {"Y": 3}, 8)
+        out.end(1)  # goes after "c", which it flushes first
+
+    asyncio.run(engine())
+    raw = [out._queue.get_nowait() for _ in range(3)]
+    assert [(epoch, kind, len(payload) if isinstance(payload, list) else payload) for epoch, kind, payload in raw] == [
+        (1, "batches", 2), (1, "batches", 1), (1, END, None)]
+    for item in raw:
+        out._queue.put(item)
+    items = out.items(1, alive=lambda: True, poll_s=LIMIT_S)
+    got = [next(items) for _ in range(4)]
+    assert got == [(BATCH, ("a", {"Y": 1}, 8)), (BATCH, ("b", {"Y": 2}, 8)), (BATCH, ("c", {"Y": 3}, 8)),
+                   (END, None)]
