@@ -26,6 +26,9 @@ alone (max |diff|, fp32). Reported: useful tokens per second (median of --reps i
 repetitions), padding efficiency (useful / computed positions) and packed / padded throughput
 (the median over repetitions of each repetition's ratio, and the fastest pass's against the fastest
 pass's: on a shared machine other jobs only ever slow a pass down).
+
+Outcome (README, W6): packing is exact but no faster than the server's own padded batches on CPU,
+so the server does not pack.
 """
 
 from __future__ import annotations
