@@ -3,8 +3,10 @@ distillation through a real teacher server, on tiny models trained into a tempor
 
 Checked on what the run wrote: every arm trained and was evaluated (finite held-out perplexity and
 teacher NLL of its own samples, on the same number of sampled held-out tokens), the on-policy arm
-spent the off-policy arm's teacher-token budget (within one sampled sequence) and no KD none, and
-the on-policy loss (a reverse KL) fell.
+spent the off-policy arm's teacher-token budget (within one sampled sequence) and no KD none, the
+on-policy loss (a reverse KL) fell, and with the smoke's warm start every arm of the seed trained
+from the warm-start checkpoint's very weights (equal digests of every parameter and buffer), which
+its plain LM steps had trained (its loss fell).
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ def test_the_smoke_comparison_trains_and_evaluates_every_arm(tmp_path: Path, mon
     assert compare.main(["--smoke", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     runs = {r["arm"]: r for r in result["runs"]}
-    assert set(runs) == set(compare.ARMS) and len(result["runs"]) == 3
+    assert set(runs) == {compare.START, *compare.ARMS} and len(result["runs"]) == 4
+    settings = result["settings"]
+    start = runs.pop(compare.START)
+    assert settings["warm_start_steps"] == compare.SMOKE_WARM_START_STEPS > 0
+    assert start["steps"] == settings["warm_start_steps"] and start["teacher_tokens"] == 0
+    assert start["last_loss"] < start["first_loss"]
+    assert {r["start_digest"] for r in runs.values()} == {start["start_digest"]}
+    assert set(result["mean"]) == {compare.START, *compare.ARMS}
     for r in runs.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
         assert math.isfinite(r["teacher_nll"]) and r["teacher_nll"] > 0.0 and r["student_nll"] > 0.0
         assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
-    settings = result["settings"]
     assert len({r["sample_tokens"] for r in runs.values()}) == 1  # every arm judged on as many sampled tokens
     assert runs["no KD"]["sample_tokens"] == settings["eval_prompts"] * settings["new_tokens"]
     budget = runs["off-policy KD"]["teacher_tokens"]
