@@ -88,6 +88,7 @@ class Settings:
     eval_prompts: int
     role: str
     warm_start_steps: int
+    warm_start_lr: float
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,8 @@ def warm_start(splits: Splits, pad_id: int, vocab_size: int, s: Settings, *, see
     in the order of ``seed + WARM_DATA_SEED``) and save it into ``directory``. Returns (the
     checkpoint, the warm student, its loss per step, training seconds)."""
     student, losses, seconds = fit(splits, pad_id, vocab_size, NoTeacher(), seed=seed, steps=s.warm_start_steps,
-                                   batch_size=s.batch_size, lr=s.lr, loss_fn=TokenKDLoss(alpha=1.0), role=s.role,
-                                   data_seed=seed + WARM_DATA_SEED)
+                                   batch_size=s.batch_size, lr=s.warm_start_lr, loss_fn=TokenKDLoss(alpha=1.0),
+                                   role=s.role, data_seed=seed + WARM_DATA_SEED)
     path = directory / f"warm-start-seed{seed}.pt"
     torch.save(student.state_dict(), path)
     return path, student, losses, seconds
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100,
                    help="optimizer steps of the no-KD and off-policy arms (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every arm (default: %(default)s)")
     p.add_argument("--k", type=int, default=16, help="teacher top-k, and the student's top-k scored on-policy "
                    "(default: %(default)s)")
     p.add_argument("--alpha", type=float, default=0.5, help="hard-label weight of off-policy KD (default: %(default)s)")
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain LM steps every arm of a seed starts from, once per seed, not in any arm's budget; 0: "
                    f"every arm from random weights (default: {WARM_START_STEPS}; {SMOKE_WARM_START_STEPS} with "
                    "--smoke)")
+    p.add_argument("--warm-start-lr", type=float, default=None, help="peak learning rate of the warm start "
+                   "(default: --lr)")
     p.add_argument("--threads", type=int, default=0, help="torch threads, here and in the teacher server "
                    "(default: one per core)")
     p.add_argument("--teacher", type=Path, default=None, help="teacher directory (default: the cache's llm/teacher;"
@@ -315,15 +318,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_steps = args.warm_start_steps
     if warm_steps is None:
         warm_steps = SMOKE_WARM_START_STEPS if args.smoke else WARM_START_STEPS
+    warm_lr = args.lr if args.warm_start_lr is None else args.warm_start_lr
     if warm_steps < 0:
         raise SystemExit(f"--warm-start-steps must be >= 0, got {warm_steps}")
     if args.smoke:
         s = Settings(steps=12, batch_size=8, lr=args.lr, k=8, alpha=args.alpha, prompt_tokens=8, new_tokens=24,
-                     eval_sequences=16, eval_prompts=8, role="student-smoke", warm_start_steps=warm_steps)
+                     eval_sequences=16, eval_prompts=8, role="student-smoke", warm_start_steps=warm_steps,
+                     warm_start_lr=warm_lr)
     else:
         s = Settings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, k=args.k, alpha=args.alpha,
                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, eval_sequences=args.eval_sequences,
-                     eval_prompts=args.eval_prompts, role="student", warm_start_steps=warm_steps)
+                     eval_prompts=args.eval_prompts, role="student", warm_start_steps=warm_steps,
+                     warm_start_lr=warm_lr)
     if s.prompt_tokens + s.new_tokens > seq_len:
         raise SystemExit(f"--prompt-tokens + --new-tokens must fit the teacher's {seq_len} positions")
     prompts = held_out_prompts(splits, s)
