@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import statistics
 import sys
@@ -71,6 +72,8 @@ START = "warm start"
 """The row of the warm-start checkpoint itself, evaluated before any arm trains from it."""
 WARM_DATA_SEED = 1_000
 """Added to the seed for the warm start's batch order, so it draws other batches than the arms'."""
+MIX_SEED = 2_000
+"""Added to the seed for the on-policy arm's draws of which steps train on text, and of that text."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Settings:
     role: str
     warm_start_steps: int
     warm_start_lr: float
+    on_policy_fraction: float
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class ArmResult:
     last_loss: float
     seconds: float
     start_digest: str
+    text_steps: int = 0
+    """Steps on training text instead of the student's samples (the on-policy arm with lambda < 1)."""
 
 
 def offpolicy_tokens(splits: Splits, pad_id: int, s: Settings, seed: int) -> int:
@@ -152,10 +158,12 @@ def warm_start(splits: Splits, pad_id: int, vocab_size: int, s: Settings, *, see
 
 
 def train_on_policy(student: torch.nn.Module, splits: Splits, reader: onpolicy.Scorer, s: Settings, *, seed: int,
-                    budget: int) -> tuple[torch.nn.Module, list[float], int, float]:
+                    budget: int) -> tuple[torch.nn.Module, list[float], int, float, int]:
     """The on-policy arm: sample, score through ``reader``, step, until ``budget`` teacher-scored
-    tokens are spent; ``student`` (trained in place) is the seed's starting point. Returns
-    (student, loss per step, tokens scored, training seconds)."""
+    tokens are spent; ``student`` (trained in place) is the seed's starting point. With
+    ``on_policy_fraction`` < 1 (GKD's ``lambda``) each step is on-policy with that probability and
+    otherwise on training text (``onpolicy.text_rollout``), scored and trained on the same way. Returns
+    (student, loss per step, tokens scored, training seconds, steps on training text)."""
     sequences = -(-budget // s.new_tokens)
     steps = -(-sequences // s.batch_size)
     opt = torch.optim.AdamW(student.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -164,6 +172,14 @@ def train_on_policy(student: torch.nn.Module, splits: Splits, reader: onpolicy.S
     gen = torch.Generator().manual_seed(seed)
     eligible = torch.tensor([i for i, seq in enumerate(splits.train) if len(seq) >= s.prompt_tokens])
     order = eligible[torch.randperm(len(eligible), generator=gen)].tolist()
+    mix = torch.Generator().manual_seed(seed + MIX_SEED)  # its own stream: lambda = 1 draws nothing from it
+    length = s.prompt_tokens + s.new_tokens
+    texts = [i for i, seq in enumerate(splits.train) if len(seq) >= length] if s.on_policy_fraction < 1 else []
+    if s.on_policy_fraction < 1 and not texts:
+        raise ValueError(f"no training sequence has --prompt-tokens + --new-tokens = {length} tokens for the "
+                         "steps on training text; lower them or use --on-policy-fraction 1")
+    text_order = [texts[i] for i in torch.randperm(len(texts), generator=mix).tolist()]
+    text_at = text_steps = 0
     losses: list[float] = []
     tokens = 0
     started = time.perf_counter()
@@ -171,8 +187,15 @@ def train_on_policy(student: torch.nn.Module, splits: Splits, reader: onpolicy.S
     for step in range(steps):
         first = step * s.batch_size
         rows = [order[(first + r) % len(order)] for r in range(min(s.batch_size, sequences - first))]
-        rollout = onpolicy.sample(student, onpolicy.prompts_from(splits.train, rows, s.prompt_tokens),
-                                  s.new_tokens, k=s.k, generator=gen)
+        if s.on_policy_fraction >= 1 or float(torch.rand((), generator=mix)) < s.on_policy_fraction:
+            rollout = onpolicy.sample(student, onpolicy.prompts_from(splits.train, rows, s.prompt_tokens),
+                                      s.new_tokens, k=s.k, generator=gen)
+        else:
+            chosen = [text_order[(text_at + r) % len(text_order)] for r in range(len(rows))]
+            text_at += len(rows)
+            text_steps += 1
+            rollout = onpolicy.text_rollout(student, onpolicy.prompts_from(splits.train, chosen, length),
+                                            s.prompt_tokens, k=s.k)
         outputs = reader.score(rollout.batch())  # staleness 0: scored before the step that trains on it
         logits = student(input_ids=rollout.input_ids).logits
         loss = onpolicy.on_policy_loss(loss_fn, logits, rollout, outputs)
@@ -183,7 +206,7 @@ def train_on_policy(student: torch.nn.Module, splits: Splits, reader: onpolicy.S
         sched.step()
         losses.append(float(loss.detach()))
         tokens += rollout.tokens
-    return student, losses, tokens, time.perf_counter() - started
+    return student, losses, tokens, time.perf_counter() - started, text_steps
 
 
 def held_out_prompts(splits: Splits, s: Settings) -> torch.Tensor:
@@ -225,8 +248,10 @@ def run_seed(splits: Splits, pad_id: int, vocab_size: int, s: Settings, *, seed:
         student = start_student(splits, pad_id, vocab_size, s, seed=seed, checkpoint=checkpoint)
         digest = weights_digest(student)
         if arm == "on-policy":
-            student, losses, tokens, seconds = train_on_policy(student, splits, scorer, s, seed=seed, budget=budget)
+            student, losses, tokens, seconds, text_steps = train_on_policy(student, splits, scorer, s, seed=seed,
+                                                                           budget=budget)
         else:
+            text_steps = 0
             source = NoTeacher() if arm == "no KD" else kd_source
             student, losses, seconds = fit(splits, pad_id, vocab_size, source, seed=seed, steps=s.steps,
                                            batch_size=s.batch_size, lr=s.lr,
@@ -234,6 +259,7 @@ def run_seed(splits: Splits, pad_id: int, vocab_size: int, s: Settings, *, seed:
             tokens = 0 if arm == "no KD" else budget
         r = judge(arm, student, splits, pad_id, s, seed=seed, evaluator=evaluator, prompts=prompts, losses=losses,
                   tokens=tokens, seconds=seconds, start_digest=digest)
+        r = dataclasses.replace(r, text_steps=text_steps)
         first, last = r.first_loss, r.last_loss
         out.append(r)
         print(f"  seed {seed} {arm:>13}: held-out perplexity {r.perplexity:8.2f}, teacher NLL of own samples "
@@ -293,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--smoke)")
     p.add_argument("--warm-start-lr", type=float, default=None, help="peak learning rate of the warm start "
                    "(default: --lr)")
+    p.add_argument("--on-policy-fraction", type=float, default=1.0, metavar="LAMBDA",
+                   help="GKD's lambda: the share of the on-policy arm's steps on the student's samples, the rest on "
+                   "training text with the same divergence (default: %(default)s, every step on-policy)")
     p.add_argument("--threads", type=int, default=0, help="torch threads, here and in the teacher server "
                    "(default: one per core)")
     p.add_argument("--teacher", type=Path, default=None, help="teacher directory (default: the cache's llm/teacher;"
@@ -319,23 +348,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if warm_steps is None:
         warm_steps = SMOKE_WARM_START_STEPS if args.smoke else WARM_START_STEPS
     warm_lr = args.lr if args.warm_start_lr is None else args.warm_start_lr
+    if not 0.0 <= args.on_policy_fraction <= 1.0:
+        raise SystemExit(f"--on-policy-fraction must be in [0, 1], got {args.on_policy_fraction}")
     if warm_steps < 0:
         raise SystemExit(f"--warm-start-steps must be >= 0, got {warm_steps}")
     if args.smoke:
         s = Settings(steps=12, batch_size=8, lr=args.lr, k=8, alpha=args.alpha, prompt_tokens=8, new_tokens=24,
                      eval_sequences=16, eval_prompts=8, role="student-smoke", warm_start_steps=warm_steps,
-                     warm_start_lr=warm_lr)
+                     warm_start_lr=warm_lr, on_policy_fraction=args.on_policy_fraction)
     else:
         s = Settings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, k=args.k, alpha=args.alpha,
                      prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, eval_sequences=args.eval_sequences,
                      eval_prompts=args.eval_prompts, role="student", warm_start_steps=warm_steps,
-                     warm_start_lr=warm_lr)
+                     warm_start_lr=warm_lr, on_policy_fraction=args.on_policy_fraction)
     if s.prompt_tokens + s.new_tokens > seq_len:
         raise SystemExit(f"--prompt-tokens + --new-tokens must fit the teacher's {seq_len} positions")
     prompts = held_out_prompts(splits, s)
     print(f"{len(seeds)} seed(s) x {', '.join(ARMS)}: {s.steps} steps x {s.batch_size} sequences off-policy; on-policy "
           f"prompts of {s.prompt_tokens} + {s.new_tokens} sampled tokens; top-{s.k}; {len(prompts)} held-out prompts; "
-          f"warm start: {s.warm_start_steps} plain LM steps; {threads} torch threads", flush=True)
+          f"on-policy fraction {s.on_policy_fraction:g}; warm start: {s.warm_start_steps} plain LM steps; "
+          f"{threads} torch threads", flush=True)
     runs: list[ArmResult] = []
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
