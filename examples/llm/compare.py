@@ -26,6 +26,8 @@ initialisation itself. The warm start itself is evaluated too (the ``warm start`
   (``examples.llm.onpolicy``); the loss is the reverse KL on the union of the student's top-k, the
   teacher's top-k and the sampled token. It samples until it has spent the off-policy arm's
   teacher-token budget (within one sequence), so it takes its own number of steps.
+  ``--on-policy-fraction LAMBDA`` < 1 is GKD's mix: each step is on-policy with probability LAMBDA,
+  otherwise on training text with the same scoring and divergence (``onpolicy.text_rollout``).
 
 Held-out, per run: perplexity on ``--eval-sequences`` sequences of the held-out split, and the
 teacher's per-token NLL of continuations the trained student samples from ``--eval-prompts``
