@@ -123,6 +123,29 @@ def sample(model: nn.Module, prompts: Tensor, new_tokens: int, *, k: int, genera
     return Rollout(ids, score_ids, mask, logq)
 
 
+@torch.no_grad()
+def text_rollout(model: nn.Module, texts: Tensor, prompt_tokens: int, *, k: int) -> Rollout:
+    """Training text ``[B, P + N]`` as a ``Rollout``: the text's own last ``N`` tokens stand where
+    ``sample`` puts sampled ones, with the student's top-``k`` ids and its ``log q`` of each text token
+    at the positions that predict them. GKD's steps on the fixed data (``lambda`` < 1): the same
+    scoring and the same divergence, on contexts the student did not write."""
+    b, total = texts.shape
+    if not 1 <= prompt_tokens < total:
+        raise ValueError(f"need 1 <= prompt_tokens < the texts' {total} tokens, got {prompt_tokens}")
+    was_training = model.training
+    model.eval()
+    logprobs = torch.log_softmax(model(input_ids=texts).logits.float(), dim=-1)
+    model.train(was_training)
+    span = slice(prompt_tokens - 1, total - 1)  # the positions whose logits predict a text token after the prompt
+    mask = torch.zeros((b, total), dtype=torch.long)
+    mask[:, span] = 1
+    score_ids = torch.zeros((b, total, k), dtype=torch.int32)
+    score_ids[:, span] = logprobs[:, span].topk(k, dim=-1).indices.to(torch.int32)
+    logq = torch.zeros((b, total))
+    logq[:, span] = logprobs[:, span].gather(-1, texts[:, prompt_tokens:, None]).squeeze(-1)
+    return Rollout(texts.clone(), score_ids, mask, logq)
+
+
 def prompts_from(sequences: Sequence[list[int]], indices: Sequence[int], length: int) -> Tensor:
     """The first ``length`` tokens of each chosen sequence (each must have that many)."""
     return torch.tensor([sequences[i][:length] for i in indices], dtype=torch.long)

@@ -83,14 +83,22 @@ def train_one(
 
 def fit(
     splits: Splits, pad_id: int, vocab_size: int, source: TargetSource, *, seed: int, steps: int,
-    batch_size: int, lr: float, loss_fn: TokenKDLoss, role: str = "student",
+    batch_size: int, lr: float, loss_fn: TokenKDLoss, role: str = "student", student: torch.nn.Module | None = None,
+    data_seed: int | None = None,
 ) -> tuple[torch.nn.Module, list[float], float]:
-    """The training of ``train_one``: (the trained student, its loss per step, training seconds)."""
-    seed_everything(seed)
-    student = models.build(role, vocab_size, max_len=splits.seq_len, pad_token_id=pad_id)
+    """The training of ``train_one``: (the trained student, its loss per step, training seconds).
+
+    ``student``: train this model (trained in place; a warm start) instead of the seed's fresh
+    initialisation. ``data_seed``: the batches' order (default ``seed``), so a warm start can draw
+    other batches than the runs that continue from it.
+    """
+    if student is None:
+        seed_everything(seed)
+        student = models.build(role, vocab_size, max_len=splits.seq_len, pad_token_id=pad_id)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = cosine_lr(opt, steps, warmup=max(1, steps // 20))
-    loader = train_batches(splits, pad_id, batch_size=batch_size, seed=seed, steps=steps)
+    loader = train_batches(splits, pad_id, batch_size=batch_size, seed=seed if data_seed is None else data_seed,
+                           steps=steps)
     losses: list[float] = []
     started = time.perf_counter()
     student.train()
