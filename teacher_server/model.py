@@ -256,7 +256,7 @@ def _cuda_layout(module: Any, io: ModelIO, device: torch.device) -> Any:
     torch.backends.cudnn.benchmark = True
     images = any(len(s.shape) == 3 and -1 not in s.shape for s in io.inputs)
     if images and isinstance(module, torch.nn.Module) and not isinstance(module, torch.jit.ScriptModule):
-        module = module.to(memory_format=torch.channels_last)
+        module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # runtime kwarg, not in the stubs
     return module
 
 
