@@ -24,7 +24,7 @@ queued, a batch waits out the delay or runs smaller rather than pad a wide sprea
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
 
-Outputs go back asynchronously (`BatchingConfig.async_outputs`, on by default): an instance's
+Outputs go back asynchronously (`BatchingConfig.async_outputs`, by default for models on a GPU): an instance's
 thread only launches a batch (`ModelInstance.launch`: device work and host copies enqueued) and
 the worker hands it the next one at once, while the instance's finishing stage
 (`teacher_server.finishing`) waits for the copies and encodes; a task per launched batch answers
@@ -104,6 +104,9 @@ class DynamicBatcher:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
+        # asynchronous outputs where they overlap device work (BatchingConfig.async_outputs None)
+        self._async_outputs = config.async_outputs if config.async_outputs is not None else any(
+            inst.model.device.type != "cpu" for inst in instances)
         self._rules = BatchRules(config)
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
                          if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
@@ -254,7 +257,7 @@ class DynamicBatcher:
         the batch is answered by its own task once finished (`_answer`). If the server stops, the
         requests of a batch formed and not launched are answered UNAVAILABLE."""
         stager = self._stagers.get(inst.index)
-        slots = asyncio.Semaphore((2 if self._config.async_outputs else 1) + (stager is not None))
+        slots = asyncio.Semaphore((2 if self._async_outputs else 1) + (stager is not None))
         nxt: asyncio.Future[list[_Pending]] | None = None
         try:
             while True:
@@ -300,7 +303,7 @@ class DynamicBatcher:
         self._executing += 1
         try:
             done = await loop.run_in_executor(inst.executor, inst.launch, [p.work for p in batch],
-                                              self._config.async_outputs)
+                                              self._async_outputs)
         except BaseException as e:
             self._executing -= 1
             slots.release()

@@ -125,8 +125,9 @@ BATCHING = (
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",
             kind="negated"),
     Setting("async_outputs", "finish each batch (wait for its device-to-host copies, cut and encode each "
-            "request's outputs) on the instance's thread before it takes the next batch (default: on a "
-            "finishing thread of its own, overlapping the next batch's compute)", "batching",
+            "request's outputs) on the instance's thread before it takes the next batch (default: on a GPU, "
+            "on a finishing thread of its own, overlapping the next batch's compute; on CPU, on the "
+            "instance's thread)", "batching",
             _BATCHING_DEFAULTS["async_outputs"], flag="--no-async-outputs", kind="negated"),
 )
 

@@ -116,8 +116,8 @@ class Setting:
     def from_namespace(self, args: argparse.Namespace) -> Any:
         """The keyword's value from the parsed flags (``--no-x`` given: False; ``from_flag`` applied)."""
         value = getattr(args, self.dest)
-        if self.kind == "negated":
-            return not value
+        if self.kind == "negated":  # a None default (chosen later, e.g. by device) stays None unless --no-x
+            return False if value else (None if self.launch_default is None else True)
         return self.from_flag(value) if self.from_flag is not None else value
 
 

@@ -130,11 +130,12 @@ def test_the_instance_runs_the_next_batch_while_the_last_one_is_finished(held: H
         inst.close()
 
 
-@pytest.mark.parametrize("async_outputs", [True, False])
-def test_an_instance_holds_at_most_two_batches_launched_and_not_answered(held: HeldEncoder,
-                                                                         async_outputs: bool) -> None:
+@pytest.mark.parametrize(("async_outputs", "bound"), [(True, 2), (False, 1), (None, 1)])
+def test_an_instance_holds_at_most_two_batches_launched_and_not_answered(held: HeldEncoder, async_outputs: bool | None,
+                                                                         bound: int) -> None:
+    """Two with asynchronous outputs, one without; by default (None) a model on the CPU finishes
+    on its instance's thread: there is no device work for a finishing thread to overlap."""
     inst = _instance()
-    bound = 2 if async_outputs else 1
 
     async def main() -> None:
         b = DynamicBatcher([inst], BatchingConfig(enabled=False, async_outputs=async_outputs))
@@ -167,7 +168,7 @@ def test_a_failure_while_finishing_fails_only_that_batchs_requests(monkeypatch: 
     inst = _instance()
 
     async def main() -> None:
-        b = DynamicBatcher([inst], BatchingConfig(enabled=False))
+        b = DynamicBatcher([inst], BatchingConfig(enabled=False, async_outputs=True))
         tokens: list[tuple[int, int]] = []
         b.on_tokens(lambda useful, computed: tokens.append((useful, computed)))
         b.start()
@@ -192,7 +193,7 @@ def test_closing_answers_a_batch_awaiting_its_finish_and_does_not_wait_for_it(he
     inst = _instance()
 
     async def main() -> None:
-        b = DynamicBatcher([inst], BatchingConfig(enabled=False))
+        b = DynamicBatcher([inst], BatchingConfig(enabled=False, async_outputs=True))
         b.start()
         first = asyncio.create_task(b.submit(_work(9, 0)))
         await _until("the first batch's finishing to begin", lambda: held.calls == 1)
@@ -212,7 +213,8 @@ def test_closing_answers_a_batch_awaiting_its_finish_and_does_not_wait_for_it(he
 
 
 def test_no_async_outputs_is_a_flag_and_a_keyword() -> None:
-    assert server_config(MODEL).batching.async_outputs is True
+    assert server_config(MODEL).batching.async_outputs is None  # chosen by the batcher from the device
     assert server_config(MODEL, async_outputs=False).batching.async_outputs is False
     values = flag_values(build_parser().parse_args(["--model", MODEL, "--no-async-outputs"]))
     assert values["async_outputs"] is False
+    assert flag_values(build_parser().parse_args(["--model", MODEL]))["async_outputs"] is None
