@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from benchmarks import serving_measure
 from benchmarks.common import REF_MODEL_REF, REPO_ROOT, format_table, interleave, machine_info, median, ratio
 from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
 from benchmarks.serving_measure import open_channel
@@ -78,50 +78,14 @@ def build_request(io: ModelIO, batch: int) -> service_pb2.ModelInferRequest:
     return req
 
 
-def measure_inprocess(model: InProcessModel, x: torch.Tensor, warmup_s: float, duration_s: float) -> float:
-    """Samples/s of back-to-back calls on one resident batch (each call finished before the next)."""
-    x = model.place(x)
-    with torch.inference_mode():
-        end = time.perf_counter() + warmup_s
-        while time.perf_counter() < end:
-            model(x)
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < duration_s:
-            model(x)
-            n += 1
-    return n * x.shape[0] / (time.perf_counter() - start)
-
-
-async def measure_server(endpoint: str, request: service_pb2.ModelInferRequest, s: Settings) -> float:
+async def measure_server(proc: TeacherProcess, request: service_pb2.ModelInferRequest, s: Settings) -> float:
     """Samples/s completed inside the window while --clients requests are kept in flight."""
-    channel = open_channel(endpoint)
-    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-    loop = asyncio.get_running_loop()
-    window = [float("inf"), float("inf")]
-    done = 0
-    stop = False
-
-    async def client() -> None:
-        nonlocal done
-        while not stop:
-            await stub.ModelInfer(request, timeout=120)
-            if window[0] <= loop.time() <= window[1]:
-                done += 1
-
-    async with channel:
-        tasks = [asyncio.create_task(client()) for _ in range(s.clients)]
-        try:
-            await asyncio.sleep(s.warmup_s)
-            window[:] = [loop.time(), loop.time() + s.duration_s]
-            await asyncio.sleep(s.duration_s)
-            stop = True
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
-        finally:
-            stop = True
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    return done * s.batch / s.duration_s
+    async with open_channel(proc.endpoint) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        m = await serving_measure.measure_server([stub], request, batch=s.batch, concurrency=s.clients,
+                                                 warmup_s=s.warmup_s, duration_s=s.duration_s,
+                                                 server_pids=[proc.pid])
+    return m.samples_per_s
 
 
 def server_args(s: Settings, instances: int) -> list[str]:
@@ -140,9 +104,10 @@ def run(s: Settings) -> dict[str, Any]:
         servers = {n: stack.enter_context(TeacherProcess(server_args(s, n), label=f"instances-{n}", cwd=REPO_ROOT,
                                                          ready_timeout=300.0, stop_grace=20.0))
                    for n in s.counts}
-        variants = {"in_process": lambda: measure_inprocess(local, x, s.warmup_s, s.duration_s)}
+        variants = {"in_process": lambda: serving_measure.measure_inprocess(
+            local, s.inproc_batch, s.warmup_s, s.duration_s, sample=x).samples_per_s}
         for n, proc in servers.items():
-            variants[f"instances_{n}"] = lambda e=proc.endpoint: asyncio.run(measure_server(e, request, s))
+            variants[f"instances_{n}"] = lambda p=proc: asyncio.run(measure_server(p, request, s))
         rates = interleave(s.reps, variants,
                            on_result=lambda rep, name, v: print(f"  rep {rep + 1} {name:<12} {v:10,.0f} samples/s",
                                                                 flush=True))

@@ -76,16 +76,19 @@ def measure_inprocess(
     *,
     server_pids: Sequence[int] = (),
     workers: int = 1,
+    sample: torch.Tensor | None = None,
 ) -> Measurement:
-    """`model(x)` in a loop, timed over a whole number of calls (no partial-call error).
+    """`model(x)` in a loop, timed over a whole number of calls (no partial-call error). `x` is
+    `sample` (`batch` samples of another model's input) or random RefTeacher inputs.
 
     `workers` > 1 runs that many loops on their own threads at once, the in-process twin of a
     server with that many model instances (each thread uses the process-wide torch thread
     count). `server_pids` are our idle servers: counted apart from foreign load, expected ~0.
     """
     if workers > 1:
-        return _measure_inprocess_threads(model, batch, warmup_s, duration_s, server_pids=server_pids, workers=workers)
-    x = _place(model, torch.randn(batch, *INPUT_SHAPE))
+        return _measure_inprocess_threads(model, batch, warmup_s, duration_s, server_pids=server_pids, workers=workers,
+                                          sample=sample)
+    x = _place(model, _sample(batch, sample))
     meter = CpuMeter(server_pids)
     with torch.inference_mode():
         end_warmup = time.perf_counter() + warmup_s
@@ -106,15 +109,20 @@ def measure_inprocess(
     return Measurement(calls * batch / elapsed, calls, elapsed, cpu)
 
 
+def _sample(batch: int, sample: torch.Tensor | None) -> torch.Tensor:
+    return sample if sample is not None else torch.randn(batch, *INPUT_SHAPE)
+
+
 def _measure_inprocess_threads(
-    model: Model, batch: int, warmup_s: float, duration_s: float, *, server_pids: Sequence[int], workers: int
+    model: Model, batch: int, warmup_s: float, duration_s: float, *, server_pids: Sequence[int], workers: int,
+    sample: torch.Tensor | None = None,
 ) -> Measurement:
     """Several model(x) loops at once; each is timed over its own whole calls and the rates add."""
     barrier = threading.Barrier(workers + 1)
     start = [0.0]
 
     def loop() -> tuple[int, float]:
-        x = _place(model, torch.randn(batch, *INPUT_SHAPE))
+        x = _place(model, _sample(batch, sample))
         with torch.inference_mode():
             end_warmup = time.perf_counter() + warmup_s
             model(x)
@@ -187,8 +195,8 @@ class ServerStats:
         return ServerStats(*(a - b for a, b in zip(astuple(self), astuple(o), strict=True)))
 
 
-async def server_stats(stub: Any) -> ServerStats:
-    resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL_NAME), timeout=10)
+async def server_stats(stub: Any, model_name: str = MODEL_NAME) -> ServerStats:
+    resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=model_name), timeout=10)
     st = resp.model_stats[0]
     inf = st.inference_stats
     return ServerStats(int(st.inference_count), int(st.execution_count), int(inf.success.count),
@@ -205,7 +213,8 @@ async def measure_server(
     duration_s: float,
     server_pids: Sequence[int],
 ) -> Measurement:
-    """Keep `concurrency` requests in flight for warm-up + duration; rate over the window.
+    """Keep `concurrency` requests in flight for warm-up + duration; rate over the window (the
+    request's own model's statistics say how the server batched).
 
     The rate comes from `burst_rate` over the completions seen in the window. Requests still in
     flight when the window ends are awaited, not cancelled, so the server is idle (not computing
@@ -233,14 +242,14 @@ async def measure_server(
     tasks = [asyncio.create_task(client(stubs[i % len(stubs)])) for i in range(concurrency)]
     try:
         await asyncio.sleep(warmup_s)
-        stats0 = await server_stats(stubs[0])
+        stats0 = await server_stats(stubs[0], request.model_name)
         meter = CpuMeter(server_pids)
         meter.start()
         window_open = True
         await asyncio.sleep(duration_s)
         window_open = False
         cpu = meter.stop()
-        st = await server_stats(stubs[0]) - stats0
+        st = await server_stats(stubs[0], request.model_name) - stats0
         stop = True
         await asyncio.gather(*tasks)
     finally:
