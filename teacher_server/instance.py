@@ -165,7 +165,7 @@ class ModelInstance:
         xs = []
         for i, buf in enumerate(self._staging):
             if buf is None or total > buf.shape[0]:
-                host = batch_input(works, i).pin_memory()  # fresh pinned memory: torch tracks its copy
+                host = batch_input(works, i, pin=True)  # fresh pinned memory: torch tracks its copy
             else:
                 host = buf[:total]
                 torch.cat([w.inputs[i] for w in works], out=host)

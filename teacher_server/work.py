@@ -80,19 +80,16 @@ def batch_input(works: Sequence[Work], index: int, *, pin: bool = False) -> torc
     for a batch of 256 images that is 38 MB copied once instead of twice."""
     parts = [w.inputs[index] for w in works]
     plan = works[0].pads[index] if works[0].pads else None
-    longest = max(p.shape[plan[0] + 1] for p in parts) if plan is not None else 0
-    if plan is None or all(p.shape[plan[0] + 1] == longest for p in parts):
-        if not pin:
-            return torch.cat(parts)
-        shape = list(parts[0].shape)
-        shape[0] = sum(p.shape[0] for p in parts)
-        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
-    axis, value = plan
-    axis += 1  # the batch dimension comes first
     shape = list(parts[0].shape)
     shape[0] = sum(p.shape[0] for p in parts)
-    shape[axis] = longest
-    out = torch.full(shape, value, dtype=parts[0].dtype, pin_memory=pin)
+    axis = plan[0] + 1 if plan is not None else 0  # the batch dimension comes first
+    if plan is not None:
+        shape[axis] = max(p.shape[axis] for p in parts)
+    if plan is None or all(p.shape[axis] == shape[axis] for p in parts):
+        if not pin:
+            return torch.cat(parts)
+        return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, pin_memory=True))
+    out = torch.full(shape, plan[1], dtype=parts[0].dtype, pin_memory=pin)
     row = 0
     for p in parts:
         out[row : row + p.shape[0]].narrow(axis, 0, p.shape[axis]).copy_(p)
