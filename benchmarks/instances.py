@@ -133,12 +133,23 @@ def report(doc: dict[str, Any]) -> str:
         f"\nbest instance count: {doc['best_count']}"
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """argparse type: instance counts, comma-separated, each >= 1."""
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give instance counts >= 1, comma-separated, e.g. 1,2,3")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import run_and_report
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=REF_MODEL_REF, help="module:factory (default: RefTeacher)")
-    p.add_argument("--counts", default="1,2,3", help="instance counts to compare (default 1,2,3)")
+    p.add_argument("--counts", type=_counts, default=(1, 2, 3), help="instance counts to compare (default 1,2,3)")
     p.add_argument("--batch", type=int, default=32, help="samples per request (default 32)")
     p.add_argument("--clients", type=int, default=64, help="requests kept in flight (default 64)")
     p.add_argument("--inproc-batch", type=int, default=256, help="the in-process batch (default 256)")
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="instances", help="results file: benchmarks/results/<OUT>.json")
     add_device_args(p)
     a = p.parse_args(argv)
-    s = Settings(model=a.model, counts=tuple(int(c) for c in a.counts.split(",")), batch=a.batch,
+    s = Settings(model=a.model, counts=a.counts, batch=a.batch,
                  clients=a.clients, inproc_batch=a.inproc_batch, max_batch=a.max_batch_size,
                  reps=a.reps or (2 if a.quick else 3), duration_s=a.duration or (1.0 if a.quick else 3.0),
                  warmup_s=0.5 if a.quick else 1.0, device=a.device, compute_dtype=a.compute_dtype)

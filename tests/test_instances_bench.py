@@ -39,3 +39,9 @@ def test_the_benchmark_compares_instance_counts_with_the_in_process_model(tmp_pa
     assert set(rates) == {"in_process", "instances_1", "instances_2"} and all(v > 0 for v in rates.values())
     assert doc["over_first_count"]["instances_1"] == 1.0 and doc["best_count"] in (1, 2)
     assert doc["settings"]["device"] == "cpu" and doc["settings"]["gpu"] is None
+
+
+def test_bad_instance_counts_are_refused_with_the_fix() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.instances", "--counts", "1,x"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "give instance counts >= 1, comma-separated" in proc.stderr
