@@ -4,7 +4,9 @@ A teacher that costs nothing (`Echo`: its output is its input, [16] float32 per 
 only what each side spends per batch: encoding, the gRPC call, decoding, and for the reader its
 loader thread, routing, delivery in order and the hand-over to the training loop. Batches of 8:
 
-  reader      DistillReader(loader, prefetch=16) iterated by a loop that does nothing else
+  reader      DistillReader(loader, prefetch=16) iterated by a loop that does nothing else; batches
+              that reach it together share a request (distill.bundles)
+  reader_per_batch  the same with bundle=False: one request per batch, as the generic client
   tritonclient  tritonclient.grpc.aio.InferenceServerClient with 16 requests in flight, each
                 building its InferInput from the batch's numpy array (what a generic client does)
 
@@ -69,22 +71,25 @@ class Pass:
 
     batches_per_s: float
     cpu_us_per_batch: float
+    bundled: float = 0.0  # the share of batches that went in a request with others
 
 
-def reader_rate(endpoint: str, batches: list[dict[str, torch.Tensor]]) -> Pass:
-    """One pass of a started DistillReader (connecting is not timed)."""
+def reader_rate(endpoint: str, batches: list[dict[str, torch.Tensor]], bundle: bool = True) -> Pass:
+    """One pass of a started DistillReader (connecting is not timed); `bundle=False`: a call per batch."""
     from distill import DistillReader
 
     with DistillReader(batches, teachers=endpoint, inputs=["X"], outputs=["Y"], prefetch=IN_FLIGHT,
-                       hedge_after=None) as reader:
+                       hedge_after=None, bundle=bundle) as reader:
         started, cpu = time.perf_counter(), time.process_time()
         n = 0
         last: Any = None
         for _, last in reader:  # noqa: B007 (the last answer is checked below)
             n += 1
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        bundled = reader.stats().bundled
     assert n == len(batches) and last["Y"].shape == (ROWS, WIDTH)
-    return Pass(n / elapsed, cpu / n * 1e6)
+    assert bundle or bundled == 0
+    return Pass(n / elapsed, cpu / n * 1e6, bundled / n)
 
 
 async def _triton_pass(endpoint: str, arrays: list[np.ndarray]) -> Pass:
@@ -166,43 +171,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         triton_rate(endpoint, batches[: args.batches // 10])
 
         def show(rep: int, name: str, p: Pass) -> None:
-            print(f"rep {rep}  {name:<13} {p.batches_per_s:8.0f} batches/s  {p.cpu_us_per_batch:6.0f} us CPU/batch",
-                  flush=True)
+            print(f"rep {rep}  {name:<16} {p.batches_per_s:8.0f} batches/s  {p.cpu_us_per_batch:6.0f} us CPU/batch"
+                  f"  {p.bundled:4.0%} bundled", flush=True)
 
         passes = interleave(args.reps, {"reader": lambda: reader_rate(endpoint, batches),
+                                        "reader_per_batch": lambda: reader_rate(endpoint, batches, bundle=False),
                                         "tritonclient": lambda: triton_rate(endpoint, batches)}, show)
     per_rep = {name: [p.batches_per_s for p in ps] for name, ps in passes.items()}
     cpu = {name: [p.cpu_us_per_batch for p in ps] for name, ps in passes.items()}
-    ratios = paired_ratios(per_rep["reader"], per_rep["tritonclient"])
-    cpu_ratios = paired_ratios(cpu["tritonclient"], cpu["reader"])
+    ratios = {name: paired_ratios(per_rep[name], per_rep["tritonclient"]) for name in ("reader", "reader_per_batch")}
+    cpu_ratios = {name: paired_ratios(cpu["tritonclient"], cpu[name]) for name in ("reader", "reader_per_batch")}
     return {
         "benchmark": "reader_overhead",
         "settings": {"batches": args.batches, "rows_per_batch": ROWS, "sample": f"FP32[{WIDTH}]",
-                     "requests_in_flight": IN_FLIGHT, "reps": args.reps, "teacher": "Echo (Y = X), 1 instance"},
+                     "requests_in_flight": IN_FLIGHT, "reps": args.reps, "teacher": "Echo (Y = X), 1 instance",
+                     "reader": "DistillReader defaults (bundle=True)",
+                     "reader_per_batch": "DistillReader(bundle=False)"},
         "machine": machine_info(),
         "batches_per_s": {name: [round(r, 1) for r in rates] for name, rates in per_rep.items()},
         "median_batches_per_s": {name: round(median(rates), 1) for name, rates in per_rep.items()},
-        "ratios": [round(r, 3) for r in ratios],
-        "ratio_reader_vs_tritonclient": round(median(ratios), 3),
+        "bundled_share": [round(p.bundled, 3) for p in passes["reader"]],
+        "ratios": {name: [round(r, 3) for r in rs] for name, rs in ratios.items()},
+        "ratio_reader_vs_tritonclient": round(median(ratios["reader"]), 3),
+        "ratio_reader_per_batch_vs_tritonclient": round(median(ratios["reader_per_batch"]), 3),
         "cpu_us_per_batch": {name: [round(c, 1) for c in cs] for name, cs in cpu.items()},
         "median_cpu_us_per_batch": {name: round(median(cs), 1) for name, cs in cpu.items()},
-        "cpu_ratios": [round(r, 3) for r in cpu_ratios],
-        "cpu_ratio_tritonclient_vs_reader": round(median(cpu_ratios), 3),
+        "cpu_ratios": {name: [round(r, 3) for r in rs] for name, rs in cpu_ratios.items()},
+        "cpu_ratio_tritonclient_vs_reader": round(median(cpu_ratios["reader"]), 3),
+        "cpu_ratio_tritonclient_vs_reader_per_batch": round(median(cpu_ratios["reader_per_batch"]), 3),
         "goal": ">= 1.0",
     }
 
 
 def report(doc: dict[str, Any]) -> str:
-    med = doc["median_batches_per_s"]
-    rates = doc["batches_per_s"]
-    return (f"reader        {med['reader']:8.0f} batches/s (median; per rep {rates['reader']})\n"
-            f"tritonclient  {med['tritonclient']:8.0f} batches/s (median; per rep {rates['tritonclient']})\n"
-            f"ratio         {doc['ratio_reader_vs_tritonclient']:.3f} (median of per-rep ratios {doc['ratios']}; "
-            f"goal {doc['goal']})\n"
-            f"CPU per batch reader {doc['median_cpu_us_per_batch']['reader']:.0f} us, tritonclient "
-            f"{doc['median_cpu_us_per_batch']['tritonclient']:.0f} us: the reader costs "
-            f"{1 / doc['cpu_ratio_tritonclient_vs_reader']:.3f}x the client's CPU per batch "
-            f"(median of per-rep ratios {doc['cpu_ratios']})")
+    med, rates, cpu = doc["median_batches_per_s"], doc["batches_per_s"], doc["median_cpu_us_per_batch"]
+    lines = [f"{name:<17} {med[name]:8.0f} batches/s, {cpu[name]:5.0f} us CPU/batch (medians; per rep {rates[name]})"
+             for name in ("reader", "reader_per_batch", "tritonclient")]
+    lines += [f"reader / tritonclient            {doc['ratio_reader_vs_tritonclient']:.3f} batches/s (per rep "
+              f"{doc['ratios']['reader']}; goal {doc['goal']}); batches bundled per rep {doc['bundled_share']}",
+              f"reader per batch / tritonclient  {doc['ratio_reader_per_batch_vs_tritonclient']:.3f} (per rep "
+              f"{doc['ratios']['reader_per_batch']})",
+              f"CPU per batch, tritonclient / reader {doc['cpu_ratio_tritonclient_vs_reader']:.3f}, "
+              f"/ reader per batch {doc['cpu_ratio_tritonclient_vs_reader_per_batch']:.3f}"]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -174,6 +174,7 @@ class Chunk:
     tried: set[str] = field(default_factory=set)
     refusals: dict[str, str] = field(default_factory=dict)  # teacher key -> what it said of this input
     suspect: bool = False  # refused once: goes through the service's suspect lane
+    alone: bool = False  # in a request that was refused: never shares a call again (distill.bundles)
 
     @property
     def size(self) -> int:

@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
+import sys
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import grpc
 
 from distill.batches import Chunk, Delivery
+from distill.bundles import bundle_inputs, fits_with, split_outputs
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
-from distill.pool import Spawn, TeacherPool, spawn_closed
+from distill.pool import Spawn, spawn_closed
 from distill.router import TeacherState
+from distill.service import Service
 from distill.teacher_client import (
     ChunkRequest,
     MalformedAnswerError,
@@ -39,57 +42,9 @@ from distill.teacher_client import (
 )
 from distill.timeline import Timeline
 
-__all__ = ["Dispatcher", "Service"]
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("distill.reader")
-
-
-class Service:
-    """One teacher service: its pool of teachers and its queue of chunks (ordinary, and suspects:
-    chunks a teacher refused once, sent alone)."""
-
-    def __init__(self, pool: TeacherPool) -> None:
-        self.name = pool.service
-        self.pool = pool
-        self.router = pool.router
-        self.queue: deque[Chunk] = deque()
-        self.suspects: deque[Chunk] = deque()
-        self.suspect_out: Chunk | None = None  # the one suspect chunk being dispatched or in flight
-        self.arrived = asyncio.Event()
-        self.idle = False  # the dispatcher waits for a chunk: nothing is queued or being placed
-
-    def push(self, chunk: Chunk, front: bool = False) -> None:
-        if chunk.suspect:
-            (self.suspects.appendleft if front else self.suspects.append)(chunk)
-        else:
-            (self.queue.appendleft if front else self.queue.append)(chunk)
-        self.arrived.set()
-
-    async def pop(self) -> Chunk:
-        """The next chunk: a waiting suspect when none is out, else the oldest ordinary chunk."""
-        while True:
-            if self.suspects and self.suspect_out is None:
-                self.suspect_out = self.suspects.popleft()
-                return self.suspect_out
-            if self.queue:
-                return self.queue.popleft()
-            self.arrived.clear()
-            self.idle = True
-            try:
-                await self.arrived.wait()
-            finally:
-                self.idle = False
-
-    def release(self, chunk: Chunk) -> None:
-        """`chunk` is no longer out (answered, failed, dropped): the next suspect may go."""
-        if self.suspect_out is chunk:
-            self.suspect_out = None
-            self.arrived.set()
-
-    def clear(self) -> None:
-        self.queue.clear()
-        self.suspects.clear()
-        self.suspect_out = None
 
 
 def _ignore(error: BaseException) -> None:
@@ -117,7 +72,9 @@ class Dispatcher:
         self.rejected_batches = 0
         self.retries = 0
         self.hedges = 0
+        self.bundled = 0  # chunks that shared a call with another chunk
         self.timeline = Timeline()
+        self._bundles: dict[asyncio.Task[None], list[Chunk]] = {}  # calls that carry several chunks
 
     def close(self) -> None:
         """Stop acting, and drop the engine's methods (a reference cycle through the engine)."""
@@ -132,23 +89,74 @@ class Dispatcher:
         return (chunk.done or job.epoch != self.epoch or job.error is not None
                 or job.outputs.get(svc.name, {}) is None)
 
-    def offer(self, svc: Service, chunk: Chunk) -> None:
-        """A new chunk of `svc`: sent at once when the dispatcher is idle and a teacher takes it as it
-        is (a free slot, inputs it declares, within its batch limit), else queued for the dispatcher.
-        Sending at once skips waking the dispatcher's task for every batch; with nothing queued or
-        being placed, the order of sends is the same."""
-        if svc.idle and not svc.queue and not svc.suspects and not chunk.suspect and not self.closed:
+    def _limit(self, t: TeacherState) -> int:
+        assert t.meta is not None
+        limit = t.meta.max_batch_size
+        if self.opts.teacher_batch_size:
+            limit = min(limit, self.opts.teacher_batch_size)
+        return limit
+
+    def offer(self, svc: Service, chunks: list[Chunk]) -> None:
+        """New chunks of `svc` (batches that arrived together, in order): sent at once when the
+        dispatcher is idle and a teacher takes them as they are (a free slot, inputs it declares,
+        within its batch limit), else queued for the dispatcher. Sending at once skips waking the
+        dispatcher's task for every batch; with nothing queued or being placed, the order of sends
+        is the same. Chunks with the same inputs share a call (`distill.bundles`), at most their
+        rows over the usable teachers each, so a bunch still spreads over the teachers."""
+        at = 0
+        if svc.idle and not svc.queue and not svc.suspects and not self.closed:
             router = svc.router
-            t = router.pick(frozenset(), chunk.size)
-            if t is not None and router.misfit(t, chunk.job.signature) is None:
-                assert t.meta is not None
-                limit = t.meta.max_batch_size
-                if self.opts.teacher_batch_size:
-                    limit = min(limit, self.opts.teacher_batch_size)
-                if chunk.size <= limit:
-                    self._send(svc, chunk, t)
-                    return
-        svc.push(chunk)
+            share = self._share(svc, chunks, sys.maxsize)
+            while at < len(chunks):
+                first = chunks[at]
+                t = router.pick(frozenset(), first.size)
+                if t is None or router.misfit(t, first.job.signature) is not None:
+                    break
+                limit = self._limit(t)
+                if first.size > limit:
+                    break
+                cap = min(limit, max(share, first.size))
+                end = at + 1
+                rows = first.size
+                while end < len(chunks) and rows + chunks[end].size <= cap and fits_with(first, chunks[end]):
+                    rows += chunks[end].size
+                    end += 1
+                self._send(svc, chunks[at:end], t)
+                at = end
+        for chunk in chunks[at:]:
+            svc.push(chunk)
+
+    def _share(self, svc: Service, waiting: Iterable[Chunk], budget: int) -> int:
+        """The rows one call may carry: the waiting chunks' rows (counted up to `budget` per teacher)
+        over the usable teachers, so no call takes more than its teacher's share of the waiting work
+        even when only one teacher has a free slot; 0 without bundling (a call per chunk)."""
+        if not self.opts.bundle:
+            return 0
+        teachers = max(1, len(svc.router.usable()))
+        total = 0
+        for c in waiting:
+            if total >= budget * teachers:
+                break
+            total += c.size
+        return -(-total // teachers)
+
+    def _take_queued(self, svc: Service, first: Chunk, limit: int) -> list[Chunk]:
+        """`first` and the queued chunks after it that may share its call (`distill.bundles`)."""
+        chunks = [first]
+        if not svc.queue or first.size >= limit:
+            return chunks
+        cap = min(limit, max(first.size, self._share(svc, itertools.chain([first], svc.queue), limit)))
+        rows = first.size
+        while svc.queue:
+            nxt = svc.queue[0]
+            if self._dropped(svc, nxt):
+                svc.queue.popleft()
+                continue
+            if rows + nxt.size > cap or not fits_with(first, nxt):
+                break
+            chunks.append(svc.queue.popleft())
+            rows += nxt.size
+        return chunks
 
     async def run(self, svc: Service) -> None:
         """Hand out `svc`'s chunks to its teachers until cancelled (one task per service)."""
@@ -167,16 +175,13 @@ class Dispatcher:
             if self._dropped(svc, chunk):  # settled while we waited for a teacher
                 svc.release(chunk)
                 continue
-            assert teacher.meta is not None
-            limit = teacher.meta.max_batch_size
-            if self.opts.teacher_batch_size:
-                limit = min(limit, self.opts.teacher_batch_size)
+            limit = self._limit(teacher)
             if chunk.size > limit:
                 rest = Chunk(chunk.job, svc.name, chunk.start + limit, chunk.stop, refusals=dict(chunk.refusals),
                              suspect=chunk.suspect)
                 chunk.stop = chunk.start + limit
                 svc.push(rest, front=True)
-            self._send(svc, chunk, teacher)
+            self._send(svc, self._take_queued(svc, chunk, limit), teacher)
 
     async def _acquire(self, svc: Service, chunk: Chunk) -> TeacherState | str | None:
         """A teacher with a free slot that accepts this chunk's inputs; a refused chunk goes to another
@@ -226,109 +231,152 @@ class Dispatcher:
         job.remaining[svc.name] = 0
         self.delivery.maybe_complete(job)
 
-    def _send(self, svc: Service, chunk: Chunk, t: TeacherState) -> None:
+    def _send(self, svc: Service, chunks: list[Chunk], t: TeacherState) -> None:
+        """One call to `t` carrying `chunks` (one, or a bundle of several)."""
         # Counted now, not when the call task first runs: the dispatcher hands out every queued chunk
         # without yielding, and would otherwise see the teacher's slots free for all of them.
         svc.router.started(t)
-        task = self._spawn(self._call(svc, chunk, t), "chunk")
-        chunk.sends.add(task)
-        chunk.tried.add(t.key)
+        task = self._spawn(self._call(svc, chunks, t), "chunk")
+        if len(chunks) > 1:
+            self._bundles[task] = chunks
+            self.bundled += len(chunks)
         self.watch.track(t, task)
-        task.add_done_callback(functools.partial(self._call_done, svc, chunk, t))
+        task.add_done_callback(functools.partial(self._call_done, svc, chunks, t))
         # The late check and the hedge are entries of one timeline, not a loop timer each per chunk.
         self.timeline.call_later(svc.router.late_delay(self.opts.timeout), self.watch.late, svc.pool, t, task)
+        first_sends = []
+        for chunk in chunks:
+            chunk.sends.add(task)
+            chunk.tried.add(t.key)
+            if len(chunk.tried) == 1:
+                first_sends.append(chunk)
         delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
-        if delay is not None and len(chunk.tried) == 1:
-            self.timeline.call_later(delay, self._hedge, svc, chunk)
+        if delay is not None and first_sends:
+            self.timeline.call_later(delay, self._hedge, svc, first_sends)
 
-    def _hedge(self, svc: Service, chunk: Chunk) -> None:
-        """The chunk is late: if another teacher has a free slot, race it there."""
-        if chunk.done or chunk.job.epoch != self.epoch or not chunk.sends or chunk.suspect:
-            return  # a suspect (refused once) is never raced: it may make a second teacher raise
-        t = svc.router.pick(frozenset(chunk.tried), chunk.size)
-        if t is None or svc.router.misfit(t, chunk.job.signature) is not None:
+    def _hedge(self, svc: Service, chunks: list[Chunk]) -> None:
+        """The chunks of a call are late: if another teacher has a free slot, race the ones still
+        unanswered there, together (one slot, as they came)."""
+        late = [c for c in chunks if not c.done and c.job.epoch == self.epoch and c.sends and not c.suspect]
+        if not late:  # a suspect (refused once) is never raced: it may make a second teacher raise
             return
-        assert t.meta is not None
-        if chunk.size > t.meta.max_batch_size:
+        rows = sum(c.size for c in late)
+        t = svc.router.pick(frozenset().union(*(c.tried for c in late)), rows)
+        if t is None or svc.router.misfit(t, late[0].job.signature) is not None:
             return
-        self.hedges += 1
-        self._send(svc, chunk, t)
+        limit = self._limit(t)
+        while late and rows > limit:
+            rows -= late.pop().size
+        if not late:
+            return
+        self.hedges += len(late)
+        self._send(svc, late, t)
 
-    def _request(self, chunk: Chunk, t: TeacherState) -> ChunkRequest:
+    def _request(self, chunks: list[Chunk], t: TeacherState) -> ChunkRequest:
         assert t.meta is not None
-        job = chunk.job
+        first = chunks[0]
+        job = first.job
+        if len(chunks) == 1:
+            inputs, start, stop, rid = job.fields, first.start, first.stop, f"{job.epoch}:{job.seq}:{first.start}"
+        else:  # a bundle: the rows of several batches; its answer is cut apart and copied out
+            inputs = bundle_inputs(chunks)
+            start, stop = 0, sum(c.size for c in chunks)
+            rid = f"{job.epoch}:{job.seq}:{first.start}+{len(chunks) - 1}"
         return ChunkRequest(
-            model_name=t.meta.model_name, model_version=self.opts.model_version,
-            request_id=f"{job.epoch}:{job.seq}:{chunk.start}", inputs=job.fields, start=chunk.start,
-            stop=chunk.stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
-            parameters=self.opts.request_parameters, owned=self.delivery.whole(chunk),
+            model_name=t.meta.model_name, model_version=self.opts.model_version, request_id=rid, inputs=inputs,
+            start=start, stop=stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
+            parameters=self.opts.request_parameters, owned=len(chunks) == 1 and self.delivery.whole(first),
         )
 
-    def _call_done(self, svc: Service, chunk: Chunk, t: TeacherState, task: asyncio.Task[None]) -> None:
-        """A call ended (one done-callback does all of it): it is no longer one of the chunk's sends
+    def _call_done(self, svc: Service, chunks: list[Chunk], t: TeacherState, task: asyncio.Task[None]) -> None:
+        """A call ended (one done-callback does all of it): it is no longer one of its chunks' sends
         nor in flight at `t`; a call cancelled before or while it ran is accounted (it lost a hedge
         race, or we gave up on it)."""
-        chunk.sends.discard(task)
+        for chunk in chunks:
+            chunk.sends.discard(task)
+        self._bundles.pop(task, None)
         self.watch.untrack(t, task)
         if not task.cancelled():
             return
-        if self.watch.was_abandoned(task):  # its teacher hung: re-send the chunk now
+        if self.watch.was_abandoned(task):  # its teacher hung: re-send the chunks now
             svc.router.abandoned(t)
             if not self.closed:
-                self._retry(svc, chunk)
+                for chunk in reversed(chunks):
+                    self._retry(svc, chunk)
             return
-        svc.release(chunk)
-        if chunk.done and chunk.winner != t.key:
+        for chunk in chunks:
+            svc.release(chunk)
+        if all(chunk.done and chunk.winner != t.key for chunk in chunks):
             svc.router.outpaced(t)
             if not self.closed:
                 svc.pool.probe_if_ejected(t)
         else:
             svc.router.cancelled(t)
 
-    async def _call(self, svc: Service, chunk: Chunk, t: TeacherState) -> None:
-        """One chunk at one teacher (already counted in flight by `_send`)."""
+    def _finished(self, task: asyncio.Task[None]) -> bool:
+        """Whether nothing `task` carries is still wanted (a bundle is cancelled only then)."""
+        chunks = self._bundles.get(task)
+        return chunks is None or all(c.done for c in chunks)
+
+    async def _call(self, svc: Service, chunks: list[Chunk], t: TeacherState) -> None:
+        """One call at one teacher (already counted in flight by `_send`), for one chunk or a bundle."""
         router = svc.router
         started = time.perf_counter()
-        request = self._request(chunk, t)
+        request = self._request(chunks, t)
         try:
             outputs = await t.client.infer(request, self.opts.timeout)
-            self.delivery.check_fits(chunk, outputs)
+            parts = [outputs] if len(chunks) == 1 else split_outputs(outputs, chunks)
+            for chunk, part in zip(chunks, parts, strict=True):
+                self.delivery.check_fits(chunk, part)
         except RequestRejectedError as e:
             router.rejected(t, str(e))
-            self._refused(svc, chunk, t, str(e))
+            if len(chunks) == 1:
+                self._refused(svc, chunks[0], t, str(e))
+            else:  # which batch it refused is unknown: each goes again alone, nothing held against it
+                log.info("teacher %s refused a request of %d batches (%s); sending each alone", t.endpoint,
+                         len(chunks), e)
+                for chunk in chunks:
+                    chunk.alone = True
+                self._retry_all(svc, chunks)
             return
         except TeacherOverloadedError as e:
             router.overloaded(t, e.code, e.details)
-            self._retry(svc, chunk)
+            self._retry_all(svc, chunks)
             return
         except TeacherCallError as e:
             router.failed(t, e.code, e.details)
             svc.pool.probe_if_ejected(t)
-            self._retry(svc, chunk)
+            self._retry_all(svc, chunks)
             return
         except TeacherGoneError:  # the teacher left and its channel closed under this call
             router.failed(t, grpc.StatusCode.UNAVAILABLE, "channel closed: the teacher left")
-            self._retry(svc, chunk)
+            self._retry_all(svc, chunks)
             return
         except MalformedAnswerError as e:
             router.lied(t, str(e))
+            self._retry_all(svc, chunks)
+            return
+        router.succeeded(t, time.perf_counter() - started, request.size)
+        me = asyncio.current_task()
+        for chunk, part in zip(chunks, parts, strict=True):
+            for key in chunk.refusals:  # it refused what this teacher accepted
+                refuser = router.teachers.get(key)
+                if refuser is not None and refuser is not t:
+                    router.struck(refuser)
+            chunk.refusals.clear()
+            svc.release(chunk)
+            if chunk.done:
+                continue
+            chunk.done = True
+            chunk.winner = t.key
+            for other in list(chunk.sends):
+                if other is not me and self._finished(other):
+                    other.cancel()
+            self.delivery.fill(chunk, part, owned=request.owned)
+
+    def _retry_all(self, svc: Service, chunks: list[Chunk]) -> None:
+        for chunk in reversed(chunks):  # pushed at the head: the first goes first again
             self._retry(svc, chunk)
-            return
-        router.succeeded(t, time.perf_counter() - started, chunk.size)
-        for key in chunk.refusals:  # it refused what this teacher accepted
-            refuser = router.teachers.get(key)
-            if refuser is not None and refuser is not t:
-                router.struck(refuser)
-        chunk.refusals.clear()
-        svc.release(chunk)
-        if chunk.done:
-            return
-        chunk.done = True
-        chunk.winner = t.key
-        for other in list(chunk.sends):
-            if other is not asyncio.current_task():
-                other.cancel()
-        self.delivery.fill(chunk, outputs, owned=request.owned)
 
     def _retry(self, svc: Service, chunk: Chunk) -> None:
         if chunk.done or chunk.job.epoch != self.epoch:

@@ -53,11 +53,12 @@ from distill.batches import (
     signature_of,
 )
 from distill.cache.errors import require_store
-from distill.dispatch import Dispatcher, Service
+from distill.dispatch import Dispatcher
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
 from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
+from distill.service import Service
 from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
 from distill.teacher_client import (
     grpc_connector,
@@ -182,9 +183,14 @@ class Engine:
         job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields))
         self._submitted += 1
         batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
+        self._offer([job])
+
+    def _offer(self, jobs: list[Job]) -> None:
+        """New batches (in order) to every service's dispatcher, all of a service's at once."""
         for svc in self._services.values():
-            job.remaining[svc.name] = job.sent
-            self._dispatcher.offer(svc, Chunk(job, svc.name, 0, job.sent))
+            for job in jobs:
+                job.remaining[svc.name] = job.sent
+            self._dispatcher.offer(svc, [Chunk(job, svc.name, 0, job.sent) for job in jobs])
 
     def _expire(self, job: Job, deadline_s: float) -> None:
         if job.delivered or job.error is not None:
@@ -231,14 +237,16 @@ class Engine:
         seq = 0
         try:
             while True:
+                fresh: list[Job] = []  # the batches of this bunch that go to teachers, offered together
                 for item in await feed.get():
                     if epoch != self.epoch:
                         return
-                    if isinstance(item, Failed):  # the user's loader raised, or a batch could not be split
-                        self._finish_with_error(epoch, seq, item.error)
-                        return
-                    if item is END_OF_LOADER:
-                        self._delivery.end_at(seq)
+                    if isinstance(item, Failed) or item is END_OF_LOADER:
+                        self._offer(fresh)
+                        if isinstance(item, Failed):  # the user's loader raised, or a batch could not be split
+                            self._finish_with_error(epoch, seq, item.error)
+                        else:
+                            self._delivery.end_at(seq)
                         return
                     batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
                     job = Job(epoch, seq, batch, size, fields, signature_of(fields), cached=cached)
@@ -249,9 +257,8 @@ class Engine:
                             self._dispatcher.fallback_batches += 1
                         if settled:
                             continue
-                    for svc in self._services.values():
-                        job.remaining[svc.name] = job.sent
-                        self._dispatcher.offer(svc, Chunk(job, svc.name, 0, job.sent))
+                    fresh.append(job)
+                self._offer(fresh)
         finally:
             slots.close()  # the loader stops reading for this pass
 
@@ -295,6 +302,7 @@ class Engine:
         return reader_stats(self._meter, {s: svc.router for s, svc in self._services.items()},
                             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
                             rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
+                            bundled=self._dispatcher.bundled,
                             **(self.cache.counters() if self.cache is not None else {}))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

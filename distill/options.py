@@ -162,6 +162,10 @@ class ReaderOptions:
                   "take whichever answers first; 0 = off (default: adaptive, 4x the teachers' median latency and at "
                   "least 250 ms)"))
     ordered: bool = option(True, help="deliver in loader order (True), or each batch as soon as it is ready")
+    bundle: bool = option(
+        True, help="send batches that reach the reader together with the same input shapes as one request, within "
+        "the teacher's max batch size (distill.bundles): a small batch then costs the student a fraction of a call; "
+        "False: one request per batch")
     device: str | torch.device | None = option(  # noqa: RUF009 (option() is dataclasses.field)
         None, help="put teacher outputs on this device (through pinned memory on CUDA)", check=_device)
     top_k: int = option(

@@ -37,6 +37,7 @@ class ReaderStats:
     teachers: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     rejected_batches: int = 0  # batches the teachers refused (BatchRejectedError, or hard labels)
     hung_ejections: int = 0  # teachers ejected because a chunk was late and a readiness probe failed
+    bundled: int = 0  # chunks sent in a request shared with other batches' chunks (distill.bundles)
     # With a teacher-output store (cache=PATH): samples its lookups found (served without a teacher),
     # samples it lacked (sent to a teacher when there is one), and teacher samples written to it.
     cache_hits: int = 0
