@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
-# Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_sync reader memory instances llm_instances serving w1 w7
+# Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_sync reader memory instances llm_instances serving w1
+# w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -69,6 +70,7 @@ run_stage() {
                      --instances 2 --out llm_serving_gpu_2inst ;;
     serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
+    w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
           --batch 32 --prompt-len 64 --new-tokens 64 --steps 8 --reps "$REPS" --out onpolicy_gpu \
           --w6-results benchmarks/results/llm_serving_gpu.json ;;
@@ -78,5 +80,5 @@ run_stage() {
   esac
 }
 
-[ $# -gt 0 ] || set -- tests w6 reader memory instances llm_instances serving w1 w7
+[ $# -gt 0 ] || set -- tests w6 reader memory instances llm_instances serving w1 w1_train w7
 for s in "$@"; do run_stage "$s"; done

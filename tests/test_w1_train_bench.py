@@ -1,0 +1,34 @@
+"""benchmarks.w1_train end to end on the CPU: a real student trained three ways (hard labels, the
+teacher in process, the teacher served through DistillReader), the served logits checked first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_benchmark_trains_a_student_with_the_teacher_in_process_and_served(tmp_path: Path) -> None:
+    env = {**os.environ, "DISTILL_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.w1_train", "--quick", "--steps", "3", "--reps", "1",
+                           "--batch", "8", "--out", "w1_train_test"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "w1_train_test.json").read_text())
+    rates = doc["median_samples_per_s"]
+    assert set(rates) == {"pure", "inline", "service"} and all(v > 0 for v in rates.values())
+    assert set(doc["ratios"]) == {"service_vs_pure", "service_vs_inline", "inline_vs_pure"}
+    assert doc["check"]["max_abs_diff"] < 1e-3 and doc["check"]["argmax_agreement"] == 1.0
+    assert doc["settings"]["device"] == "cpu" and doc["settings"]["gpu"] is None
+    assert doc["settings"]["image"] == [3, 32, 32] and doc["settings"]["classes"] == 10
+
+
+def test_a_teacher_that_does_not_take_images_is_refused_with_what_it_must_declare() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.w1_train", "--quick", "--teacher", "tests.models:affine"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "must declare one UINT8 input (images) and one output (logits)" in (
+        proc.stdout + proc.stderr), proc.stdout[-2000:] + proc.stderr[-2000:]
