@@ -256,13 +256,20 @@ class Dispatcher:
 
     def _hedge(self, svc: Service, chunks: list[Chunk]) -> None:
         """The chunks of a call are late: if another teacher has a free slot, race the ones still
-        unanswered there, together (one slot, as they came)."""
+        unanswered there, together (one slot, as they came). When every other teacher is full, look
+        again a hedge delay later: a late call holding several batches is worth the wait."""
         late = [c for c in chunks if not c.done and c.job.epoch == self.epoch and c.sends and not c.suspect]
-        if not late:  # a suspect (refused once) is never raced: it may make a second teacher raise
+        if not late or self.closed:  # a suspect (refused once) is never raced: it may make a second teacher raise
             return
         rows = sum(c.size for c in late)
-        t = svc.router.pick(frozenset().union(*(c.tried for c in late)), rows)
-        if t is None or svc.router.misfit(t, late[0].job.signature) is not None:
+        tried = frozenset().union(*(c.tried for c in late))
+        t = svc.router.pick(tried, rows)
+        if t is None:
+            delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
+            if delay is not None and any(u.key not in tried for u in svc.router.usable()):
+                self.timeline.call_later(delay, self._hedge, svc, late)
+            return
+        if svc.router.misfit(t, late[0].job.signature) is not None:
             return
         limit = self._limit(t)
         while late and rows > limit:
