@@ -22,15 +22,14 @@ batch it carries is answered.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from distill.batches import Chunk
 from distill.types import FieldArray
 
-__all__ = ["bundle_inputs", "fits_with", "split_outputs"]
+__all__ = ["bundle_pieces", "fits_with", "split_outputs"]
 
 
 def _layout(chunk: Chunk) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
@@ -49,11 +48,9 @@ def fits_with(first: Chunk, other: Chunk) -> bool:
     return _layout(first) == _layout(other)
 
 
-def bundle_inputs(chunks: Sequence[Chunk]) -> dict[str, FieldArray]:
-    """The chunks' rows of every input, one after another, as one batch."""
-    first = chunks[0].job.fields
-    return {name: FieldArray(np.concatenate([c.job.fields[name].array[c.start:c.stop] for c in chunks]), f.datatype)
-            for name, f in first.items()}
+def bundle_pieces(chunks: Sequence[Chunk]) -> tuple[tuple[Mapping[str, FieldArray], int, int], ...]:
+    """The chunks' rows as a request's pieces (`ChunkRequest.pieces`): joined only on the wire."""
+    return tuple((c.job.fields, c.start, c.stop) for c in chunks)
 
 
 def split_outputs(outputs: dict[str, torch.Tensor], chunks: Sequence[Chunk]) -> list[dict[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from distill.batches import Chunk, Delivery
-from distill.bundles import bundle_inputs, fits_with, split_outputs
+from distill.bundles import bundle_pieces, fits_with, split_outputs
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Spawn, spawn_closed
@@ -284,15 +284,15 @@ class Dispatcher:
         first = chunks[0]
         job = first.job
         if len(chunks) == 1:
-            inputs, start, stop, rid = job.fields, first.start, first.stop, f"{job.epoch}:{job.seq}:{first.start}"
+            start, stop, pieces, rid = first.start, first.stop, None, f"{job.epoch}:{job.seq}:{first.start}"
         else:  # a bundle: the rows of several batches; its answer is cut apart and copied out
-            inputs = bundle_inputs(chunks)
-            start, stop = 0, sum(c.size for c in chunks)
+            start, stop, pieces = 0, sum(c.size for c in chunks), bundle_pieces(chunks)
             rid = f"{job.epoch}:{job.seq}:{first.start}+{len(chunks) - 1}"
         return ChunkRequest(
-            model_name=t.meta.model_name, model_version=self.opts.model_version, request_id=rid, inputs=inputs,
+            model_name=t.meta.model_name, model_version=self.opts.model_version, request_id=rid, inputs=job.fields,
             start=start, stop=stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
             parameters=self.opts.request_parameters, owned=len(chunks) == 1 and self.delivery.whole(first),
+            pieces=pieces,
         )
 
     def _call_done(self, svc: Service, chunks: list[Chunk], t: TeacherState, task: asyncio.Task[None]) -> None:

@@ -195,13 +195,19 @@ def _varint(n: int) -> bytes:
 
 def encode_request(req: ChunkRequest) -> bytes:
     """A ModelInferRequest's wire bytes: the request's header (serialized by protobuf once per shape of
-    request, then reused), its id, then each input's rows copied once. Protobuf parsers take fields
+    request, then reused), its id, then each input's rows copied once (a bundle's pieces joined in
+that copy). Protobuf parsers take fields
     in any order, so the result is a valid ModelInferRequest for any server."""
     rid = req.request_id.encode()
     parts: list[Any] = [_header(req), _ID_TAG, _varint(len(rid)), rid]
-    for f in req.inputs.values():
-        view = memoryview(f.array[req.start:req.stop]).cast("B")  # type: ignore[arg-type]
-        parts += [_RAW_TAG, _varint(view.nbytes), view]
+    if req.pieces is None:
+        for f in req.inputs.values():
+            view = memoryview(f.array[req.start:req.stop]).cast("B")  # type: ignore[arg-type]
+            parts += [_RAW_TAG, _varint(view.nbytes), view]
+    else:  # several batches' rows: one input's bytes are its pieces one after another, still one copy
+        for name in req.inputs:
+            views = [memoryview(inputs[name].array[a:b]).cast("B") for inputs, a, b in req.pieces]  # type: ignore[arg-type]
+            parts += [_RAW_TAG, _varint(sum(v.nbytes for v in views)), *views]
     return b"".join(parts)
 
 

@@ -103,19 +103,24 @@ class ChunkRequest:
     ``declared`` is the teacher's metadata for its outputs: every answer is checked against it.
     ``owned``: the answer's tensors become the batch's own as they are, so a client returns tensors
     nothing else holds or writes (not views of a response buffer); without it, views are fine.
+    ``pieces``: a request for several batches' rows (``distill.bundles``), each ``(inputs, start,
+    stop)`` with the same input shapes; ``inputs`` is then the first's (its names, datatypes and
+    sample shapes), rows ``0..stop`` count them all, and ``rows(name)`` or the wire encoder joins them.
     A plain slotted class, not a dataclass: one is built per chunk on the engine's hot path.
     """
 
     __slots__ = ("declared", "inputs", "model_name", "model_version", "outputs", "owned", "parameters",
-                 "request_id", "start", "stop")
+                 "pieces", "request_id", "start", "stop")
 
     def __init__(self, model_name: str, model_version: str, request_id: str,  # noqa: PLR0917 (the dataclass's order)
                  inputs: Mapping[str, FieldArray],
                  start: int, stop: int, outputs: tuple[str, ...],
                  declared: Mapping[str, TensorMeta] | None = None,
                  parameters: Mapping[str, ParameterValue] | None = None, owned: bool = False,
+                 pieces: tuple[tuple[Mapping[str, FieldArray], int, int], ...] | None = None,
                  **transforms: ParameterValue | None) -> None:
         self.owned = owned
+        self.pieces = pieces
         self.model_name = model_name
         self.model_version = model_version
         self.request_id = request_id
@@ -133,6 +138,15 @@ class ChunkRequest:
     @property
     def size(self) -> int:
         return self.stop - self.start
+
+    def rows(self, name: str) -> np.ndarray:
+        """Input `name`'s rows of this request: a view of the batch's array, or for several batches'
+        pieces a new array of them in order (for clients that do not stream them to the wire)."""
+        if self.pieces is None:
+            return self.inputs[name].array[self.start:self.stop]
+        import numpy
+
+        return numpy.concatenate([inputs[name].array[a:b] for inputs, a, b in self.pieces])
 
     def __repr__(self) -> str:
         return (f"ChunkRequest({self.model_name!r}, {self.request_id!r}, rows {self.start}..{self.stop}, "

@@ -22,10 +22,12 @@ import torch
 
 from distill import DistillReader
 from distill.batches import Chunk, Job, signature_of
-from distill.bundles import bundle_inputs, fits_with, split_outputs
+from distill.bundles import bundle_pieces, fits_with, split_outputs
 from distill.engine import Engine
 from distill.errors import BatchRejectedError
+from distill.teacher_client import encode_request
 from distill.types import FieldArray
+from protos.kserve import service_pb2
 from teacher_server import BatchingConfig, ServerConfig
 from tests.faults.helpers import assert_delivered_once_in_order
 from tests.models import Affine
@@ -111,7 +113,7 @@ def test_a_bunch_is_spread_over_the_teachers_with_free_slots() -> None:
 
 
 def _poison(r: ChunkRequest) -> str | None:
-    rows = r.inputs["X"].array[r.start:r.stop]
+    rows = r.rows("X")
     return "poison in the input" if bool((rows[:, 0] == POISON).any()) else None
 
 
@@ -199,9 +201,11 @@ def test_only_batches_with_the_same_input_shapes_share_a_call() -> None:
     b.suspect = True
     assert not fits_with(a, b), "a refused batch goes alone"
     b.suspect = False
-    inputs = bundle_inputs([a, b])
-    assert inputs["IDS"].array.shape == (4, 16) and inputs["IDS"].datatype == "INT64"
-    assert inputs["IDS"].array[:, 0].tolist() == [0, 0, 1, 1]
+    request = ChunkRequest("m", "", "1:0:0+1", a.job.fields, 0, 4, ("Y",), pieces=bundle_pieces([a, b]))
+    assert request.rows("IDS").shape == (4, 16) and request.rows("IDS")[:, 0].tolist() == [0, 0, 1, 1]
+    wire = service_pb2.ModelInferRequest.FromString(encode_request(request))
+    assert [list(i.shape) for i in wire.inputs] == [[4, 16]] and wire.id == "1:0:0+1"
+    assert np.frombuffer(wire.raw_input_contents[0], dtype=np.int64).reshape(4, 16)[:, 0].tolist() == [0, 0, 1, 1]
     parts = split_outputs({"Y": torch.arange(4)}, [a, b])
     assert [p["Y"].tolist() for p in parts] == [[0, 1], [2, 3]]
 
