@@ -2,11 +2,13 @@
 
 One `Dispatcher` per engine, one `run` task per teacher service. For each chunk: take the oldest
 (a "suspect", refused once, goes alone), pick a teacher whose declared inputs take the batch (none
-does: the batch is rejected, the teachers stay), split the chunk to the teacher's max batch, send it
-(one ModelInfer, a deadline) and judge the outcome by the client's error type:
+does: the batch is rejected, the teachers stay), split the chunk to the teacher's max batch, take
+along the chunks that may share its call (``distill.bundles``), send them (one ModelInfer, a
+deadline) and judge the outcome by the client's error type:
   answer        copy the outputs into the batch's tensors (``distill.batches.Delivery``)
   failure       the chunk goes back to the head of the queue: another teacher takes it
-  rejection     retried once, alone, on another teacher; refused twice, only its batch fails
+  rejection     retried once, alone, on another teacher; refused twice, only its batch fails (a
+                bundle's chunks are each sent again alone first, nothing held against them)
   overload      the teacher cools down with a smaller limit; the chunk goes elsewhere
   late          past the hedge delay it is raced on a second teacher, and its teacher gets a readiness
                 probe (``distill.liveness``): no answer means hung, so the chunk is re-sent now

@@ -8,11 +8,13 @@ The data path, in order:
   loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop),
                   a batch per free read-ahead slot, at most `prefetch` not yet consumed; the batches
                   read since the loop last looked arrive together (distill.readahead)
-  read-ahead      a Job per batch; its chunk goes straight to a teacher when the dispatcher is idle
+  read-ahead      a Job per batch; the chunks of the batches that arrived together go straight to
+                  the teachers when the dispatcher is idle, those with the same input shapes in
+                  shared calls (distill.bundles)
   dispatcher      one per service: take the oldest chunk, pick a teacher whose declared inputs
                   take the batch (none does: the batch is rejected, the teachers stay), split the
-                  chunk to the teacher's max batch, hand it to the teacher's client (one
-                  ModelInfer, a deadline)
+                  chunk to the teacher's max batch, take along queued chunks that may share the
+                  call, hand them to the teacher's client (one ModelInfer, a deadline)
   on answer       the client checked it against the request and the teacher's metadata (a teacher
                   that lies is marked incompatible); copy the outputs into the job's tensors
   on failure      put the chunk back at the head of the queue: another teacher takes it
