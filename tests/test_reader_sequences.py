@@ -224,3 +224,37 @@ def test_the_value_transforms_name_the_store(reference: seq_models.CausalConvLM,
             check_batch(reference, batch, teacher, logprobs=True, temperature=2.0, tail=True, dtype=torch.float16)
             seen.append(int(batch["idx"][0]))
     assert_delivered_once_in_order(seen, len(loader))
+
+
+def test_padded_batches_of_one_width_share_calls_and_each_gets_its_own_rows(
+        reference: seq_models.CausalConvLM) -> None:
+    """A collator that pads every batch to one width (`padding="max_length"`) gives batches of one
+    shape: small ones from a loader that never waits share calls (distill.bundles), and every row of
+    every batch still gets the model's answer for its own sequence alone, zeros past its mask."""
+    loader = SequenceLoader(80, seed=3)
+
+    def fixed_width() -> Iterator[dict[str, torch.Tensor]]:
+        for i, seqs in enumerate(loader.data):
+            batch = collate(seqs, i)
+            pad = 24 - batch["input_ids"].shape[1]
+            for name in ("input_ids", "attention_mask"):
+                batch[name] = torch.nn.functional.pad(batch[name], (0, pad))
+            yield batch
+
+    class FixedWidth:
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            return fixed_width()
+
+    seen = []
+    with _server() as s, DistillReader(FixedWidth(), teachers=s.url, inputs=INPUTS, outputs=["LOGITS"], top_k=K,
+                                       logprobs=True, temperature=1.0, device=DEVICE, timeout=30.0,
+                                       prefetch=32) as reader:
+        for batch, teacher in reader:
+            check_batch(reference, batch, teacher, logprobs=True, temperature=1.0, tail=False, dtype=torch.float32)
+            n = batch["attention_mask"].sum(1)
+            for row in range(batch["input_ids"].shape[0]):
+                assert not teacher["LOGITS_TOPK_VALUES"][row, int(n[row]):].any(), "zeros past the mask"
+            seen.append(int(batch["idx"][0]))
+        bundled = reader.stats().bundled
+    assert_delivered_once_in_order(seen, len(loader))
+    assert bundled > 0, "80 small batches of one shape from a loader that never waits: some shared a call"
