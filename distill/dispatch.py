@@ -310,8 +310,7 @@ class Dispatcher:
         if self.watch.was_abandoned(task):  # its teacher hung: re-send the chunks now
             svc.router.abandoned(t)
             if not self.closed:
-                for chunk in reversed(chunks):
-                    self._retry(svc, chunk)
+                self._retry_all(svc, chunks)
             return
         for chunk in chunks:
             svc.release(chunk)

@@ -29,7 +29,15 @@ import torch
 from distill.config import ClientTLS
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
-from protos.kserve import DATATYPES, Datatype, decode_tensor, service_pb2, shape_numel
+from protos.kserve import (
+    DATATYPES,
+    RAW_INPUT_FIELD,
+    Datatype,
+    decode_tensor,
+    length_delimited,
+    service_pb2,
+    shape_numel,
+)
 
 # The request and metadata types live in distill.types (below this client and the engine alike);
 # they are re-exported here, where the client's users have always found them.
@@ -145,12 +153,11 @@ def access_refused(code: grpc.StatusCode | str, details: str) -> bool:
     return name == "UNAVAILABLE" and "restricted" in details.lower()
 
 
-_ID_TAG = bytes([(service_pb2.ModelInferRequest.ID_FIELD_NUMBER << 3) | 2])  # length-delimited
-_RAW_TAG = bytes([(service_pb2.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER << 3) | 2])
 # Serialized headers (every field but the id and the raw inputs) by what makes them: a reader sends
 # the same few shapes for its whole life. An entry keeps the parameter mapping it was made from,
 # so the id in its key stays that mapping's.
 _HEADERS: dict[tuple[Any, ...], tuple[Any, bytes]] = {}
+_ID_FIELD = service_pb2.ModelInferRequest.ID_FIELD_NUMBER
 
 
 def _header(req: ChunkRequest) -> bytes:
@@ -184,30 +191,14 @@ def _header(req: ChunkRequest) -> bytes:
     return data
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def encode_request(req: ChunkRequest) -> bytes:
     """A ModelInferRequest's wire bytes: the request's header (serialized by protobuf once per shape of
     request, then reused), its id, then each input's rows copied once (a bundle's pieces joined in
-that copy). Protobuf parsers take fields
-    in any order, so the result is a valid ModelInferRequest for any server."""
-    rid = req.request_id.encode()
-    parts: list[Any] = [_header(req), _ID_TAG, _varint(len(rid)), rid]
-    if req.pieces is None:
-        for f in req.inputs.values():
-            view = memoryview(f.array[req.start:req.stop]).cast("B")  # type: ignore[arg-type]
-            parts += [_RAW_TAG, _varint(view.nbytes), view]
-    else:  # several batches' rows: one input's bytes are its pieces one after another, still one copy
-        for name in req.inputs:
-            views = [memoryview(inputs[name].array[a:b]).cast("B") for inputs, a, b in req.pieces]  # type: ignore[arg-type]
-            parts += [_RAW_TAG, _varint(sum(v.nbytes for v in views)), *views]
+    that copy). Protobuf parsers take fields in any order, so the result is a valid ModelInferRequest
+    for any server."""
+    parts: list[Any] = [_header(req), *length_delimited(_ID_FIELD, [req.request_id.encode()])]
+    for name in req.inputs:
+        parts += length_delimited(RAW_INPUT_FIELD, [inputs[name].array[a:b] for inputs, a, b in req.parts])
     return b"".join(parts)
 
 

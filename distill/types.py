@@ -139,6 +139,11 @@ class ChunkRequest:
     def size(self) -> int:
         return self.stop - self.start
 
+    @property
+    def parts(self) -> tuple[tuple[Mapping[str, FieldArray], int, int], ...]:
+        """Where the request's rows are, in order: its `pieces`, or rows start..stop of `inputs`."""
+        return self.pieces if self.pieces is not None else ((self.inputs, self.start, self.stop),)
+
     def rows(self, name: str) -> np.ndarray:
         """Input `name`'s rows of this request: a view of the batch's array, or for several batches'
         pieces a new array of them in order (for clients that do not stream them to the wire)."""

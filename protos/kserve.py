@@ -138,7 +138,15 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-_RAW_INPUT_TAG = bytes([(7 << 3) | 2])  # ModelInferRequest.raw_input_contents, length-delimited
+def length_delimited(field_number: int, buffers: Sequence[object]) -> list[object]:
+    """One length-delimited protobuf field (bytes, string, sub-message) whose value is `buffers`
+    one after another, as parts for a single ``b"".join``: the tag, the length, then the buffers
+    themselves (anything exposing the buffer protocol), so the join is their only copy."""
+    views = [memoryview(b).cast("B") for b in buffers]  # type: ignore[arg-type]
+    return [_varint((field_number << 3) | 2), _varint(sum(v.nbytes for v in views)), *views]
+
+
+RAW_INPUT_FIELD = service_pb2.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER
 
 
 def serialize_infer_request(header: service_pb2.ModelInferRequest, raws: Sequence[object]) -> bytes:
@@ -152,8 +160,7 @@ def serialize_infer_request(header: service_pb2.ModelInferRequest, raws: Sequenc
     """
     parts: list[object] = [header.SerializeToString()]
     for raw in raws:
-        view = memoryview(raw).cast("B")  # type: ignore[arg-type]
-        parts += [_RAW_INPUT_TAG, _varint(view.nbytes), view]
+        parts += length_delimited(RAW_INPUT_FIELD, [raw])
     return b"".join(parts)  # type: ignore[arg-type]
 
 
