@@ -79,10 +79,14 @@ class DeviceChoice:
 class InProcessModel:
     """A model as the in-process baseline runs it on `choice`'s device (see the module's doc).
 
-    Called with a host or device tensor, returns the output on the device, the call finished."""
+    Called with a host or device tensor, returns the output on the device, the call finished
+    (`sync=False`: only enqueued, for a caller whose next work on the device orders after it, as
+    a training loop's step does)."""
 
-    def __init__(self, model: torch.nn.Module, choice: DeviceChoice, *, images: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, choice: DeviceChoice, *, images: bool = False,
+                 sync: bool = True) -> None:
         self.choice = choice
+        self.sync = sync
         self.images = images and choice.cuda
         self.model = model.to(choice.torch_device).eval()
         if choice.cuda:
@@ -100,6 +104,6 @@ class InProcessModel:
         autocast = self.choice.compute_dtype != "FP32"
         with torch.autocast(self.choice.torch_device.type, dtype=self.choice.dtype, enabled=autocast):
             out: torch.Tensor = self.model(x)
-        if self.choice.cuda:
+        if self.sync and self.choice.cuda:
             torch.cuda.synchronize(self.choice.torch_device)
         return out

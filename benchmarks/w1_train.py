@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import REPO_ROOT, interleave, machine_info, median, paired_ratios, run_and_report
-from benchmarks.device import DeviceChoice, add_device_args
+from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
 from distill import DistillReader, KDLoss
 from teacher_server.launch import TeacherProcess
 from teacher_server.spec import ModelIO
@@ -138,19 +138,10 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
 
-class InlineTeacher:
-    """The teacher in the training process, as the best plain PyTorch runs it (no sync per call)."""
-
-    def __init__(self, s: Settings) -> None:
-        self.choice = s.choice
-        model = _factory(s.teacher)().to(s.choice.torch_device).eval()
-        self.model = model.to(memory_format=torch.channels_last) if s.choice.cuda else model
-
-    @torch.inference_mode()
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.choice.dtype, enabled=self.choice.compute_dtype != "FP32"):
-            out: torch.Tensor = self.model(x)
-        return out.float()
+@torch.inference_mode()
+def teacher_logits(teacher: InProcessModel, images: torch.Tensor) -> torch.Tensor:
+    """The in-process teacher's logits for a batch already on the device (no autograd graph)."""
+    return teacher(images).float()
 
 
 def _shapes(model: nn.Module, ref: str) -> tuple[tuple[int, ...], int]:
@@ -196,7 +187,8 @@ def timed(trainer: Trainer, batches: Iterator[Batch], s: Settings) -> float:
 def run(s: Settings) -> dict[str, Any]:
     s.choice.check()
     torch.manual_seed(0)
-    inline = InlineTeacher(s)
+    # The teacher in the training process, as the best plain PyTorch runs it, not synchronized per call.
+    inline = InProcessModel(_factory(s.teacher)(), s.choice, images=True, sync=False)
     image, classes = _shapes(inline.model, s.teacher)
     pool = _pool(s, image, classes)
     total = s.warmup + s.steps
@@ -212,7 +204,7 @@ def run(s: Settings) -> dict[str, Any]:
 
         with reader(1) as r:  # the check: served logits against the in-process teacher's, on one batch
             batch, served = next(iter(r))
-        want = inline(trainer.place(batch["IMAGES"]))
+        want = teacher_logits(inline, trainer.place(batch["IMAGES"]))
         diff = float((served["LOGITS"].float() - want).abs().max())
         scale = float(want.abs().max())
         agree = float((served["LOGITS"].argmax(1) == want.argmax(1)).float().mean())
@@ -223,7 +215,7 @@ def run(s: Settings) -> dict[str, Any]:
             return timed(trainer, ((b["IMAGES"], b["LABELS"], None) for b in _loader(pool, total)), s)
 
         def inline_mode() -> float:
-            return timed(trainer, ((b["IMAGES"], b["LABELS"], inline(trainer.place(b["IMAGES"])))
+            return timed(trainer, ((b["IMAGES"], b["LABELS"], teacher_logits(inline, trainer.place(b["IMAGES"])))
                                    for b in _loader(pool, total)), s)
 
         def service() -> float:
