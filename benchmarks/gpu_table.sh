@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
-# Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_sync reader memory instances llm_instances serving w1
-# w1_train w7
+# Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
+# serving w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -57,6 +57,10 @@ run_stage() {
         tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py ;;
     shape) stage shape 240 shape ;;
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
+    w6_long)  # W6 with twice the sequences a pass (the start and end of a pass weigh half as much)
+              # and without the buckets-off server, for more repetitions in the same time
+      shape && stage w6_long 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
+        --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps "$REPS" \
               --out llm_reader_gpu ;;
     memory)
@@ -67,7 +71,7 @@ run_stage() {
     instances) stage instances 200 $PY -m benchmarks.instances --device cuda --compute-dtype FP16 \
                  --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --reps "$REPS" --out instances_gpu_resnet50 ;;
     llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
-                     --instances 2 --out llm_serving_gpu_2inst ;;
+                     --instances 2 --skip-buckets-off --out llm_serving_gpu_2inst ;;
     serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
     w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;

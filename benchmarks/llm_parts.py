@@ -62,6 +62,7 @@ class Settings:
     device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
     compute_dtype: str = "FP32"
     extra_server_args: tuple[str, ...] = ()  # --server-arg: e.g. --no-async-outputs for an A/B
+    buckets_off: bool = True  # W6 also measures a server with length buckets off (--skip-buckets-off: not)
 
     @property
     def choice(self) -> DeviceChoice:

@@ -123,6 +123,7 @@ async def run(s: Settings) -> dict[str, Any]:
             name: stack.enter_context(TeacherProcess(server_args(s, directory, pad_id, vocab, buckets), label=name,
                                                      cwd=REPO_ROOT, stop_grace=20.0))
             for name, buckets in (("server_buckets", True), ("server_no_buckets", False))
+            if buckets or s.buckets_off
         }
         pids = [p.pid for p in servers.values()]
         chans = {k: grpc.aio.insecure_channel(p.endpoint, options=[
@@ -152,8 +153,7 @@ async def run(s: Settings) -> dict[str, Any]:
                                               server_pids=pids)
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {
-                "inprocess": inprocess, "server_buckets": served("server_buckets"),
-                "server_no_buckets": served("server_no_buckets")}
+                "inprocess": inprocess} | {k: served(k) for k in servers}
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
             contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos)
 
@@ -204,6 +204,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
     useful = per_rep["server_buckets"][0].useful_tokens
     wire = median([m.wire_bytes / m.useful_tokens for m in per_rep["server_buckets"] if m.wire_bytes])
     pad_buckets = padding("server_buckets")
+    off = "server_no_buckets" in per_rep
     return {
         "benchmark": "llm_serving (W6)",
         "machine": machine_info(s.server_threads) | s.choice.info() | {
@@ -213,14 +214,13 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
             "server_torch_threads": s.server_threads},
         "settings": asdict(s) | {"clients": s.concurrency},
         "medians_tokens_per_s": {k: round(med(k), 1) for k in per_rep},
-        "ratios": {
-            "server_buckets_over_inprocess": ratio_of("server_buckets", "inprocess", RATIO_GOAL),
+        "ratios": {"server_buckets_over_inprocess": ratio_of("server_buckets", "inprocess", RATIO_GOAL)} | ({
             "server_no_buckets_over_inprocess": ratio_of("server_no_buckets", "inprocess", 0.0),
             "buckets_over_no_buckets": ratio_of("server_buckets", "server_no_buckets", 0.0),
-        },
+        } if off else {}),
         "padding_efficiency": {
-            "inprocess": padding("inprocess"), "server_buckets": pad_buckets,
-            "server_no_buckets": padding("server_no_buckets"), "goal": PADDING_GOAL,
+            "inprocess": padding("inprocess"), "server_buckets": pad_buckets}
+        | ({"server_no_buckets": padding("server_no_buckets")} if off else {}) | {"goal": PADDING_GOAL,
             "verdict": "PASS" if pad_buckets >= PADDING_GOAL else "below goal"},
         "wire_bytes_per_token": {
             f"top{s.top_k}_fp16_tail": round(wire, 2), "full_vocab_fp32": round(full_bytes, 2), "goal": BYTES_GOAL,
@@ -236,7 +236,7 @@ def report(doc: dict[str, Any]) -> str:
     labels = {"inprocess": "in-process model(**batch) + top-k", "server_buckets": "server, length buckets on",
               "server_no_buckets": "server, length buckets off"}
     rows = [[label, med[k], pad[k], ", ".join(f"{m['tokens_per_s']:,.0f}{'' if m['quiet'] else '*'}"
-                                               for m in doc["per_rep"][k])] for k, label in labels.items()]
+                                               for m in doc["per_rep"][k])] for k, label in labels.items() if k in med]
     out = [format_table(["variant", "tokens/s", "padding eff.", "per repetition (* = disturbed)"], rows), ""]
     rrows = [[k, v["headline"], v["goal"] or "", f"{v['quiet_pairs']}/{v['pairs']}", v["verdict"] if v["goal"] else ""]
              for k, v in r.items()]
@@ -275,6 +275,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--mode", choices=("server", "reader"), default="server",
                    help="server: in-process vs the server fed one sequence per request (default); reader: "
                    "DistillReader with padded batches in loader order vs one sequence per request")
+    p.add_argument("--skip-buckets-off", action="store_true",
+                   help="leave out the server with length buckets off (the baseline that shows what they save)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra teacher-server flag for every server (repeatable), e.g. --server-arg=--no-async-outputs")
     p.add_argument("--out", default=None,
@@ -293,6 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         max_redos=0 if a.quick else Settings.max_redos,
         out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
         device=a.device, compute_dtype=a.compute_dtype, extra_server_args=tuple(a.server_arg),
+        buckets_off=not a.skip_buckets_off,
     )
 
 

@@ -107,3 +107,25 @@ def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert doc["ratios"]["reader_over_one_per_request"]["headline"] > 0
     assert doc["server_exit_code"] == 0
     assert len(doc["machine"]["load_average_at_start"]) == 3
+
+
+def test_the_summary_without_the_buckets_off_server() -> None:
+    """`--skip-buckets-off` (a GPU run's time is short) leaves that variant and its ratios out."""
+    from benchmarks import llm_serving
+    from benchmarks.llm_parts import Measurement
+
+    s = llm_serving.parse_args(["--skip-buckets-off", "--reps", "2", "--max-foreign-cores", "0"])
+    assert not s.buckets_off
+    per_rep = {
+        "inprocess": [Measurement(1000.0, 900, 0.9, computed_tokens=1000), Measurement(1100.0, 900, 0.8,
+                                                                                          computed_tokens=1000)],
+        "server_buckets": [Measurement(950.0, 900, 0.95, computed_tokens=950, wire_bytes=900 * 122),
+                           Measurement(990.0, 900, 0.9, computed_tokens=950, wire_bytes=900 * 122)],
+    }
+    doc = llm_serving.summarise(s, per_rep, {"server_buckets": 0}, full_bytes=4.0 * 50)
+    assert set(doc["ratios"]) == {"server_buckets_over_inprocess"}
+    assert doc["ratios"]["server_buckets_over_inprocess"]["per_rep"] == [0.95, 0.9]
+    assert set(doc["padding_efficiency"]) == {"inprocess", "server_buckets", "goal", "verdict"}
+    assert doc["wire_bytes_per_token"]["top20_fp16_tail"] == 122.0
+    assert "length buckets off" not in llm_serving.report(doc | {"machine": {
+        "cpu_model": "x", "cpu_count": 1, "server_instances": 1, "server_torch_threads": 1, "inprocess_loops": 1}})
