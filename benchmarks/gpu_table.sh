@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# serving w1 w1_train w7
+# llm_1inst serving w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -48,7 +48,7 @@ run_stage() {
       stage tests 300 $PY -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider --timeout 240 tests \
         --ignore=tests/test_triton_peer.py --ignore=tests/test_perf_analyzer.py --ignore=tests/test_trl_client.py \
         --ignore=tests/test_trl_trainer.py --ignore=tests/test_packaging.py --ignore=tests/test_deploy.py \
-        --ignore=tests/test_deploy_etcd_tls.py --ignore=tests/test_deploy_llm.py \
+        --ignore=tests/test_deploy_etcd_tls.py --ignore=tests/test_deploy_llm.py --ignore=tests/test_deploy_render.py \
         --ignore=tests/test_deploy_llm_serve.py --ignore=tests/test_autoscale_kubernetes.py ;;
     cuda_tests)  # the tests whose teachers and models run on the GPU when there is one
       stage cuda_tests 150 $PY -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider --timeout 120 \
@@ -59,8 +59,11 @@ run_stage() {
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
     w6_long)  # W6 with twice the sequences a pass (the start and end of a pass weigh half as much)
               # and without the buckets-off server, for more repetitions in the same time
+      # and an A/B of the batcher's fill_while_busy
       shape && stage w6_long 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
-        --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
+        --alt-server-arg=--no-fill-while-busy --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
+    llm_1inst) shape && stage llm_1inst 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 \
+                 --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_1inst ;;
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps "$REPS" \
               --out llm_reader_gpu ;;
     memory)

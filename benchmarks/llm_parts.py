@@ -63,6 +63,7 @@ class Settings:
     compute_dtype: str = "FP32"
     extra_server_args: tuple[str, ...] = ()  # --server-arg: e.g. --no-async-outputs for an A/B
     buckets_off: bool = True  # W6 also measures a server with length buckets off (--skip-buckets-off: not)
+    alt_server_args: tuple[str, ...] = ()  # --alt-server-arg: W6 also measures a server with these flags added
 
     @property
     def choice(self) -> DeviceChoice:
@@ -257,7 +258,8 @@ def make_request(seq: list[int], *, top_k: int, logprobs: bool = True, dtype: st
     return req
 
 
-def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: bool) -> list[str]:
+def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: bool, *,
+                extra: Sequence[str] = ()) -> list[str]:
     # A causal LM served as hf:DIR declares these itself (padded with its config's pad_token_id);
     # stated here so the benchmark pads with the tokenizer's pad id whatever the config says.
     args = [
@@ -268,7 +270,7 @@ def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: 
         "--instances", str(s.server_instances), "--threads", str(s.server_threads),
         "--metrics-port", "0", "--log-level", "WARNING",
     ]
-    args += s.extra_server_args
+    args += [*s.extra_server_args, *extra]
     return args if buckets else [*args, "--no-length-buckets"]
 
 

@@ -19,7 +19,8 @@ Per repetition, interleaved, each variant processes the same sequences once:
     top-k values in fp16 and int32 ids, the tail mass): what a user running the teacher does;
   * server, length buckets on / off: one sequence per request from --clients concurrent clients
     over raw gRPC, top-k log-probs in fp16 with the tail asked for by request parameters; the
-    batcher forms the batches (--max-batch-size = --batch).
+    batcher forms the batches (--max-batch-size = --batch);
+  * with --alt-server-arg FLAG, a third server with FLAG added: an A/B of a server setting in one run.
 Headlines: server / in-process useful tokens per second (goal >= 0.90), padding efficiency
 (useful / computed positions, from the server's `teacher_useful_tokens_total` and
 `teacher_padded_tokens_total` metrics) with buckets (goal >= 0.85) and without, and bytes per token
@@ -119,11 +120,12 @@ async def run(s: Settings) -> dict[str, Any]:
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
 
     with contextlib.ExitStack() as stack:
+        kinds = [("server_buckets", True, ())] + [("server_no_buckets", False, ())] * s.buckets_off + [
+            ("server_alt", True, s.alt_server_args)] * bool(s.alt_server_args)
         servers = {
-            name: stack.enter_context(TeacherProcess(server_args(s, directory, pad_id, vocab, buckets), label=name,
-                                                     cwd=REPO_ROOT, stop_grace=20.0))
-            for name, buckets in (("server_buckets", True), ("server_no_buckets", False))
-            if buckets or s.buckets_off
+            name: stack.enter_context(TeacherProcess(server_args(s, directory, pad_id, vocab, buckets, extra=extra),
+                                                     label=name, cwd=REPO_ROOT, stop_grace=20.0))
+            for name, buckets, extra in kinds
         }
         pids = [p.pid for p in servers.values()]
         chans = {k: grpc.aio.insecure_channel(p.endpoint, options=[
@@ -217,10 +219,14 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         "ratios": {"server_buckets_over_inprocess": ratio_of("server_buckets", "inprocess", RATIO_GOAL)} | ({
             "server_no_buckets_over_inprocess": ratio_of("server_no_buckets", "inprocess", 0.0),
             "buckets_over_no_buckets": ratio_of("server_buckets", "server_no_buckets", 0.0),
-        } if off else {}),
+        } if off else {}) | ({
+            "server_over_server_alt": ratio_of("server_buckets", "server_alt", 0.0),
+            "server_alt_over_inprocess": ratio_of("server_alt", "inprocess", 0.0),
+        } if "server_alt" in per_rep else {}),
         "padding_efficiency": {
             "inprocess": padding("inprocess"), "server_buckets": pad_buckets}
-        | ({"server_no_buckets": padding("server_no_buckets")} if off else {}) | {"goal": PADDING_GOAL,
+        | ({"server_no_buckets": padding("server_no_buckets")} if off else {})
+        | ({"server_alt": padding("server_alt")} if "server_alt" in per_rep else {}) | {"goal": PADDING_GOAL,
             "verdict": "PASS" if pad_buckets >= PADDING_GOAL else "below goal"},
         "wire_bytes_per_token": {
             f"top{s.top_k}_fp16_tail": round(wire, 2), "full_vocab_fp32": round(full_bytes, 2), "goal": BYTES_GOAL,
@@ -233,8 +239,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
 
 def report(doc: dict[str, Any]) -> str:
     med, pad, r = doc["medians_tokens_per_s"], doc["padding_efficiency"], doc["ratios"]
+    alt = " ".join(doc["settings"].get("alt_server_args") or ())
     labels = {"inprocess": "in-process model(**batch) + top-k", "server_buckets": "server, length buckets on",
-              "server_no_buckets": "server, length buckets off"}
+              "server_no_buckets": "server, length buckets off", "server_alt": f"server with {alt}"}
     rows = [[label, med[k], pad[k], ", ".join(f"{m['tokens_per_s']:,.0f}{'' if m['quiet'] else '*'}"
                                                for m in doc["per_rep"][k])] for k, label in labels.items() if k in med]
     out = [format_table(["variant", "tokens/s", "padding eff.", "per repetition (* = disturbed)"], rows), ""]
@@ -277,6 +284,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    "DistillReader with padded batches in loader order vs one sequence per request")
     p.add_argument("--skip-buckets-off", action="store_true",
                    help="leave out the server with length buckets off (the baseline that shows what they save)")
+    p.add_argument("--alt-server-arg", action="append", default=[],
+                   help="also measure a server with this extra flag (repeatable), e.g. "
+                   "--alt-server-arg=--no-fill-while-busy: an A/B within one run")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra teacher-server flag for every server (repeatable), e.g. --server-arg=--no-async-outputs")
     p.add_argument("--out", default=None,
@@ -295,7 +305,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         max_redos=0 if a.quick else Settings.max_redos,
         out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
         device=a.device, compute_dtype=a.compute_dtype, extra_server_args=tuple(a.server_arg),
-        buckets_off=not a.skip_buckets_off,
+        buckets_off=not a.skip_buckets_off, alt_server_args=tuple(a.alt_server_arg),
     )
 
 

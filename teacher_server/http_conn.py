@@ -57,9 +57,51 @@ class _Busy(asyncio.Protocol):
             self._closer.cancel()
 
 
+class _HeadDeadline(asyncio.Protocol):
+    """aiohttp's request handler for one connection, closed unless its first request head (up to the
+    blank line) arrives within `timeout_s` of connecting. Everything is passed through unchanged."""
+
+    def __init__(self, handler: asyncio.Protocol, timeout_s: float) -> None:
+        self._handler = handler
+        self._timeout_s = timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._tail = b""  # the last bytes seen, for a blank line split across reads
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.close)
+        self._handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            if b"\r\n\r\n" in self._tail + data[:3] or b"\r\n\r\n" in data:
+                self._disarm()
+            else:
+                self._tail = (self._tail + data)[-3:] if len(data) < 3 else data[-3:]
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._handler.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 async def listen(runner: web.AppRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
-                 max_connections: int) -> asyncio.Server:
-    """Serve `runner`'s application on host:port, holding at most `max_connections` connections."""
+                 max_connections: int, *, head_timeout_s: float) -> asyncio.Server:
+    """Serve `runner`'s application on host:port, holding at most `max_connections` connections,
+    each closed unless its first request's head arrives within `head_timeout_s`."""
     server = runner.server
     assert server is not None, "runner.setup() first"
     answer = busy_response(max_connections)
@@ -73,7 +115,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, ssl_context: ssl.S
                 log.warning("HTTP connection refused with 503: --http-max-connections (%d) held (%d refused so "
                             "far)", max_connections, refused)
             return _Busy(answer)
-        return server()
+        return _HeadDeadline(server(), head_timeout_s)
 
     return await asyncio.get_running_loop().create_server(protocol, host, port, ssl=ssl_context,
                                                           reuse_port=False)

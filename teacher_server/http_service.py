@@ -278,7 +278,8 @@ class HTTPFrontEnd:
         """Listen on host:port (0: a free one); the bound port. OSError naming the flag if it is taken."""
         await self._runner.setup()
         try:
-            self._listener = await listen(self._runner, host, port, self._ssl, self._limits.http_max_connections)
+            self._listener = await listen(self._runner, host, port, self._ssl, self._limits.http_max_connections,
+                                          head_timeout_s=self._limits.http_idle_timeout_s)
         except OSError as e:
             await self._runner.cleanup()
             raise OSError(f"cannot bind HTTP {host}:{port} ({e.strerror}); is the port in use? "

@@ -251,6 +251,30 @@ def test_trickled_headers_and_idle_connections_are_closed_after_the_idle_timeout
         trickling.close()
 
 
+def test_a_connection_whose_head_arrived_is_not_cut_by_the_idle_timeout() -> None:
+    """The first-request deadline ends with the head's blank line, even one split across reads: a
+    body that follows later than --http-idle-timeout (within --http-request-timeout) is answered."""
+    cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
+                       http_idle_timeout_s=1.0, http_request_timeout_s=20.0)
+    body = _infer_body(np.ones((1, 8), dtype=np.float32))
+    with ServerThread(cfg) as s:
+        assert s.server is not None and s.server.http_port
+        with _connect(s.server.http_port) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            head = (f"POST /v2/models/affine/infer HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            for piece in (head[:-3], head[-3:-1], head[-1:]):  # the blank line split over three reads
+                sock.sendall(piece)
+                time.sleep(0.1)
+            time.sleep(1.6)  # past the 1 s idle timeout
+            sock.sendall(body)
+            answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        want = Affine()(torch.ones(1, 8)).detach().numpy().ravel().tolist()
+        got = json.loads(answer.partition(b"\r\n\r\n")[2])["outputs"][0]["data"]
+        assert np.allclose(got, want)
+
+
 def test_connections_over_the_cap_get_503_while_held_ones_are_served() -> None:
     cfg = ServerConfig(model="tests.models:affine", name="affine", device="cpu", http_port=0, instances=1,
                        http_max_connections=2)

@@ -127,5 +127,15 @@ def test_the_summary_without_the_buckets_off_server() -> None:
     assert doc["ratios"]["server_buckets_over_inprocess"]["per_rep"] == [0.95, 0.9]
     assert set(doc["padding_efficiency"]) == {"inprocess", "server_buckets", "goal", "verdict"}
     assert doc["wire_bytes_per_token"]["top20_fp16_tail"] == 122.0
-    assert "length buckets off" not in llm_serving.report(doc | {"machine": {
-        "cpu_model": "x", "cpu_count": 1, "server_instances": 1, "server_torch_threads": 1, "inprocess_loops": 1}})
+    machine = {"cpu_model": "x", "cpu_count": 1, "server_instances": 1, "server_torch_threads": 1,
+               "inprocess_loops": 1}
+    assert "length buckets off" not in llm_serving.report(doc | {"machine": machine})
+    # --alt-server-arg: a third server, compared with the default one and with in-process
+    s = llm_serving.parse_args(["--skip-buckets-off", "--alt-server-arg=--no-fill-while-busy"])
+    assert s.alt_server_args == ("--no-fill-while-busy",)
+    per_rep["server_alt"] = [Measurement(760.0, 900, 1.2, computed_tokens=950, wire_bytes=900 * 122),
+                             Measurement(900.0, 900, 1.0, computed_tokens=950, wire_bytes=900 * 122)]
+    doc = llm_serving.summarise(s, per_rep, {"server_buckets": 0, "server_alt": 0}, full_bytes=4.0 * 50)
+    assert doc["ratios"]["server_over_server_alt"]["per_rep"] == [1.25, 1.1]
+    assert doc["ratios"]["server_alt_over_inprocess"]["per_rep"] == [0.76, 0.8182]
+    assert "server with --no-fill-while-busy" in llm_serving.report(doc | {"machine": machine})
