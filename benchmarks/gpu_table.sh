@@ -59,13 +59,12 @@ run_stage() {
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
     w6_long)  # W6 with twice the sequences a pass (the start and end of a pass weigh half as much)
               # and without the buckets-off server, for more repetitions in the same time
-      # and an A/B of the batcher's fill_while_busy
       shape && stage w6_long 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
-        --alt-server-arg=--no-fill-while-busy --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
+        --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
     llm_1inst) shape && stage llm_1inst 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 \
                  --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_1inst ;;
-    reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --reps "$REPS" \
-              --out llm_reader_gpu ;;
+    reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --student-batch 16 \
+              --reps "$REPS" --out llm_reader_gpu ;;
     memory)
       shape && stage memory_4k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 4096 --out teacher_memory_gpu_4k
@@ -75,7 +74,7 @@ run_stage() {
                  --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --reps "$REPS" --out instances_gpu_resnet50 ;;
     llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                      --instances 2 --skip-buckets-off --out llm_serving_gpu_2inst ;;
-    serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick ;;
+    serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --out serving_gpu ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
     w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \

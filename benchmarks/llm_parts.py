@@ -64,10 +64,16 @@ class Settings:
     extra_server_args: tuple[str, ...] = ()  # --server-arg: e.g. --no-async-outputs for an A/B
     buckets_off: bool = True  # W6 also measures a server with length buckets off (--skip-buckets-off: not)
     alt_server_args: tuple[str, ...] = ()  # --alt-server-arg: W6 also measures a server with these flags added
+    student_batch: int = 0  # --mode reader: sequences per student batch (0: --batch)
 
     @property
     def choice(self) -> DeviceChoice:
         return DeviceChoice(self.device, self.compute_dtype)
+
+    @property
+    def reader_batch(self) -> int:
+        """The student's batch in --mode reader: --student-batch, else --batch."""
+        return self.student_batch or self.batch
 
     @property
     def token_budget(self) -> int:

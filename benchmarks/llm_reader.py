@@ -1,6 +1,7 @@
 """W6, the reader path: `python -m benchmarks.llm_serving --mode reader` (DESIGN.md, "On a GPU").
 
-A student's training loop pads its batches: `DistillReader` sends each batch of --batch sequences,
+A student's training loop pads its batches: `DistillReader` sends each batch of --student-batch
+sequences (default --batch, which also sets the server's --max-batch-size and token budget),
 in loader order, as one `[batch, L_max]` request with its attention mask. The teacher cuts the
 rows back to their masks and batches them with everything else queued (`teacher_server.rows`), so
 it should do the same work as when fed the same sequences one per request. Per repetition,
@@ -84,12 +85,12 @@ def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str
     """`matched`: the router may keep all read-ahead batches in flight (else its default limit)."""
     from distill.router import RouterConfig
 
-    ahead = max(1, s.concurrency // s.batch)
+    ahead = max(1, s.concurrency // s.reader_batch)
     router = {"router": RouterConfig(initial_limit=float(ahead), max_limit=max(ahead, 16))} if matched else {}
     return {**router, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
                                                                    "ATTENTION_MASK": "attention_mask"},
             "outputs": ["LOGITS"], "top_k": s.top_k, "logprobs": True, "output_dtype": "FP16", "topk_tail": True,
-            "timeout": 60.0, "prefetch": max(1, s.concurrency // s.batch), "hedge_after": None}
+            "timeout": 60.0, "prefetch": max(1, s.concurrency // s.reader_batch), "hedge_after": None}
 
 
 async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: Any,
@@ -137,8 +138,9 @@ async def run(s: Settings) -> dict[str, Any]:
     w = prepare(s)
     directory, max_len, vocab, seqs, pad_id, model = w.directory, w.max_len, w.vocab, w.seqs, w.pad_id, w.model
     lengths = w.lengths
-    batches = on_device(padded_batches(seqs, s.batch, pad_id), s.choice)
-    student = [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in padded_batches(seqs, s.batch, pad_id)]
+    batches = on_device(padded_batches(seqs, s.reader_batch, pad_id), s.choice)
+    student = [{"input_ids": ids, "attention_mask": mask}
+               for ids, mask, _ in padded_batches(seqs, s.reader_batch, pad_id)]
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
     useful = sum(lengths)
 
@@ -155,12 +157,12 @@ async def run(s: Settings) -> dict[str, Any]:
         plain = stack.enter_context(DistillReader(loader, **reader_options(server.endpoint, s, matched=False)))
         try:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(chan)
-            diff = await check_rows(stub, reader, seqs[: s.batch], s.top_k, half=s.compute_dtype != "FP32")
+            diff = await check_rows(stub, reader, seqs[: s.reader_batch], s.top_k, half=s.compute_dtype != "FP32")
             print(f"reader: padded rows match one request per row (max |diff| {diff:.1e}), zeros at padding",
                   flush=True)
             # Warm-up, so no variant pays first-call costs inside a repetition.
-            warm = min(len(seqs), 4 * s.batch)
-            measure_inprocess(model, batches[: max(1, warm // s.batch)], s.top_k, s.server_instances, pids)
+            warm = min(len(seqs), 4 * s.batch)  # four of the server's batches, and four of the student's
+            measure_inprocess(model, batches[:4], s.top_k, s.server_instances, pids)
             await measure_server(stub, requests[:warm], lengths[:warm], clients=s.concurrency, metrics_port=port,
                                  server_pids=pids)
             for r in (reader, plain):
@@ -196,7 +198,7 @@ async def run(s: Settings) -> dict[str, Any]:
     doc["check"] = {"max_abs_diff_rows_vs_one_per_request": diff}
     doc["teacher"] = {"directory": str(directory), "vocab_size": vocab, "context": max_len}
     doc["sequences"] = {"count": len(seqs), "tokens": useful, "min_len": min(lengths), "max_len": max(lengths),
-                        "mean_len": round(useful / len(lengths), 2), "student_batch": s.batch}
+                        "mean_len": round(useful / len(lengths), 2), "student_batch": s.reader_batch}
     doc["quiet_gate"] = gate.as_dict()
     doc["discarded"] = {k: [m.as_dict() for m in v] for k, v in discarded.items()}
     return doc
@@ -235,7 +237,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
         "machine": machine_info(s.server_threads) | s.choice.info() | {"server_instances": s.server_instances,
                                                      "server_torch_threads": s.server_threads},
         "settings": {**{k: v for k, v in vars(s).items()}, "clients": s.concurrency,
-                     "reader_prefetch": max(1, s.concurrency // s.batch)},
+                     "reader_prefetch": max(1, s.concurrency // s.reader_batch)},
         "medians_tokens_per_s": {k: round(median([m.tokens_per_s for m in v]), 1) for k, v in per_rep.items()},
         "ratios": {"reader_over_one_per_request": ratio_of("reader", "one_per_request", READER_GOAL),
                    "reader_default_router_over_one_per_request": ratio_of("reader_default_router",

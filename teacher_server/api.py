@@ -124,8 +124,7 @@ def server_config(model: str, **options: Any) -> ServerConfig:
     ``instances``, ``http_port``, ``top_k``, ``drain_grace_s``, ``model_args``, ``tls_cert``, ...),
     the model's declaration (``inputs``, ``outputs``, ``attention_mask``, ``model_config``) and
     batching (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``, ``max_batch_tokens``,
-    ``length_buckets``, ``dynamic_batching``, ``async_outputs``, ``fill_while_busy``). Raises SpecError
-    naming the option and the fix.
+    ``length_buckets``, ``dynamic_batching``, ``async_outputs``). Raises SpecError naming the option and the fix.
     """
     refuse_unknown(options, CONFIG)
     check_options(options, KEYWORDS)

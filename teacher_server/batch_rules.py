@@ -30,10 +30,6 @@ class BatchingConfig:
     # not on CPU, where the finishing thread only competes with the instances for the cores (W6 on 2
     # cores: 0.79 of in-process with it, 0.89 without).
     async_outputs: bool | None = None
-    # Where batches are staged ahead (a GPU), a batch that is not full when its queue delay ends keeps
-    # taking arrivals while its instance still has two batches launched and unanswered: it could not
-    # run sooner, and fuller batches mean fewer forward passes, each with its fixed launch cost.
-    fill_while_busy: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -24,13 +24,6 @@ queued, a batch waits out the delay or runs smaller rather than pad a wide sprea
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
 
-Where batches are staged ahead (a GPU), an instance holds up to two batches launched and a third
-being formed. A batch that is not full when its queue delay ends keeps taking arrivals for as long
-as its instance still has two batches launched and unanswered (`BatchingConfig.fill_while_busy`):
-it could not run sooner, so waiting costs it nothing, and with a client pool whose requests are
-mostly inside the server the batches formed early were half full (W6 on an H200: 67 forward passes
-a pass where length-sorted batches need 32).
-
 Outputs go back asynchronously (`BatchingConfig.async_outputs`, by default for models on a GPU): an instance's
 thread only launches a batch (`ModelInstance.launch`: device work and host copies enqueued) and
 the worker hands it the next one at once, while the instance's finishing stage
@@ -122,7 +115,6 @@ class DynamicBatcher:
         self._workers: list[asyncio.Task[None]] = []
         self._executing = 0
         self._answering: set[asyncio.Task[None]] = set()  # launched batches awaiting their finish
-        self._launched = {inst.index: 0 for inst in instances}  # per instance: launched and not answered
         self._listeners: list[BatchListener] = []
         self._token_listeners: list[TokenListener] = []
         self._closed = False
@@ -208,10 +200,7 @@ class DynamicBatcher:
                 return p
         return None
 
-    async def _next_batch(self, busy: Callable[[], bool] | None = None) -> list[_Pending]:
-        """The next batch: the oldest request, and compatible ones while they fit, waiting for more
-        until the oldest has waited max_queue_delay_us, and past that while `busy()` (its instance
-        could not run it yet anyway)."""
+    async def _next_batch(self) -> list[_Pending]:
         first = self._pop_live()
         while first is None:
             await self._wait_arrival(None)
@@ -223,12 +212,9 @@ class DynamicBatcher:
         try:
             while not self._take_compatible(batch):
                 remaining_ns = deadline_ns - time.perf_counter_ns()
-                if remaining_ns > 0:
-                    await self._wait_arrival(remaining_ns / 1e9)
-                elif busy is not None and busy():
-                    await self._wait_arrival(None)  # an arrival, or an answered batch (`_answer`)
-                else:
+                if remaining_ns <= 0:
                     break
+                await self._wait_arrival(remaining_ns / 1e9)
         except asyncio.CancelledError:
             _fail(batch, BatcherClosedError("the server stopped before this request ran"))
             raise
@@ -272,16 +258,13 @@ class DynamicBatcher:
         requests of a batch formed and not launched are answered UNAVAILABLE."""
         stager = self._stagers.get(inst.index)
         slots = asyncio.Semaphore((2 if self._async_outputs else 1) + (stager is not None))
-        busy = None
-        if stager is not None and self._config.fill_while_busy:
-            busy = lambda: self._launched[inst.index] >= 2  # noqa: E731
         nxt: asyncio.Future[list[_Pending]] | None = None
         try:
             while True:
                 if nxt is None:
-                    nxt = asyncio.ensure_future(self._next_ready(stager, slots, busy))
+                    nxt = asyncio.ensure_future(self._next_ready(stager, slots))
                 batch = await nxt
-                nxt = asyncio.ensure_future(self._next_ready(stager, slots, busy)) if stager is not None else None
+                nxt = asyncio.ensure_future(self._next_ready(stager, slots)) if stager is not None else None
                 await self._launch(inst, batch, slots)
         finally:
             if nxt is not None:
@@ -291,12 +274,11 @@ class DynamicBatcher:
                 with contextlib.suppress(BaseException):
                     await nxt
 
-    async def _next_ready(self, stager: Stager | None, slots: asyncio.Semaphore,
-                          busy: Callable[[], bool] | None = None) -> list[_Pending]:
+    async def _next_ready(self, stager: Stager | None, slots: asyncio.Semaphore) -> list[_Pending]:
         """The instance's next batch, formed once it has a slot for it, and staged with a stager."""
         await slots.acquire()
         try:
-            batch = await self._next_batch(busy)
+            batch = await self._next_batch()
             if stager is not None:
                 await self._stage(stager, batch)
         except BaseException:
@@ -319,14 +301,11 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         self._executing += 1
-        self._launched[inst.index] += 1
         try:
             done = await loop.run_in_executor(inst.executor, inst.launch, [p.work for p in batch],
                                               self._async_outputs)
         except BaseException as e:
             self._executing -= 1
-            self._launched[inst.index] -= 1
-            self._wake()
             slots.release()
             if isinstance(e, asyncio.CancelledError):
                 _fail(batch, BatcherClosedError("the server stopped before this batch finished"))
@@ -355,8 +334,6 @@ class DynamicBatcher:
             return
         finally:
             self._executing -= 1
-            self._launched[inst.index] -= 1
-            self._wake()  # a batch held open while this instance was busy may close now
             slots.release()
         samples = sum(p.work.batch_size for p in batch)
         for p, outs in zip(batch, result.per_request, strict=True):

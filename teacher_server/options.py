@@ -129,10 +129,6 @@ BATCHING = (
             "on a finishing thread of its own, overlapping the next batch's compute; on CPU, on the "
             "instance's thread)", "batching",
             _BATCHING_DEFAULTS["async_outputs"], flag="--no-async-outputs", kind="negated"),
-    Setting("fill_while_busy", "where batches are staged ahead (a GPU), close a batch when its queue delay "
-            "ends even while its instance has two batches on the device (default: a batch not yet full keeps "
-            "taking arrivals until one of them is answered)", "batching", _BATCHING_DEFAULTS["fill_while_busy"],
-            flag="--no-fill-while-busy", kind="negated"),
 )
 
 COMMAND_LINE = (

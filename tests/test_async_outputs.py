@@ -212,40 +212,6 @@ def test_closing_answers_a_batch_awaiting_its_finish_and_does_not_wait_for_it(he
     _run(main())
 
 
-@pytest.mark.parametrize("fill", [True, False])
-def test_a_batch_keeps_filling_while_its_instance_has_two_batches_launched(held: HeldEncoder, fill: bool) -> None:
-    """Staged ahead with asynchronous outputs (the GPU pipeline, here on the CPU): with two batches
-    launched and unanswered, a batch past its queue delay takes a later arrival and closes once one
-    of them is answered; with fill_while_busy off it closes at its delay and runs alone."""
-    inst = _instance()
-
-    async def main() -> None:
-        cfg = BatchingConfig(max_queue_delay_us=1000, max_batch_tokens=4096, async_outputs=True, fill_while_busy=fill)
-        b = DynamicBatcher([inst], cfg, stage_ahead=True)
-        b.start()
-        works = [_work(length, i) for i, length in enumerate((5, 6, 7, 8))]
-        tasks = [asyncio.create_task(b.submit(works[0]))]
-        try:
-            await _until("the first batch to be held in its finishing", lambda: held.calls == 1)
-            tasks.append(asyncio.create_task(b.submit(works[1])))
-            await _until("the second batch to be launched", lambda: len(seq_models.BATCHES) == 2)
-            tasks.append(asyncio.create_task(b.submit(works[2])))
-            await asyncio.sleep(0.2)  # far past the 1 ms queue delay
-            tasks.append(asyncio.create_task(b.submit(works[3])))
-            await asyncio.sleep(0.1)
-            assert len(seq_models.BATCHES) == (2 if fill else 3)
-            held.release.set()
-            answers = await asyncio.gather(*tasks)
-        finally:
-            held.release.set()
-            await b.close()
-        assert seq_models.BATCHES == [(1, 5), (1, 6), (2, 8)] if fill else [(1, 5), (1, 6), (1, 7), (1, 8)]
-        for w, (outs, _) in zip(works, answers, strict=True):
-            assert torch.allclose(_logits(outs)[:, : w.length], _reference(w), atol=1e-5)
-
-    _run(main())
-
-
 def test_no_async_outputs_is_a_flag_and_a_keyword() -> None:
     assert server_config(MODEL).batching.async_outputs is None  # chosen by the batcher from the device
     assert server_config(MODEL, async_outputs=False).batching.async_outputs is False

@@ -92,12 +92,14 @@ def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     env[CACHE_ENV] = str(tmp_path / "cache")
     env.pop("DISTILL_LLM_TEACHER", None)
     cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--mode", "reader", "--quick", "--tiny", "--reps", "1",
-           "--sequences", "24", "--batch", "4", "--max-foreign-cores", "0"]
+           "--sequences", "24", "--batch", "4", "--student-batch", "3", "--max-foreign-cores", "0"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "padded rows match one request per row" in proc.stdout
     doc = json.loads((tmp_path / "results" / "llm_reader.json").read_text())
-    assert doc["sequences"]["count"] == 24 and doc["sequences"]["student_batch"] == 4
+    # the student's batches (--student-batch) apart from the server's batch bound (--batch)
+    assert doc["sequences"]["count"] == 24 and doc["sequences"]["student_batch"] == 3
+    assert doc["settings"]["batch"] == 4
     assert set(doc["medians_tokens_per_s"]) == {"reader", "reader_default_router", "one_per_request", "inprocess"}
     assert all(v > 0 for v in doc["medians_tokens_per_s"].values())
     pad = doc["padding_efficiency"]
@@ -131,11 +133,11 @@ def test_the_summary_without_the_buckets_off_server() -> None:
                "inprocess_loops": 1}
     assert "length buckets off" not in llm_serving.report(doc | {"machine": machine})
     # --alt-server-arg: a third server, compared with the default one and with in-process
-    s = llm_serving.parse_args(["--skip-buckets-off", "--alt-server-arg=--no-fill-while-busy"])
-    assert s.alt_server_args == ("--no-fill-while-busy",)
+    s = llm_serving.parse_args(["--skip-buckets-off", "--alt-server-arg=--no-async-outputs"])
+    assert s.alt_server_args == ("--no-async-outputs",)
     per_rep["server_alt"] = [Measurement(760.0, 900, 1.2, computed_tokens=950, wire_bytes=900 * 122),
                              Measurement(900.0, 900, 1.0, computed_tokens=950, wire_bytes=900 * 122)]
     doc = llm_serving.summarise(s, per_rep, {"server_buckets": 0, "server_alt": 0}, full_bytes=4.0 * 50)
     assert doc["ratios"]["server_over_server_alt"]["per_rep"] == [1.25, 1.1]
     assert doc["ratios"]["server_alt_over_inprocess"]["per_rep"] == [0.76, 0.8182]
-    assert "server with --no-fill-while-busy" in llm_serving.report(doc | {"machine": machine})
+    assert "server with --no-async-outputs" in llm_serving.report(doc | {"machine": machine})
