@@ -29,6 +29,35 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Per thread of a process: thread id -> (its OS name, user+system CPU seconds); {} if it is gone.
+    The teacher names its instance, finishing and stager threads (teacher_server.threads)."""
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                raw = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = raw[raw.find("(") + 1 : raw.rfind(")")]
+        fields = raw.rsplit(")", 1)[1].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+    return out
+
+
+def busiest_threads(pid: int, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                    wall_s: float, top: int = 6) -> list[dict[str, object]]:
+    """The `top` threads of `pid` by cores used between two `thread_cpu_seconds` readings; the
+    process's main thread (its event loop, in a teacher) is named "main"."""
+    usage = sorted((("main" if tid == pid else name, (sec - before.get(tid, (name, 0.0))[1]) / max(wall_s, 1e-9))
+                    for tid, (name, sec) in after.items()), key=lambda r: -r[1])
+    return [{"name": name, "cores": round(cores, 3)} for name, cores in usage[:top]]
+
+
 def self_cpu_seconds() -> float:
     """user+system CPU seconds of this process, all threads (the benchmark client's own cost)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)

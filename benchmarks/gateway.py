@@ -1,6 +1,6 @@
 """What `distill gateway` costs over a direct call to teacher-server's own `/v1/completions`.
 
-    .venv/bin/python -m benchmarks.gateway [--reps 5] [--quick] [--device cuda]
+    .venv/bin/python -m benchmarks.gateway [--reps 5] [--quick] [--device cuda --compute-dtype BF16]
 
 One `teacher-server --model hf:DIR --http-port 0` process serves the tiny random Llama of
 `benchmarks.vllm_json` (vocabulary 32,000, 2 layers, hidden 64: cheap, so the protocols' own cost
@@ -76,7 +76,8 @@ def run(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         directory = Path(tmp) / "teacher"
         save_teacher(directory, s.vocab, max(s.max_len, 64))
-        args = ["--model", f"hf:{directory}", "--name", "tiny-llama", "--device", s.device, "--http-port", "0"]
+        args = ["--model", f"hf:{directory}", "--name", "tiny-llama", "--device", s.device,
+                "--compute-dtype", s.compute_dtype, "--http-port", "0"]
         with teacher_process(args, log=Path(tmp) / "teacher.log", ready_timeout=300, stop_grace=10) as (_, info):
             gateway, gateway_url = start_gateway(f"127.0.0.1:{info['port']}", Path(tmp) / "gateway.log")
             try:

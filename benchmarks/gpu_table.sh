@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# llm_1inst serving w1 w1_train w7
+# llm_1inst packing serving w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -80,6 +80,9 @@ run_stage() {
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
           --batch 32 --prompt-len 64 --new-tokens 64 --steps 8 --reps "$REPS" --out onpolicy_gpu \
           --w6-results benchmarks/results/llm_serving_gpu.json ;;
+    packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
+      stage packing 240 $PY -m benchmarks.packing --device cuda --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
+        --heads 12 --vocab 151936 --row 1024 --budget 16384 --sequences 512 --reps "$REPS" --out packing_gpu ;;
     w6_sync) shape && stage w6_sync 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
     *) echo "unknown stage $1"; return 2 ;;

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 from benchmarks.common import (
     BATCHING_QUEUE_DELAY_US,
 )
-from benchmarks.cpu import CpuMeter, CpuUsage
+from benchmarks.cpu import CpuMeter, CpuUsage, busiest_threads, thread_cpu_seconds
 from benchmarks.device import DeviceChoice
 from teacher_server.batch_rules import TYPICAL_LENGTH
 from teacher_server.server import default_instances
@@ -105,6 +105,7 @@ class Measurement:
     computed_tokens: int | None = None  # positions computed, padding included
     wire_bytes: int | None = None  # raw output contents of all responses
     executions: int | None = None  # model executions on the server
+    threads: list[dict[str, object]] | None = None  # the server's busiest threads (cpu.busiest_threads)
 
     @property
     def padding_efficiency(self) -> float | None:
@@ -298,8 +299,10 @@ async def executions(stub: Any) -> int:
 
 
 async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest], lengths: list[int], *,
-                         clients: int, metrics_port: int, server_pids: Sequence[int]) -> Measurement:
-    """Every request once from `clients` concurrent clients; tokens/s over the whole pass."""
+                         clients: int, metrics_port: int, server_pids: Sequence[int],
+                         server_pid: int | None = None) -> Measurement:
+    """Every request once from `clients` concurrent clients; tokens/s over the whole pass, and, with
+    `server_pid`, that server's busiest threads (which of its loop, instances and stages is the limit)."""
     next_i = 0
     wire = 0
 
@@ -314,6 +317,7 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
     useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
     exec0 = await executions(stub)
     meter = CpuMeter(server_pids)
+    threads0 = thread_cpu_seconds(server_pid) if server_pid else {}
     meter.start()
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
@@ -325,12 +329,13 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
         await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = time.perf_counter() - t0
     cpu = meter.stop()
+    threads = busiest_threads(server_pid, threads0, thread_cpu_seconds(server_pid), elapsed) if server_pid else None
     useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
     useful = sum(lengths)
     if useful1 - useful0 != useful:
         raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
     return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
-                       wire_bytes=wire, executions=await executions(stub) - exec0)
+                       wire_bytes=wire, executions=await executions(stub) - exec0, threads=threads)
 
 
 def print_rep(rep: int, name: str, m: Measurement) -> None:
@@ -339,6 +344,8 @@ def print_rep(rep: int, name: str, m: Measurement) -> None:
         line += f"  padding efficiency {m.padding_efficiency:.3f}"
     if m.executions:
         line += f"  {m.executions} batches"
+    if m.threads:
+        line += "  threads " + " ".join(f"{t['name']} {t['cores']}" for t in m.threads[:4])
     if m.cpu:
         line += (f"  cores: client {m.cpu.client_cores:.2f} server {m.cpu.server_cores:.2f} "
                  f"foreign {m.cpu.foreign_cores:.2f}")

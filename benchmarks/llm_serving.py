@@ -152,7 +152,7 @@ async def run(s: Settings) -> dict[str, Any]:
             def served(k: str) -> Callable[[], Awaitable[Measurement]]:
                 port = int(servers[k].ready["metrics_port"])
                 return lambda: measure_server(stubs[k], requests, lengths, clients=s.concurrency, metrics_port=port,
-                                              server_pids=pids)
+                                              server_pids=pids, server_pid=servers[k].pid)
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {
                 "inprocess": inprocess} | {k: served(k) for k in servers}

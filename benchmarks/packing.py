@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.packing [--quick] [--sequences 256] [--budget 4096] [--row 256]
                                            [--hidden 256 --layers 4 --vocab 4096] [--out NAME]
+                                           [--device cuda --compute-dtype BF16]
 
 Packing puts several sequences in one row of the batch, positions restarting at 0 for each, with
 attention confined to each sequence: with `position_ids` and no attention mask, the installed
@@ -27,6 +28,10 @@ repetitions), padding efficiency (useful / computed positions) and packed / padd
 (the median over repetitions of each repetition's ratio, and the fastest pass's against the fastest
 pass's: on a shared machine other jobs only ever slow a pass down).
 
+On CUDA (`--device`) the model runs in --compute-dtype, every batch's inputs are on the device
+before timing, and a pass is timed from a synchronized start to a synchronized end; the JSON names
+the GPU.
+
 Outcome (README, W6): packing is exact but no faster than the server's own padded batches on CPU,
 so the server does not pack.
 """
@@ -43,6 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import format_table, machine_info, median, paired_ratios, run_and_report
+from benchmarks.device import DeviceChoice, add_device_args
 from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
 from teacher_server.work import Work
 
@@ -65,6 +71,12 @@ class Settings:
     threads: int = 0  # torch intra-op threads (0: torch's default)
     quick: bool = False
     out: str = ""  # results file benchmarks/results/<out>.json (default packing, packing_quick)
+    device: str = "cpu"
+    compute_dtype: str = "FP32"
+
+    @property
+    def choice(self) -> DeviceChoice:
+        return DeviceChoice(self.device, self.compute_dtype)
 
 
 def make_model(s: Settings) -> tuple[torch.nn.Module, str]:
@@ -76,8 +88,18 @@ def make_model(s: Settings) -> tuple[torch.nn.Module, str]:
         num_attention_heads=s.heads, num_key_value_heads=max(1, s.heads // 4), max_position_embeddings=s.row,
         pad_token_id=0)
     torch.manual_seed(s.seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval().to(s.choice.torch_device, s.choice.dtype)
     return model, str(model.config._attn_implementation)
+
+
+def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
+    return [({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, where)
+            for inputs, where in batches]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def draw(s: Settings) -> list[torch.Tensor]:
@@ -200,20 +222,24 @@ def computed(batches: Sequence[Batch]) -> int:
 def max_diff(model: torch.nn.Module, seqs: Sequence[torch.Tensor], batches: Sequence[Batch]) -> float:
     """Largest |logit difference| of any sequence's positions between `batches` and the sequence alone."""
     worst = 0.0
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for inputs, where in batches:
-            logits = model(**inputs).logits
+            logits = model(**inputs).logits.float()
             for i, r, at in where:
-                alone = model(input_ids=seqs[i][None], use_cache=False).logits[0]
+                alone = model(input_ids=seqs[i][None].to(device), use_cache=False).logits[0].float()
                 worst = max(worst, (logits[r, at : at + len(seqs[i])] - alone).abs().max().item())
     return worst
 
 
 def timed(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
+    device = next(model.parameters()).device
     with torch.inference_mode():
+        _sync(device)
         start = time.perf_counter()
         for inputs, _ in batches:
             model(**inputs)
+        _sync(device)
         return time.perf_counter() - start
 
 
@@ -222,6 +248,7 @@ def run(s: Settings) -> dict[str, Any]:
 
     if s.threads:
         torch.set_num_threads(s.threads)
+    s.choice.check()
     model, attention = make_model(s)
     seqs = draw(s)
     useful = sum(len(q) for q in seqs)
@@ -231,6 +258,7 @@ def run(s: Settings) -> dict[str, Any]:
         "padded_server": server_batches(seqs, s.budget),
         "packed": packed_batches(seqs, s.budget, s.row),
     }
+    variants = {k: on_device(v, s.choice.torch_device) for k, v in variants.items()}
     check = variants["packed"] if not s.quick else variants["packed"][:1]
     diffs = {"packed": max_diff(model, seqs, check),
              "padded_sorted": max_diff(model, seqs, variants["padded_sorted"][:2])}
@@ -255,7 +283,8 @@ def run(s: Settings) -> dict[str, Any]:
         return round(min(seconds[name]) / min(seconds["packed"]), 3)
 
     return {
-        "benchmark": "packing", "settings": asdict(s), "machine": machine_info(torch.get_num_threads()),
+        "benchmark": "packing", "settings": asdict(s),
+        "machine": machine_info(torch.get_num_threads()) | s.choice.info(),
         "attention": attention, "torch": torch.__version__,
         "transformers": transformers.__version__, "useful_tokens": useful, "max_abs_diff": diffs, "variants": results,
         "packed_over_sorted": over("padded_sorted"),
@@ -286,6 +315,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                  "threads"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"(default {getattr(d, name)})")
     p.add_argument("--out", default="", help="results file benchmarks/results/<OUT>.json (default packing)")
+    add_device_args(p)
     a = p.parse_args(argv)
     values = {k: v for k, v in vars(a).items() if v is not None and k not in ("quick", "out")}
     if a.quick:

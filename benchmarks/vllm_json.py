@@ -1,6 +1,6 @@
 """What vLLM's JSON scoring protocol costs against the binary KServe v2 path, on one teacher.
 
-    .venv/bin/python -m benchmarks.vllm_json [--reps 3] [--quick] [--device cuda]
+    .venv/bin/python -m benchmarks.vllm_json [--reps 3] [--quick] [--device cuda --compute-dtype BF16]
 
 One `teacher-server --model hf:DIR --http-port 0` process serves a tiny random Llama (vocabulary
 32,000 like Llama 2's, 2 layers, hidden 64: the model is cheap, so the protocol's own cost
@@ -40,6 +40,7 @@ import numpy as np
 
 from benchmarks.common import format_table, machine_info, median, run_and_report
 from benchmarks.cpu import process_cpu_seconds, self_cpu_seconds
+from benchmarks.device import add_device_args
 
 VARIANTS = ("json", "grpc-fp32", "grpc-fp16")
 
@@ -56,6 +57,7 @@ class Settings:
     device: str = "cpu"
     quick: bool = False
     seed: int = 0
+    compute_dtype: str = "FP32"
 
 
 def save_teacher(directory: Path, vocab: int, context: int) -> None:
@@ -138,7 +140,8 @@ def run(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vllm-json-") as tmp:
         directory = Path(tmp) / "teacher"
         save_teacher(directory, s.vocab, max(s.max_len, 64))
-        args = ["--model", f"hf:{directory}", "--name", "tiny-llama", "--device", s.device, "--http-port", "0"]
+        args = ["--model", f"hf:{directory}", "--name", "tiny-llama", "--device", s.device,
+                "--compute-dtype", s.compute_dtype, "--http-port", "0"]
         with teacher_process(args, log=Path(tmp) / "teacher.log", ready_timeout=300, stop_grace=10) as (_, info):
             url, address = f"http://127.0.0.1:{info['http_port']}", f"127.0.0.1:{info['port']}"
             variants: dict[str, Callable[[], Awaitable[tuple[float, int]]]] = {
@@ -192,13 +195,14 @@ def parse_args(argv: Sequence[str] | None, prog: str = "benchmarks.vllm_json", d
     p.add_argument("--top-k", type=int, default=20, help="prompt_logprobs / top_k (at most 20 on /v1/completions)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--reps", type=int, default=reps)
-    p.add_argument("--device", default="cpu")
+    add_device_args(p)
     p.add_argument("--quick", action="store_true", help="8 short sequences, one repetition: a smoke test")
     a = p.parse_args(argv)
     if a.quick:
         return Settings(sequences=8, min_len=16, max_len=32, top_k=a.top_k, clients=4, reps=1, device=a.device,
-                        quick=True)
-    return Settings(a.sequences, a.min_len, a.max_len, a.top_k, a.clients, a.reps, device=a.device)
+                        quick=True, compute_dtype=a.compute_dtype)
+    return Settings(a.sequences, a.min_len, a.max_len, a.top_k, a.clients, a.reps, device=a.device,
+                    compute_dtype=a.compute_dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

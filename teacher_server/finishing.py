@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 
 from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named
 from teacher_server.spec import TensorSpec
+from teacher_server.threads import named_executor
 from teacher_server.work import Work
 
 WholeOutput = tuple[str, torch.Tensor, TensorSpec]
@@ -94,7 +95,7 @@ class Finisher:
     """One instance's finishing stage: its own thread, owned by the instance and shut down with it."""
 
     def __init__(self, index: int) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"finish-{index}")
+        self._executor = named_executor(f"finish-{index}")
         self._lock = threading.Lock()
         self._last_end_ns = 0
 

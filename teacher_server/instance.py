@@ -29,6 +29,7 @@ from teacher_server.outputs import (
 )
 from teacher_server.scoring import head_split, row_context
 from teacher_server.staging import take_staged
+from teacher_server.threads import named_executor
 from teacher_server.transform_rows import RowContext
 from teacher_server.transforms import OutputTransform, scoreable, token_input
 from teacher_server.work import Work, batch_input
@@ -55,7 +56,7 @@ class ModelInstance:
     def __init__(self, model: LoadedModel, index: int, max_batch_size: int) -> None:
         self.model = model
         self.index = index
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"instance-{index}")
+        self._executor = named_executor(f"instance-{index}")
         self._finisher = Finisher(index)
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None

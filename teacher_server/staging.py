@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from teacher_server.threads import named_executor
 from teacher_server.work import StagedInputs, Work, batch_input
 
 
@@ -40,7 +41,7 @@ class Stager:
 
     def __init__(self, device: torch.device, index: int = 0) -> None:
         self.device = device
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stager-{index}")
+        self._executor = named_executor(f"stager-{index}")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.staged = 0  # batches staged so far (tests and logs read it)
 

@@ -84,6 +84,9 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert wire["full_vocab_fp32"] == 4 * doc["teacher"]["vocab_size"]
     assert doc["ratios"]["server_buckets_over_inprocess"]["headline"] > 0
     assert doc["server_exit_codes"] == {"server_buckets": 0, "server_no_buckets": 0}
+    # each server pass names the server's busiest threads: its event loop and its model instances
+    names = {t["name"] for t in doc["per_rep"]["server_buckets"][0]["threads"]}
+    assert {"main", "instance-0"} <= names
 
 
 @pytest.mark.timeout(330)  # trains the smoke teacher and starts a server, like the test above

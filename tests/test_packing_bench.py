@@ -4,10 +4,13 @@ each sequence the logits it gets alone, with a real transformers Llama."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from benchmarks import packing
+from benchmarks import common, packing
 
 pytest.importorskip("transformers")
 
@@ -45,3 +48,19 @@ def test_packed_rows_give_each_sequence_its_own_logits() -> None:
     inputs, where = next((b, w) for b, w in packed if len({r for _, r, _ in w}) < len(w))
     flat = {k: v for k, v in inputs.items() if k != "position_ids"}
     assert packing.max_diff(model, seqs, [(flat, where)]) > 1e-3
+
+
+def test_the_benchmark_takes_a_device_and_a_compute_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device` / `--compute-dtype` (cuda on a GPU; here the CPU in bf16): the model runs in that
+    dtype, packing stays within bf16's rounding of each sequence alone, and the JSON says where it ran."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    assert packing.main(["--quick", "--compute-dtype", "BF16", "--out", "pk"]) == 0
+    doc = json.loads((tmp_path / "pk.json").read_text())
+    assert doc["machine"]["device"] == "cpu" and doc["machine"]["compute_dtype"] == "BF16"
+    assert doc["settings"]["compute_dtype"] == "BF16"
+    assert 0 < doc["max_abs_diff"]["packed"] < 5e-2
+    assert all(v["tokens_per_s"] > 0 for v in doc["variants"].values())
+    model, _ = packing.make_model(packing.Settings(hidden=32, layers=1, heads=4, vocab=97, compute_dtype="BF16"))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(SystemExit):
+        packing.parse_args(["--device", "gpu0"])
