@@ -126,6 +126,11 @@ class DynamicBatcher:
         self._token_listeners.append(listener)
 
     @property
+    def instances(self) -> list[ModelInstance]:
+        """The model instances it schedules onto."""
+        return list(self._instances)
+
+    @property
     def stagers(self) -> list[Stager]:
         """The instances' stagers (none where batches are not staged ahead)."""
         return list(self._stagers.values())

@@ -53,7 +53,7 @@ def copy_to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelInstance:
     """Launches batches of one LoadedModel on a dedicated thread; a `Finisher` completes them."""
 
-    def __init__(self, model: LoadedModel, index: int, max_batch_size: int) -> None:
+    def __init__(self, model: LoadedModel, index: int, max_batch_size: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.model = model
         self.index = index
         self._executor = named_executor(f"instance-{index}")
@@ -63,10 +63,10 @@ class ModelInstance:
         self._staging_read: torch.cuda.Event | None = None  # recorded after the last copies out of _staging
         self._spec_index = {s.name: i for i, s in enumerate(model.io.outputs)}
         self._split = head_split(model.module)
-        # Whether a separable model's output projection runs a chunk of positions at a time, and
-        # the fp32 bytes of one chunk (outputs.OutputContext); benchmarks change them to compare.
+        # Whether a separable model's output projection runs a chunk of positions at a time (benchmarks
+        # turn it off to compare), and the fp32 bytes of one chunk (outputs.OutputContext; --output-chunk-mb).
         self.chunked = True
-        self.chunk_bytes = CHUNK_BYTES
+        self.chunk_bytes = chunk_bytes
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)

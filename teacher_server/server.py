@@ -191,7 +191,9 @@ class TeacherServer:
                 log.info("warming up %s on %s", cfg.model, self.device)
                 model = self._model
                 model.io = await asyncio.to_thread(_probe, model)
-            instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size) for i in range(cfg.instances)]
+            chunk = cfg.output_chunk_mb << 20
+            instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk)
+                         for i in range(cfg.instances)]
             self._batcher = DynamicBatcher(instances, cfg.batching)
             self._batcher.on_batch(self._on_batch)
             self._batcher.on_tokens(self.metrics.record_tokens)

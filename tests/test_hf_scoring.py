@@ -20,6 +20,7 @@ from teacher_server.instance import ModelInstance
 from teacher_server.model import load_model
 from teacher_server.outputs import OutputTransform
 from teacher_server.scoring import head_split
+from teacher_server.spec import SpecError
 from teacher_server.validation import pad_plan
 from teacher_server.work import Work
 from tests.hf_models import load_reference
@@ -260,6 +261,32 @@ def test_the_projection_runs_a_chunk_at_a_time_and_changes_nothing(llama_dir: Pa
             dtype = np.int32 if name.endswith("INDICES") else np.float32
             assert np.allclose(np.frombuffer(x, dtype), np.frombuffer(y, dtype), atol=1e-5), name
     assert [n for n, *_ in chunked[1]][-1] == "LOGITS_SCORED_LOGPROBS"
+
+
+def test_output_chunk_mb_sets_the_instances_chunks_and_changes_no_answer(llama_dir: Path) -> None:
+    """--output-chunk-mb (serve()'s output_chunk_mb) reaches every model instance; a server with
+    1 MiB chunks answers as the default one does."""
+    from teacher_server import ServerConfig
+    from teacher_server.api import server_config
+    from teacher_server.cli import build_parser, flag_values
+    from tests.servers import ServerThread
+
+    assert flag_values(build_parser().parse_args(["--model", "m:f", "--output-chunk-mb", "256"]))[
+        "output_chunk_mb"] == 256
+    assert server_config("m:f", output_chunk_mb=8).output_chunk_mb == 8
+    with pytest.raises(SpecError, match="output_chunk_mb= must be >= 1"):
+        server_config("m:f", output_chunk_mb=0)
+    ids = _sequences((9, 14), seed=21)
+    answers = []
+    for mb in (64, 1):
+        cfg = ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", instances=2, output_chunk_mb=mb)
+        with ServerThread(cfg) as s:
+            assert s.server is not None
+            assert [inst.chunk_bytes for inst in s.server.batcher.instances] == [mb << 20] * 2
+            results = asyncio.run(_infer_all(s.url, [(seq, None, {"top_k": 3, "logprobs": True}) for seq in ids]))
+        answers.append([(r.as_numpy("LOGITS_TOPK_VALUES"), r.as_numpy("LOGITS_TOPK_INDICES")) for r in results[:-1]])
+    for (v1, i1), (v2, i2) in zip(*answers, strict=True):
+        assert np.array_equal(i1, i2) and np.allclose(v1, v2, atol=1e-6)
 
 
 def test_scoring_over_http_with_per_output_parameters(llama_dir: Path, reference: torch.nn.Module) -> None:
