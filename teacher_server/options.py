@@ -119,7 +119,8 @@ BATCHING = (
     Setting("dynamic_batching", "run every request as its own batch", "batching", _BATCHING_DEFAULTS["enabled"],
             flag="--no-dynamic-batching", kind="negated"),
     Setting("max_batch_tokens", "models with padded inputs: the batch bound, samples x padded length (default 0: "
-            "max-batch-size x 64; a larger single request still runs alone)", "batching",
+            "max-batch-size x 64, for an hf: teacher on a GPU capped to what its instances' batches hold in the "
+            "free device memory; a larger single request still runs alone)", "batching",
             _BATCHING_DEFAULTS["max_batch_tokens"], type=int, check=at_least(0, "(0: max-batch-size x 64)")),
     Setting("length_buckets", "models with padded inputs: pad requests of any length together (default: by "
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from protos import registry_pb2
+from teacher_server import token_budget
 from teacher_server.batcher import DynamicBatcher
 from teacher_server.config import ServerConfig
 from teacher_server.grpc_service import InferenceService, add_inference_service
@@ -194,7 +195,8 @@ class TeacherServer:
             chunk = cfg.output_chunk_mb << 20
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk)
                          for i in range(cfg.instances)]
-            self._batcher = DynamicBatcher(instances, cfg.batching)
+            batching = token_budget.fit_to_memory(self._model, cfg.batching, cfg.instances, chunk)
+            self._batcher = DynamicBatcher(instances, batching)
             self._batcher.on_batch(self._on_batch)
             self._batcher.on_tokens(self.metrics.record_tokens)
             batcher = self._batcher
