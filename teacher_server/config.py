@@ -166,7 +166,7 @@ class ServerConfig(OutputSettings, HTTPLimits):
     output_chunk_mb: int = setting(
         CHUNK_BYTES >> 20, "output transforms of sequence models (top-k, log-probs, scores, an hf: LM's output "
         "projection) run this many MiB of fp32 logits at a time: larger chunks launch fewer, larger kernels, "
-        "smaller ones hold less memory (default: %(default)s)", group="outputs", type=int, check=at_least(1))
+        "smaller ones hold less memory (default: %(default)s)", group="model", type=int, check=at_least(1))
     model_args: Mapping[str, Any] = setting(
         {}, "keyword argument for a module:factory (repeat); VALUE is parsed as JSON when it parses "
         "(3, 0.5, true, [1,2], \"text\"), else taken as a string", group="model", flag="--model-arg",
