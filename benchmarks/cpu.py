@@ -18,15 +18,19 @@ from dataclasses import dataclass, field
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_cpu_seconds(raw: str) -> float:
+    """user+system CPU seconds from a /proc .../stat line."""
+    fields = raw.rsplit(")", 1)[1].split()  # the command name may contain spaces
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
+
+
 def process_cpu_seconds(pid: int) -> float:
     """user+system CPU seconds of a process, all its threads included (0 if it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            raw = f.read()
+            return _stat_cpu_seconds(f.read())
     except OSError:
         return 0.0
-    fields = raw.rsplit(")", 1)[1].split()  # the command name may contain spaces
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
@@ -43,9 +47,7 @@ def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
                 raw = f.read()
         except OSError:
             continue  # the thread ended meanwhile
-        name = raw[raw.find("(") + 1 : raw.rfind(")")]
-        fields = raw.rsplit(")", 1)[1].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _CLK_TCK)
+        out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], _stat_cpu_seconds(raw))
     return out
 
 

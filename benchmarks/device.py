@@ -57,6 +57,16 @@ class DeviceChoice:
     def cuda(self) -> bool:
         return self.torch_device.type == "cuda"
 
+    def autocast(self, enabled: bool = True) -> torch.autocast:
+        """Autocast to the compute dtype on this device (a no-op for FP32, or with enabled=False)."""
+        on = enabled and self.compute_dtype != "FP32"
+        return torch.autocast(self.torch_device.type, dtype=self.dtype, enabled=on)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA); nothing to wait for on the CPU."""
+        if self.cuda:
+            torch.cuda.synchronize(self.torch_device)
+
     def server_args(self) -> list[str]:
         return ["--device", self.device, "--compute-dtype", self.compute_dtype]
 
@@ -101,9 +111,8 @@ class InProcessModel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self.place(x)
-        autocast = self.choice.compute_dtype != "FP32"
-        with torch.autocast(self.choice.torch_device.type, dtype=self.choice.dtype, enabled=autocast):
+        with self.choice.autocast():
             out: torch.Tensor = self.model(x)
-        if self.sync and self.choice.cuda:
-            torch.cuda.synchronize(self.choice.torch_device)
+        if self.sync:
+            self.choice.synchronize()
         return out

@@ -120,8 +120,11 @@ async def run(s: Settings) -> dict[str, Any]:
     requests = [make_request(q, top_k=s.top_k) for q in seqs]
 
     with contextlib.ExitStack() as stack:
-        kinds = [("server_buckets", True, ())] + [("server_no_buckets", False, ())] * s.buckets_off + [
-            ("server_alt", True, s.alt_server_args)] * bool(s.alt_server_args)
+        kinds: list[tuple[str, bool, Sequence[str]]] = [("server_buckets", True, ())]
+        if s.buckets_off:
+            kinds.append(("server_no_buckets", False, ()))
+        if s.alt_server_args:
+            kinds.append(("server_alt", True, s.alt_server_args))
         servers = {
             name: stack.enter_context(TeacherProcess(server_args(s, directory, pad_id, vocab, buckets, extra=extra),
                                                      label=name, cwd=REPO_ROOT, stop_grace=20.0))

@@ -179,9 +179,8 @@ def pure_batches(loader: W1Loader) -> Iterator[tuple[dict[str, Any], torch.Tenso
 
 def inline_batches(loader: W1Loader, teacher: EmulatedTeacher,
                    choice: DeviceChoice) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
-    autocast = choice.compute_dtype != "FP32"
     for batch in loader:
-        with torch.inference_mode(), torch.autocast(choice.torch_device.type, dtype=choice.dtype, enabled=autocast):
+        with torch.inference_mode(), choice.autocast():
             logits = teacher(batch["INPUT"].to(choice.torch_device))
         yield batch, logits
 

@@ -194,12 +194,7 @@ class Loop:
         self.prompt_len = int(m.prompts.shape[1])
 
     def _autocast(self) -> Any:
-        on = self.choice.cuda and self.choice.compute_dtype != "FP32"
-        return torch.autocast(self.choice.torch_device.type, dtype=self.choice.dtype, enabled=on)
-
-    def _sync(self) -> None:
-        if self.choice.cuda:
-            torch.cuda.synchronize(self.choice.torch_device)
+        return self.choice.autocast(enabled=self.choice.cuda)
 
     def reset(self) -> torch.optim.Optimizer:
         self.m.student.load_state_dict(self.initial)
@@ -246,13 +241,13 @@ class Loop:
         for step in range(self.steps):
             a = time.perf_counter()
             batch = self.generate(step)
-            self._sync()
+            self.choice.synchronize()
             b = time.perf_counter()
             lp = score_inprocess(self.m.teacher, batch["input_ids"]).clone()  # a normal tensor for autograd
-            self._sync()
+            self.choice.synchronize()
             c = time.perf_counter()
             losses.append(self.train(opt, batch, lp))
-            self._sync()
+            self.choice.synchronize()
             phases[0] += b - a
             phases[1] += c - b
             phases[2] += time.perf_counter() - c
@@ -270,20 +265,20 @@ class Loop:
         meter.start()
         t0 = time.perf_counter()
         batch = self.generate(0)
-        self._sync()
+        self.choice.synchronize()
         phases[0] += time.perf_counter() - t0
         fut = reader.submit(batch)
         for step in range(self.steps):
             a = time.perf_counter()
             if step + 1 < self.steps:
                 nxt = self.generate(step + 1)
-                self._sync()
+                self.choice.synchronize()
                 nxt_fut = reader.submit(nxt)
             b = time.perf_counter()
             out = fut.result(120)
             c = time.perf_counter()
             losses.append(self.train(opt, batch, out[TOKENS_OUT]))
-            self._sync()
+            self.choice.synchronize()
             phases[0] += b - a
             phases[1] += c - b
             phases[2] += time.perf_counter() - c

@@ -97,10 +97,6 @@ def on_device(batches: list[Batch], device: torch.device) -> list[Batch]:
             for inputs, where in batches]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def draw(s: Settings) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(s.seed)
@@ -232,14 +228,13 @@ def max_diff(model: torch.nn.Module, seqs: Sequence[torch.Tensor], batches: Sequ
     return worst
 
 
-def timed(model: torch.nn.Module, batches: Sequence[Batch]) -> float:
-    device = next(model.parameters()).device
+def timed(model: torch.nn.Module, batches: Sequence[Batch], choice: DeviceChoice) -> float:
     with torch.inference_mode():
-        _sync(device)
+        choice.synchronize()
         start = time.perf_counter()
         for inputs, _ in batches:
             model(**inputs)
-        _sync(device)
+        choice.synchronize()
         return time.perf_counter() - start
 
 
@@ -263,11 +258,11 @@ def run(s: Settings) -> dict[str, Any]:
     diffs = {"packed": max_diff(model, seqs, check),
              "padded_sorted": max_diff(model, seqs, variants["padded_sorted"][:2])}
     for batches in variants.values():  # warm-up
-        timed(model, batches[:2])
+        timed(model, batches[:2], s.choice)
     seconds: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(s.reps):
         for name, batches in variants.items():
-            seconds[name].append(timed(model, batches))
+            seconds[name].append(timed(model, batches, s.choice))
     results = {}
     for name, batches in variants.items():
         t = median(seconds[name])

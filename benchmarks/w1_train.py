@@ -125,7 +125,7 @@ class Trainer:
 
     def step(self, images: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None) -> None:
         x, y = self.place(images), labels.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, dtype=self.choice.dtype, enabled=self.choice.compute_dtype != "FP32"):
+        with self.choice.autocast():
             logits = self.model(x)
         loss = (nn.functional.cross_entropy(logits.float(), y) if teacher is None
                 else self.kd(logits.float(), teacher.float(), y))
@@ -134,8 +134,7 @@ class Trainer:
         self.opt.step()
 
     def sync(self) -> None:
-        if self.choice.cuda:
-            torch.cuda.synchronize(self.device)
+        self.choice.synchronize()
 
 
 @torch.inference_mode()

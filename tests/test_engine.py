@@ -202,6 +202,17 @@ def check_outputs(sink: Collected) -> None:
         assert torch.allclose(out["Y"], batch["X"] @ W, atol=1e-5), f"batch {int(batch['idx'][0])} is wrong"
 
 
+def check_only_rejected(sink: Collected, poison: int, total: int, message: str) -> None:
+    """Batch `poison` alone was rejected, with `message` in its error; the other `total` - 1
+    batches were delivered once each, in order, with the model's outputs."""
+    assert not sink.errors, sink.errors
+    assert list(sink.rejections) == [poison], sink.rejections
+    error = sink.rejections[poison]
+    assert isinstance(error, BatchRejectedError) and message in str(error)
+    assert sink.tags() == [i for i in range(total) if i != poison], "every other batch, once, in order"
+    check_outputs(sink)
+
+
 def test_out_of_order_answers_are_delivered_once_in_loader_order() -> None:
     data = batches(30)  # 20 rows: three chunks per batch at max batch 8
 
@@ -436,12 +447,7 @@ def test_a_poison_batch_fails_alone_after_two_teachers_and_nobody_is_ejected() -
 
     async def scenario(engine: Engine, sink: Collected, mem: list[MemoryTeacher]) -> None:
         await epoch(engine, sink, data)
-        assert not sink.errors, sink.errors
-        assert list(sink.rejections) == [4], sink.rejections
-        error = sink.rejections[4]
-        assert isinstance(error, BatchRejectedError) and "model execution failed: poison in the input" in str(error)
-        assert sink.tags() == [i for i in range(10) if i != 4], "every other batch, once, in order"
-        check_outputs(sink)
+        check_only_rejected(sink, 4, 10, "model execution failed: poison in the input")
         poisoned = [c for t in mem for c in t.calls if c.request_id.startswith("1:4:")]
         starts = collections.Counter(c.start for c in poisoned)
         assert max(starts.values()) <= 2, f"a refused chunk went to more than two teachers: {starts}"
