@@ -121,6 +121,8 @@ def test_the_summary_without_the_buckets_off_server() -> None:
 
     s = llm_serving.parse_args(["--skip-buckets-off", "--reps", "2", "--max-foreign-cores", "0"])
     assert not s.buckets_off
+    with pytest.raises(SystemExit):  # argparse names the rule: --student-batch >= 0
+        llm_serving.parse_args(["--student-batch", "-1"])
     per_rep = {
         "inprocess": [Measurement(1000.0, 900, 0.9, computed_tokens=1000), Measurement(1100.0, 900, 0.8,
                                                                                           computed_tokens=1000)],
