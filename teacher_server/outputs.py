@@ -70,20 +70,20 @@ def _row_blocks(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return [(i * per, x[i].reshape(-1, d)) for i in range(x.shape[0])]
 
 
-def _full(values: torch.Tensor, rows: Rows, spec: TensorSpec) -> torch.Tensor:
-    """The output itself, as sent when no transform replaced it."""
+def _full(rows: Rows, spec: TensorSpec) -> tuple[torch.Tensor, torch.dtype | None]:
+    """The output itself, as sent when no transform replaced it, and the dtype it is sent as."""
     if rows.floating:
-        target = rows.value_dtype()
-        return values if target is None else values.to(target)
-    return values if values.dtype == spec.torch_dtype else values.to(datatype(spec.datatype).torch_dtype)
+        return rows.values, rows.value_dtype()
+    return rows.values, datatype(spec.datatype).torch_dtype
 
 
 def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransform,
                      context: OutputContext | None = None) -> list[NamedTensor]:
     """Apply `want` to one output on whatever device it lives on; return the tensors to send.
 
-    Floating math runs in fp32 (a bf16/fp16 forward pass is upcast first, a chunk at a time), and
-    results are cast to the wanted dtype last. Non-floating outputs are only top-k'd.
+    Floating math runs in fp32 (a bf16/fp16 forward pass is read in fp32 a chunk at a time), and
+    results are cast to the wanted dtype where they are written. Non-floating outputs are only
+    top-k'd.
     """
     ctx = context or _NO_CONTEXT
     scored = ctx.rows is not None and ctx.rows.score_ids is not None
@@ -106,7 +106,7 @@ def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransfo
     per_chunk = max(1, ctx.chunk_bytes // (max(width, 1) * 4))
     blocks = _row_blocks(x)
     single = len(blocks) == 1 and total <= per_chunk
-    outs: list[tuple[str, torch.Tensor]] = []
+    outs: list[NamedTensor] = []
     for first, block in blocks:
         for a in range(0, block.shape[0], per_chunk):
             raw = block[a : a + per_chunk]
@@ -119,13 +119,14 @@ def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransfo
                 assert step.apply is not None
                 step.apply(rows)
             if not rows.reduced:
-                rows.emit("", _full(rows.values, rows, spec))
+                rows.emit("", *_full(rows, spec))
             if single:
-                outs = rows.out
+                outs = [(s, o if dt is None else o.to(dt)) for s, o, dt in rows.out]
                 continue
-            if not outs:
-                outs = [(s, torch.empty((total, *o.shape[1:]), dtype=o.dtype, device=o.device)) for s, o in rows.out]
-            for (_, buf), (_, o) in zip(outs, rows.out, strict=True):
+            if not outs:  # the whole output's buffers, in the dtypes sent: each chunk is cast as it is copied in
+                outs = [(s, torch.empty((total, *o.shape[1:]), dtype=dt or o.dtype, device=o.device))
+                        for s, o, dt in rows.out]
+            for (_, buf), (_, o, _) in zip(outs, rows.out, strict=True):
                 buf[row0 : row0 + len(o)].copy_(o)
     named: list[NamedTensor] = []
     for suffix, o in outs:

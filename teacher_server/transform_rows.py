@@ -4,8 +4,14 @@
 x classes), wraps each in a `Rows` and runs the active registry entries' `apply` on it in
 registry order (`teacher_server.transforms`); each apply reads `Rows.values` (the chunk as the
 earlier transforms left it) and adds its outputs with `Rows.emit`. Floating math runs in fp32
-whatever the model computed in; results are cast to the wanted dtype as they are emitted. All of
-it runs on the model's device, so only the emitted (reduced) tensors are copied to the host.
+whatever the model computed in; an output is cast to its wanted dtype where it is written into the
+batch's result (`Rows.emit`'s dtype), so a chunk pays one copy per output, not a cast and a copy.
+All of it runs on the model's device, so only the emitted (reduced) tensors are copied to the host.
+
+Kernel launches are the host's cost of a chunk on a GPU (a few microseconds each, under the
+interpreter lock the instances share), so the common path keeps them few: a bf16/fp16 chunk is
+upcast only when a transform reads its values in fp32, and the log-softmax reads it as it is
+(`log_softmax(x, dtype=float32)`: one kernel and no fp32 copy of the chunk).
 """
 
 from __future__ import annotations
@@ -54,18 +60,49 @@ class Rows:
 
     def __init__(self, raw: Tensor, want: Want, spec_datatype: str, context: RowContext | None, fp32: bool) -> None:
         self.floating = raw.is_floating_point()
-        self.values = raw.float() if self.floating and fp32 else raw
+        self._values = raw
+        # The chunk is read in fp32 but not copied yet: `values` upcasts on first read, and the
+        # log-softmax reads the raw chunk with an fp32 result instead.
+        self._upcast = self.floating and fp32 and raw.dtype != torch.float32
         self.want = want
         self.spec_datatype = spec_datatype
         self.context = context
         self.reduced = False  # some transform replaced the full tensor
         self.is_logprobs = False  # `values` are log-probabilities
         self.topk: tuple[Tensor, Tensor] | None = None
-        self.out: list[tuple[str, Tensor]] = []
+        self.out: list[tuple[str, Tensor, torch.dtype | None]] = []
         self._logp: Tensor | None = None
 
-    def emit(self, suffix: str, tensor: Tensor) -> None:
-        self.out.append((suffix, tensor))
+    @property
+    def values(self) -> Tensor:
+        """The chunk as the earlier transforms left it (fp32 when floating math was asked for)."""
+        if self._upcast:
+            self._values = self._values.float()
+            self._upcast = False
+        return self._values
+
+    @values.setter
+    def values(self, tensor: Tensor) -> None:
+        self._values = tensor
+        self._upcast = False
+
+    def log_softmax(self) -> Tensor:
+        """log_softmax of the values over classes, fp32, read from the chunk as it is."""
+        if self._upcast:
+            return torch.log_softmax(self._values, dim=-1, dtype=torch.float32)
+        return torch.log_softmax(self._values.float(), dim=-1)
+
+    def divide(self, by: float) -> None:
+        """values / by, in fp32 when asked; a fresh upcast copy is divided in place (the model's
+        own tensor is never written)."""
+        if self._upcast:
+            self.values = self._values.float().div_(by)
+        else:
+            self.values = self._values / by
+
+    def emit(self, suffix: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add an output; `dtype`: what it is sent as (the cast happens where it is written)."""
+        self.out.append((suffix, tensor, None if dtype == tensor.dtype else dtype))
 
     def value_dtype(self) -> torch.dtype | None:
         """The dtype of values taken from the output itself (the full tensor, top-k values)."""
@@ -82,7 +119,7 @@ class Rows:
         if self.is_logprobs:
             return self.values
         if self._logp is None:
-            self._logp = torch.log_softmax(self.values.float(), dim=-1)
+            self._logp = self.log_softmax()
         return self._logp
 
     def context_or_refuse(self) -> RowContext:
@@ -93,12 +130,12 @@ class Rows:
 
 def apply_temperature(rows: Rows) -> None:
     if rows.floating:
-        rows.values = rows.values / rows.want.temperature
+        rows.divide(rows.want.temperature)
 
 
 def apply_logprobs(rows: Rows) -> None:
     if rows.floating:
-        rows.values = torch.log_softmax(rows.values, dim=-1)
+        rows.values = rows.log_softmax()
         rows.is_logprobs = True
 
 
@@ -107,8 +144,8 @@ def apply_top_k(rows: Rows) -> None:
     values, indices = torch.topk(rows.values, k, dim=-1, sorted=True)
     rows.topk = (values, indices)
     target = rows.value_dtype()
-    rows.emit("_TOPK_VALUES", values if target is None else values.to(target))
-    rows.emit("_TOPK_INDICES", indices.to(torch.int32))
+    rows.emit("_TOPK_VALUES", values, target)
+    rows.emit("_TOPK_INDICES", indices, torch.int32)
     rows.reduced = True
 
 
@@ -118,7 +155,7 @@ def apply_topk_tail(rows: Rows) -> None:
     values = rows.topk[0]
     logp = values if rows.is_logprobs else values - torch.logsumexp(rows.values, dim=-1, keepdim=True)
     tail = (1.0 - logp.float().exp().sum(dim=-1)).clamp_(min=0.0)
-    rows.emit("_TOPK_TAIL", tail.to(rows.prob_dtype()))
+    rows.emit("_TOPK_TAIL", tail, rows.prob_dtype())
 
 
 def apply_token_logprobs(rows: Rows) -> None:
@@ -126,7 +163,7 @@ def apply_token_logprobs(rows: Rows) -> None:
     assert ctx.next_ids is not None and ctx.next_valid is not None
     picked = rows.logprobs().gather(-1, ctx.next_ids.unsqueeze(-1)).squeeze(-1)
     picked = torch.where(ctx.next_valid, picked, torch.zeros_like(picked))
-    rows.emit("_TOKEN_LOGPROBS", picked.to(rows.prob_dtype()))
+    rows.emit("_TOKEN_LOGPROBS", picked, rows.prob_dtype())
     rows.reduced = True
 
 
@@ -157,5 +194,5 @@ def apply_scored(rows: Rows) -> None:
     picked = rows.logprobs().gather(-1, ctx.score_ids)
     if ctx.real is not None:
         picked = torch.where(ctx.real.unsqueeze(-1), picked, torch.zeros_like(picked))
-    rows.emit("_SCORED_LOGPROBS", picked.to(rows.prob_dtype()))
+    rows.emit("_SCORED_LOGPROBS", picked, rows.prob_dtype())
     rows.reduced = True

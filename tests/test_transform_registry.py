@@ -151,6 +151,41 @@ def test_transforms_in_chunks_equal_the_whole(want: OutputTransform) -> None:
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("want", [
+    OutputTransform("LOGITS", "FP16", 4, True, 2.0, True),
+    OutputTransform("LOGITS", None, 3, True, 1.0, True),
+    OutputTransform("LOGITS", None, 3, False, 0.5, True),
+    OutputTransform("LOGITS", "BF16", 0, True, 1.0),
+])
+def test_a_bf16_output_is_transformed_in_fp32_and_left_unchanged(want: OutputTransform) -> None:
+    """A bf16 forward pass is read in fp32 only where a transform reads it (the chunk is not
+    copied up front, and the temperature divides a copy in place): the answers equal the same
+    math on the upcast logits, whole and in chunks, and the model's tensor is never written."""
+    logits = torch.randn(3, 9, VOCAB, generator=torch.Generator().manual_seed(5)).mul_(4).to(torch.bfloat16)
+    before = logits.clone()
+    spec = TensorSpec("LOGITS", "BF16", (-1, VOCAB), per_position=True)
+    x = logits.float() / want.temperature
+    if want.logprobs:
+        x = torch.log_softmax(x, dim=-1)
+    sent = {"FP16": torch.float16, "BF16": torch.bfloat16, None: torch.bfloat16}[want.datatype]
+    if want.top_k:
+        values, indices = torch.topk(x, want.top_k, dim=-1)
+        expected = {"LOGITS_TOPK_VALUES": values.to(sent), "LOGITS_TOPK_INDICES": indices.to(torch.int32)}
+        if want.topk_tail:
+            tail = (1.0 - (values - torch.logsumexp(x, -1, keepdim=True) if not want.logprobs else values)
+                    .exp().sum(-1)).clamp_(min=0.0)
+            expected["LOGITS_TOPK_TAIL"] = tail.to(torch.float32 if want.datatype is None else sent)
+    else:
+        expected = {"LOGITS": x.to(sent)}
+    for context in (None, OutputContext(chunk_bytes=2 * VOCAB * 4)):
+        got = dict(transform_output(logits, spec, want, context))
+        assert got.keys() == expected.keys()
+        for name, t in expected.items():
+            assert got[name].dtype == t.dtype, name
+            assert torch.equal(got[name], t), name
+    assert torch.equal(logits, before)
+
+
 def test_explicit_defaults_and_unsupported_scoring(server: ServerThread) -> None:
     """topk_tail=False without top_k is fine (only asking for a tail without a top-k is refused);
     token_logprobs and SCORE_IDS on a model without a padded token input are refused by name."""
