@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,11 +110,15 @@ def run(device: str, seq: int, vocab: int, chunk_mib: int = 64, *, teacher: str 
             vocab = int(json.loads((Path(teacher) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
         else:
             save_model(Path(tmp), vocab, seq)
+        # glibc keeps freed blocks below its (moving) mmap threshold on the heap, so the resident
+        # set would count some dead chunks: every block of 1 MiB or more is mapped on its own and
+        # returned when freed, and the peak resident set follows the live tensors.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MiB))
         for mode in MODES:
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.teacher_memory", "--child", mode, "--dir", tmp, "--device", device,
                  "--seq", str(seq), "--chunk-mib", str(chunk_mib), "--compute-dtype", compute_dtype],
-                capture_output=True, text=True, timeout=900, check=False)
+                capture_output=True, text=True, timeout=900, check=False, env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"mode {mode} failed ({out.returncode}):\n{out.stderr[-4000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

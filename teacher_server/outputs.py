@@ -115,6 +115,7 @@ def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransfo
             row0 = first + a
             rows = Rows(raw, want, spec.datatype, None if ctx.rows is None else ctx.rows.rows(row0, row0 + len(raw)),
                         fp32)
+            del raw  # `rows` holds the chunk's only reference: its upcast lets the original go
             for step in active:
                 assert step.apply is not None
                 step.apply(rows)

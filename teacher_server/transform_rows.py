@@ -9,9 +9,10 @@ batch's result (`Rows.emit`'s dtype), so a chunk pays one copy per output, not a
 All of it runs on the model's device, so only the emitted (reduced) tensors are copied to the host.
 
 Kernel launches are the host's cost of a chunk on a GPU (a few microseconds each, under the
-interpreter lock the instances share), so the common path keeps them few: a bf16/fp16 chunk is
-upcast only when a transform reads its values in fp32, and the log-softmax reads it as it is
-(`log_softmax(x, dtype=float32)`: one kernel and no fp32 copy of the chunk).
+interpreter lock the instances share), and the chunk's size is bounded by the memory its fp32
+copies take, so the common path keeps both small: a bf16/fp16 chunk is upcast only when a
+transform reads its values in fp32, its half-precision original is let go once it is (the caller
+keeps no reference), and each output is cast once, where it is written.
 """
 
 from __future__ import annotations
@@ -87,10 +88,15 @@ class Rows:
         self._upcast = False
 
     def log_softmax(self) -> Tensor:
-        """log_softmax of the values over classes, fp32, read from the chunk as it is."""
-        if self._upcast:
+        """log_softmax of the values over classes, fp32.
+
+        Memory at its peak, in fp32 chunks C: CUDA reads an fp16 chunk as it is (one kernel, 1.5C
+        with the fp16 input); any other chunk is upcast first and its half-precision original let go
+        (`Rows` holds the only reference), so the peak is the fp32 input and output (2C), not 2.5C.
+        """
+        if self._upcast and self._values.dtype == torch.float16 and self._values.is_cuda:
             return torch.log_softmax(self._values, dim=-1, dtype=torch.float32)
-        return torch.log_softmax(self._values.float(), dim=-1)
+        return torch.log_softmax(self.values, dim=-1)
 
     def divide(self, by: float) -> None:
         """values / by, in fp32 when asked; a fresh upcast copy is divided in place (the model's
