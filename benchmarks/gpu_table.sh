@@ -61,11 +61,11 @@ run_stage() {
               # and without the buckets-off server, for more repetitions in the same time
       shape && stage w6_long 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
-    w6_chunks)  # A/B of the output transforms' chunk size (64 MiB default against 256), and its memory at 8k tokens
+    w6_chunks)  # A/B of the output transforms' chunk size (the 256 MiB default against 64), and its memory at 8k tokens
       shape && stage w6_chunks 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
-        --alt-server-arg=--output-chunk-mb=256 --reps "$REPS" --out llm_serving_gpu_chunks
+        --alt-server-arg=--output-chunk-mb=64 --reps "$REPS" --out llm_serving_gpu_chunks
       stage memory_chunks 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
-        --teacher "$Q15" --seq 8192 --chunk-mib 256 --out teacher_memory_gpu_8k_chunk256 ;;
+        --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k_chunk256 ;;
     llm_1inst) shape && stage llm_1inst 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 \
                  --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_1inst ;;
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --student-batch 16 \

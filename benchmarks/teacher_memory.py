@@ -1,7 +1,7 @@
 """Teacher memory while scoring one long sequence at a large vocabulary: chunked vs whole.
 
     .venv/bin/python -m benchmarks.teacher_memory [--device cpu|cuda] [--seq 4096] [--vocab 128256]
-        [--chunk-mib 64] [--quick]
+        [--chunk-mib 256] [--quick]
 
 An `hf:` Llama with a tiny hidden size (64) and a 128k vocabulary, so that the logits dominate:
 `[1, 4096, 128256]` fp32 logits are 2.1 GB, against about 66 MB of weights. One request scores
@@ -11,7 +11,8 @@ server runs it. Modes, each in a fresh subprocess so that one's peak cannot hide
   * whole: the forward pass returns the full logits and the transforms run on them in one piece
     (what the teacher did before chunking);
   * chunked: the forward pass stops at the final hidden states and the output projection and
-    the transforms run 64 MiB of fp32 logits at a time (`teacher_server.outputs`).
+    the transforms run a chunk of fp32 logits at a time (`teacher_server.outputs.CHUNK_BYTES`,
+    256 MiB, unless --chunk-mib says otherwise).
 Memory on CPU is the process's peak resident set (VmHWM, reset after the model is loaded, so it
 is the scoring's own peak) less the resident set before scoring (the interpreter, torch and the
 weights); on CUDA, `torch.cuda.max_memory_allocated` less the memory allocated before scoring.
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import format_table, machine_info, write_results
+from teacher_server.outputs import CHUNK_BYTES
 
 MiB = 1 << 20
 MODES = ("whole", "chunked")
@@ -99,7 +101,7 @@ def child(mode: str, directory: str, device: str, seq: int, chunk_mib: int, *,
             "peak_bytes": peak, "scoring_bytes": peak - before, "seconds": seconds, "response_bytes": sent}
 
 
-def run(device: str, seq: int, vocab: int, chunk_mib: int = 64, *, teacher: str = "",
+def run(device: str, seq: int, vocab: int, chunk_mib: int = CHUNK_BYTES // MiB, *, teacher: str = "",
         compute_dtype: str = "FP32") -> dict[str, Any]:
     """Both modes on the tiny-hidden Llama at `vocab`, or on `teacher` (a save_pretrained directory,
     e.g. a real shape from benchmarks.shapes) with its own vocabulary."""
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--chunk-mib", type=int, default=64, help="fp32 MiB of logits per chunk (default: %(default)s)")
+    p.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES // MiB,
+                   help="fp32 MiB of logits per chunk (default: the server's, %(default)s)")
     p.add_argument("--quick", action="store_true", help="512 tokens at a 32k vocabulary (a smoke run)")
     p.add_argument("--teacher", default="", help="a save_pretrained causal LM directory instead of the tiny Llama")
     p.add_argument("--compute-dtype", type=str.upper, default="FP32", choices=("FP32", "FP16", "BF16"))

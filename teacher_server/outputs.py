@@ -8,7 +8,7 @@ the model's device, in the instance thread, BEFORE the device-to-host copy: on a
 cross PCIe. Encoding then runs on host tensors. No tensor work reaches the event loop.
 
 Memory: an output is transformed in chunks of positions (`OutputContext.chunk_bytes` of fp32
-values per chunk, 64 MiB by default), so the fp32 copies, log-softmax and top-k of a long
+values per chunk, 256 MiB by default), so the fp32 copies, log-softmax and top-k of a long
 sequence at a large vocabulary never exist whole. With `OutputContext.head` the tensor handed in
 is the model's final hidden states `[B, T, H]` and each chunk's logits are computed from them
 (an `hf:` causal LM's output projection, see `teacher_server.hf_model`): when only reduced
@@ -35,8 +35,15 @@ EncodedOutput = tuple[str, str, list[int], bytes]
 # (name, tensor) of one transformed output, still on the model's device.
 NamedTensor = tuple[str, torch.Tensor]
 
-CHUNK_BYTES = 64 << 20
-"""fp32 bytes of values per chunk of positions (one `[n, V]` float32 slice)."""
+CHUNK_BYTES = 256 << 20
+"""fp32 bytes of values per chunk of positions (one `[n, V]` float32 slice).
+
+The chunk trades host work for memory. Each chunk costs its ATen calls (16, most of them kernel
+launches on a GPU) and a read of the output projection; at 64 MiB a 16k-token batch of a 152k
+vocabulary took 149 chunks, 1,493 calls that are not views against the forward pass's 984
+(`benchmarks/launches.py`); at 256 MiB, 38 chunks and 383 calls. Its transforms peak at about
+twice the chunk (the fp32 logits and their log-softmax), 519 MiB at 256 (`benchmarks/teacher_memory.py`),
+about what the forward pass of an 8k-token sequence of a 1.5B model holds at once anyway."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 HEADROOM = 0.8  # of the free memory, the rest left to the allocator's fragmentation and other processes
 ACTIVATION_MARGIN = 1.5  # over the shape's estimate: temporaries the estimate does not name
-CHUNKS = 4  # chunk-sized buffers the output transforms may hold at once (logits, fp32 copy, log-probs, ...)
+CHUNKS = 3  # chunk-sized buffers the output transforms may hold at once: fp32 logits and log-probs, one more of margin
 GRAIN = 64  # the budget is rounded down to a multiple of this many positions
 MIN_BUDGET = 256
 

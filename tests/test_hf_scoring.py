@@ -269,16 +269,17 @@ def test_output_chunk_mb_sets_the_instances_chunks_and_changes_no_answer(llama_d
     from teacher_server import ServerConfig
     from teacher_server.api import server_config
     from teacher_server.cli import build_parser, flag_values
+    from teacher_server.outputs import CHUNK_BYTES
     from tests.servers import ServerThread
 
-    assert flag_values(build_parser().parse_args(["--model", "m:f", "--output-chunk-mb", "256"]))[
-        "output_chunk_mb"] == 256
+    assert flag_values(build_parser().parse_args(["--model", "m:f", "--output-chunk-mb", "64"]))[
+        "output_chunk_mb"] == 64
     assert server_config("m:f", output_chunk_mb=8).output_chunk_mb == 8
     with pytest.raises(SpecError, match="output_chunk_mb= must be >= 1"):
         server_config("m:f", output_chunk_mb=0)
     ids = _sequences((9, 14), seed=21)
     answers = []
-    for mb in (64, 1):
+    for mb in (CHUNK_BYTES >> 20, 1):
         cfg = ServerConfig(model=f"hf:{llama_dir}", name="llama", device="cpu", instances=2, output_chunk_mb=mb)
         with ServerThread(cfg) as s:
             assert s.server is not None
