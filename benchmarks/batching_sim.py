@@ -1,0 +1,219 @@
+"""The teacher's batching of a padded LLM on an emulated GPU: how close its batches come to the
+in-process baseline's length-sorted ones when the device, not the host, is the limit.
+
+    .venv/bin/python -m benchmarks.batching_sim [--sequences 1024] [--clients 256] [--fixed-ms 5]
+        [--tokens-per-s 72000] [--budget 16384] [--reps 3] [--server-arg=--min-padding-efficiency=0.8]
+
+W6 on a GPU mixes two costs: the server's own host and device work (decoding, launches, chunked
+transforms, copies) and the batches it forms, which are only as full and as tightly padded as the
+sequences queued at the time allow. This measures the second alone, on any machine. The teacher is
+`teacher-server --model benchmarks.batching_sim:build`, a padded causal LM whose device is
+emulated: a forward pass takes `fixed_ms + computed positions / tokens_per_s` (defaults: the
+Qwen2.5-1.5B shape on an H200, 72k tokens/s in length-sorted batches of 16k tokens) on one device
+timeline, and returns at once, as a CUDA launch does; the finishing stage waits until the device
+would have finished that batch, as it waits on a CUDA event, and batches are formed ahead of their
+instance as on CUDA. The baseline is the same device running W6's in-process batches: all sequences
+sorted by length, cut at the token budget. Ratio: baseline time / served time, for the same
+sequences (W6's lengths, uniform over 8-1,021), one per request from `--clients` clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.common import REPO_ROOT, format_table, machine_info, median, run_and_report
+from teacher_server.spec import ModelIO
+
+VOCAB = 8
+
+
+class _Timeline:
+    """One emulated device: batches run one after another; each instance's finishing stage waits
+    for its own batches' ends, in launch order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+        self.ends: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+
+    def launch(self, seconds: float) -> None:
+        with self.lock:
+            start = max(time.perf_counter(), self.free_at)
+            self.free_at = start + seconds
+            self.ends[_instance_key()].append(self.free_at)
+
+    def wait(self) -> None:
+        with self.lock:
+            queue = self.ends[_instance_key()]
+            end = queue.popleft() if queue else 0.0
+        delay = end - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _instance_key() -> str:
+    """instance-N and finish-N (the threads the teacher names) share the key N."""
+    name = threading.current_thread().name
+    return name.rsplit("-", 1)[-1].split("_", 1)[0]
+
+
+class EmulatedLM(nn.Module):
+    """Token ids and mask to [B, T, 8] zeros, at the emulated device's cost."""
+
+    def __init__(self, timeline: _Timeline, fixed_ms: float, tokens_per_s: float) -> None:
+        super().__init__()
+        self.timeline, self.fixed_s, self.per_token_s = timeline, fixed_ms / 1e3, 1.0 / tokens_per_s
+        self.io_spec = ModelIO.parse(["INPUT_IDS:INT64:-1:pad=0", "ATTENTION_MASK:INT64:-1:mask"],
+                                     [f"LOGITS:FP32:-1,{VOCAB}:per_position"])
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.timeline.launch(self.fixed_s + self.per_token_s * ids.numel())
+        return torch.zeros((*ids.shape, VOCAB))
+
+
+def build(fixed_ms: float = 5.0, tokens_per_s: float = 72000.0) -> EmulatedLM:
+    """The emulated teacher. Loaded in the teacher-server process, it makes that server treat its
+    CPU as it treats a GPU: batches formed and staged ahead of their instance, finished on a thread
+    of their own (what the server chooses on CUDA), at the time the emulated device ends them."""
+    from teacher_server import batcher, finishing, staging
+
+    timeline = _Timeline()
+    finish = finishing.Finisher.finish
+    init = batcher.DynamicBatcher.__init__
+
+    def finish_at_device_time(self: finishing.Finisher, launched: Any) -> Any:
+        timeline.wait()
+        return finish(self, launched)
+
+    def init_as_on_cuda(self: batcher.DynamicBatcher, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._async_outputs = True
+
+    staging.wanted = lambda device: True  # type: ignore[assignment]
+    finishing.Finisher.finish = finish_at_device_time  # type: ignore[method-assign]
+    batcher.DynamicBatcher.__init__ = init_as_on_cuda  # type: ignore[method-assign]
+    return EmulatedLM(timeline, fixed_ms, tokens_per_s)
+
+
+def draw_lengths(n: int, seed: int, low: int = 8, high: int = 1021) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+def sorted_baseline(lengths: Sequence[int], budget: int, fixed_s: float, per_token_s: float) -> dict[str, Any]:
+    """The device's time for the in-process baseline's batches: sorted by length, cut at the budget."""
+    ordered = sorted(lengths)
+    seconds, batches, computed, i = 0.0, 0, 0, 0
+    while i < len(ordered):
+        j = i + 1
+        while j < len(ordered) and (j + 1 - i) * ordered[j] <= budget:
+            j += 1
+        positions = (j - i) * ordered[j - 1]
+        seconds += fixed_s + per_token_s * positions
+        batches, computed, i = batches + 1, computed + positions, j
+    return {"seconds": seconds, "batches": batches, "padding_efficiency": sum(lengths) / computed}
+
+
+async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients: int) -> dict[str, Any]:
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from benchmarks.llm_parts import executions, make_request, scrape_tokens
+
+    requests = [make_request(list(range(1, n + 1)), top_k=0, logprobs=False, dtype="FP32", tail=False)
+                for n in lengths]
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        pending = collections.deque(requests)
+
+        async def client() -> None:
+            while pending:
+                await stub.ModelInfer(pending.popleft(), timeout=120)
+
+        useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+        exec0 = await executions(stub)
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+        useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
+        batches = await executions(stub) - exec0
+    return {"seconds": seconds, "batches": batches,
+            "padding_efficiency": (useful1 - useful0) / max(1, computed1 - computed0)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from teacher_server.launch import TeacherProcess
+
+    lengths = draw_lengths(args.sequences, args.seed)
+    baseline = sorted_baseline(lengths, args.budget, args.fixed_ms / 1e3, 1.0 / args.tokens_per_s)
+    from benchmarks.llm_parts import MODEL_NAME
+
+    server = ["--model", "benchmarks.batching_sim:build", "--name", MODEL_NAME, "--device", "cpu",
+              "--model-arg", f"fixed_ms={args.fixed_ms}", "--model-arg", f"tokens_per_s={args.tokens_per_s}",
+              "--max-batch-size", "256", "--max-batch-tokens", str(args.budget),
+              "--max-queue-delay-us", str(args.delay_us), "--max-queue-size", str(max(512, 2 * args.clients)),
+              "--instances", str(args.instances), "--threads", "1", "--metrics-port", "0",
+              "--log-level", "WARNING", *args.server_arg]
+    reps = []
+    with TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0) as proc:
+        endpoint, port = proc.endpoint, int(proc.ready["metrics_port"])
+        asyncio.run(_served(endpoint, port, lengths[: min(len(lengths), 2 * args.clients)], args.clients))  # warm-up
+        for rep in range(args.reps):
+            served = asyncio.run(_served(endpoint, port, lengths, args.clients))
+            served["ratio"] = baseline["seconds"] / served["seconds"]
+            reps.append(served)
+            print(f"  rep {rep + 1}: {served['seconds']:.2f} s against {baseline['seconds']:.2f} s sorted: "
+                  f"{served['ratio']:.3f}; {served['batches']} batches (sorted: {baseline['batches']}), padding "
+                  f"efficiency {served['padding_efficiency']:.3f} ({baseline['padding_efficiency']:.3f})", flush=True)
+    return {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "baseline": baseline, "reps": reps,
+            "ratio_median": median([r["ratio"] for r in reps]),
+            "batches_median": median([float(r["batches"]) for r in reps]),
+            "padding_efficiency_median": median([r["padding_efficiency"] for r in reps]),
+            "machine": machine_info()}
+
+
+def report(doc: dict[str, Any]) -> str:
+    s, b = doc["settings"], doc["baseline"]
+    rows: list[list[object]] = [
+        ["in process: length-sorted batches at the budget", f"{b['seconds']:.2f}", b["batches"],
+         f"{b['padding_efficiency']:.3f}", ""],
+        [f"served: {s['clients']} clients, one sequence a request (median of {len(doc['reps'])})",
+         f"{median([r['seconds'] for r in doc['reps']]):.2f}", f"{doc['batches_median']:.0f}",
+         f"{doc['padding_efficiency_median']:.3f}", f"{doc['ratio_median']:.3f}"],
+    ]
+    return (f"{s['sequences']} sequences, emulated device {s['fixed_ms']} ms + 1/{s['tokens_per_s']:,.0f} s a "
+            f"position, budget {s['budget']:,} positions, {s['instances']} instance(s)\n"
+            + format_table(["batches", "seconds", "batches", "padding eff.", "ratio"], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sequences", type=int, default=1024)
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--fixed-ms", type=float, default=5.0, help="device time a forward pass costs whatever its size")
+    p.add_argument("--tokens-per-s", type=float, default=72000.0, help="device positions a second beyond that")
+    p.add_argument("--budget", type=int, default=16384, help="--max-batch-tokens, and the baseline's batches")
+    p.add_argument("--delay-us", type=int, default=2000, help="--max-queue-delay-us (W6's)")
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-arg", action="append", default=[], help="an extra teacher-server flag (repeatable)")
+    p.add_argument("--out", default="batching_sim", help="results file: benchmarks/results/<OUT>.json")
+    args = p.parse_args(argv)
+    if min(args.sequences, args.clients, args.budget, args.reps, args.instances) < 1 or args.tokens_per_s <= 0:
+        p.error("--sequences, --clients, --budget, --reps, --instances and --tokens-per-s must be positive")
+    return run_and_report(lambda: run(args), args.out, report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

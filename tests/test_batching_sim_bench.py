@@ -1,0 +1,46 @@
+"""benchmarks.batching_sim: a real teacher-server process serving an emulated GPU (forward passes
+queued on one device timeline, finished at its time, batches formed ahead as on CUDA) to clients
+sending one sequence a request; its report compares the server's batches with length-sorted ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.batching_sim import draw_lengths, sorted_baseline
+
+pytestmark = pytest.mark.timeout(180)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_sorted_baseline_cuts_sorted_lengths_at_the_budget() -> None:
+    b = sorted_baseline([5, 1, 4, 2, 3], budget=8, fixed_s=1.0, per_token_s=0.5)
+    # sorted 1 2 3 4 5: [1, 2] (2 x 2 = 4; adding 3 would be 3 x 3 = 9), [3, 4] (2 x 4 = 8), [5] (5)
+    assert b["batches"] == 3
+    assert b["seconds"] == pytest.approx(3 * 1.0 + 0.5 * (4 + 8 + 5))
+    assert b["padding_efficiency"] == pytest.approx(15 / 17)
+    assert draw_lengths(50, 3) == draw_lengths(50, 3) and min(draw_lengths(500, 1)) >= 8
+
+
+def test_the_batching_simulation_runs_on_the_emulated_device(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
+    fixed_ms, rate = 2.0, 400_000.0
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--clients", "24", "--budget", "4096",
+         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "1", "--out", "sim"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "sim.json").read_text())
+    (rep,) = doc["reps"]
+    lengths = draw_lengths(96, 0)
+    assert doc["baseline"] == sorted_baseline(lengths, 4096, fixed_ms / 1e3, 1 / rate)
+    # The finishing stage waited for the emulated device: no pass can beat its timeline, which
+    # runs every batch's fixed cost and at least every real position one after another.
+    assert rep["seconds"] >= rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate
+    assert rep["batches"] >= -(-sum(lengths) // 4096)  # no batch holds more than the budget
+    assert 0.3 < rep["padding_efficiency"] <= 1.0 and 0 < doc["ratio_median"] <= 1.1
