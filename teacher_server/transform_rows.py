@@ -62,8 +62,7 @@ class Rows:
     def __init__(self, raw: Tensor, want: Want, spec_datatype: str, context: RowContext | None, fp32: bool) -> None:
         self.floating = raw.is_floating_point()
         self._values = raw
-        # The chunk is read in fp32 but not copied yet: `values` upcasts on first read, and the
-        # log-softmax reads the raw chunk with an fp32 result instead.
+        # The chunk is read in fp32 but not copied yet: `values` upcasts it on first read.
         self._upcast = self.floating and fp32 and raw.dtype != torch.float32
         self.want = want
         self.spec_datatype = spec_datatype
@@ -96,7 +95,8 @@ class Rows:
         """
         if self._upcast and self._values.dtype == torch.float16 and self._values.is_cuda:
             return torch.log_softmax(self._values, dim=-1, dtype=torch.float32)
-        return torch.log_softmax(self.values, dim=-1)
+        values = self.values  # fp32 unless no floating transform asked for it (a registered one may not)
+        return torch.log_softmax(values if values.dtype == torch.float32 else values.float(), dim=-1)
 
     def divide(self, by: float) -> None:
         """values / by, in fp32 when asked; a fresh upcast copy is divided in place (the model's

@@ -186,6 +186,16 @@ def test_a_bf16_output_is_transformed_in_fp32_and_left_unchanged(want: OutputTra
     assert torch.equal(logits, before)
 
 
+def test_log_probs_are_fp32_even_where_no_floating_transform_asked_for_it() -> None:
+    """A registered transform that is not marked floating may still ask `Rows.logprobs()` of a
+    bf16 chunk: the answer is the fp32 log-softmax, as for the floating transforms."""
+    raw = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    rows = Rows(raw, OutputTransform("LOGITS"), "BF16", None, fp32=False)
+    assert rows.values is raw  # nothing read it in fp32, so nothing was upcast
+    lp = rows.logprobs()
+    assert lp.dtype == torch.float32 and torch.equal(lp, torch.log_softmax(raw.float(), dim=-1))
+
+
 def test_explicit_defaults_and_unsupported_scoring(server: ServerThread) -> None:
     """topk_tail=False without top_k is fine (only asking for a tail without a top-k is refused);
     token_logprobs and SCORE_IDS on a model without a padded token input are refused by name."""
