@@ -30,6 +30,11 @@ class BatchingConfig:
     # not on CPU, where the finishing thread only competes with the instances for the cores (W6 on 2
     # cores: 0.79 of in-process with it, 0.89 without).
     async_outputs: bool | None = None
+    # Batches an instance may hold formed and not yet answered (staged, computing, being finished);
+    # 0: what its device wants (1 on CPU, 2 with asynchronous outputs, one more with a stager: 3 on a
+    # GPU). Fewer batches ahead are formed later, from more queued requests: on an emulated GPU
+    # (benchmarks/batching_sim.py) 2 instead of 3 gave 62 forward passes instead of 68 for W6.
+    batches_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -40,6 +45,8 @@ class BatchingConfig:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
         if not 0 <= self.min_padding_efficiency <= 1:
             raise ValueError(f"min_padding_efficiency must be in 0..1, got {self.min_padding_efficiency}")
+        if self.batches_ahead < 0:
+            raise ValueError(f"batches_ahead must be >= 0 (0: what the device wants), got {self.batches_ahead}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: the default), got {self.max_batch_tokens}")
 

@@ -258,11 +258,13 @@ class DynamicBatcher:
         instance has a slot for it: with asynchronous outputs the instance may hold two batches
         launched and not finished (one being finished while the next computes), one otherwise;
         with a stager, one more, formed and staged while the instance runs (at most one batch
-        waits staged). The worker goes on as soon as the instance's thread has launched a batch;
-        the batch is answered by its own task once finished (`_answer`). If the server stops, the
-        requests of a batch formed and not launched are answered UNAVAILABLE."""
+        waits staged); `BatchingConfig.batches_ahead`, when set, is the number of slots instead.
+        The worker goes on as soon as the instance's thread has launched a batch; the batch is
+        answered by its own task once finished (`_answer`). If the server stops, the requests of a
+        batch formed and not launched are answered UNAVAILABLE."""
         stager = self._stagers.get(inst.index)
-        slots = asyncio.Semaphore((2 if self._async_outputs else 1) + (stager is not None))
+        slots = asyncio.Semaphore(self._config.batches_ahead
+                                  or (2 if self._async_outputs else 1) + (stager is not None))
         nxt: asyncio.Future[list[_Pending]] | None = None
         try:
             while True:

@@ -130,6 +130,10 @@ BATCHING = (
             "on a finishing thread of its own, overlapping the next batch's compute; on CPU, on the "
             "instance's thread)", "batching",
             _BATCHING_DEFAULTS["async_outputs"], flag="--no-async-outputs", kind="negated"),
+    Setting("batches_ahead", "batches an instance may hold formed and not yet answered: staged, computing, "
+            "being finished (default 0: 3 on a GPU, 1 on CPU, 2 there with asynchronous outputs); fewer are "
+            "formed later, from more queued requests, and fuller", "batching",
+            _BATCHING_DEFAULTS["batches_ahead"], type=int, check=at_least(0, "(0: what the device wants)")),
 )
 
 COMMAND_LINE = (

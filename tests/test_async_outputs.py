@@ -22,6 +22,7 @@ from teacher_server.cli import build_parser, flag_values
 from teacher_server.instance import ModelInstance
 from teacher_server.model import load_model
 from teacher_server.outputs import EncodedOutput, NamedTensor
+from teacher_server.spec import SpecError
 from teacher_server.work import Work
 from tests import seq_models
 from tests.test_staging import _work
@@ -130,15 +131,18 @@ def test_the_instance_runs_the_next_batch_while_the_last_one_is_finished(held: H
         inst.close()
 
 
-@pytest.mark.parametrize(("async_outputs", "bound"), [(True, 2), (False, 1), (None, 1)])
+@pytest.mark.parametrize(("async_outputs", "ahead", "bound"),
+                         [(True, 0, 2), (False, 0, 1), (None, 0, 1), (True, 1, 1), (True, 3, 3), (False, 3, 1)])
 def test_an_instance_holds_at_most_two_batches_launched_and_not_answered(held: HeldEncoder, async_outputs: bool | None,
-                                                                         bound: int) -> None:
+                                                                         ahead: int, bound: int) -> None:
     """Two with asynchronous outputs, one without; by default (None) a model on the CPU finishes
-    on its instance's thread: there is no device work for a finishing thread to overlap."""
+    on its instance's thread: there is no device work for a finishing thread to overlap.
+    `batches_ahead` sets the bound instead (an instance that finishes its batches itself still
+    runs one at a time)."""
     inst = _instance()
 
     async def main() -> None:
-        b = DynamicBatcher([inst], BatchingConfig(enabled=False, async_outputs=async_outputs))
+        b = DynamicBatcher([inst], BatchingConfig(enabled=False, async_outputs=async_outputs, batches_ahead=ahead))
         batches: list[int] = []
         b.on_batch(lambda samples, requests, ns: batches.append(requests))
         b.start()
@@ -218,3 +222,13 @@ def test_no_async_outputs_is_a_flag_and_a_keyword() -> None:
     values = flag_values(build_parser().parse_args(["--model", MODEL, "--no-async-outputs"]))
     assert values["async_outputs"] is False
     assert flag_values(build_parser().parse_args(["--model", MODEL]))["async_outputs"] is None
+
+
+def test_batches_ahead_is_a_flag_and_a_keyword() -> None:
+    assert server_config(MODEL).batching.batches_ahead == 0  # what the device wants
+    assert server_config(MODEL, batches_ahead=2).batching.batches_ahead == 2
+    assert flag_values(build_parser().parse_args(["--model", MODEL, "--batches-ahead", "2"]))["batches_ahead"] == 2
+    with pytest.raises(SpecError, match="batches_ahead"):
+        server_config(MODEL, batches_ahead=-1)
+    with pytest.raises(ValueError, match="batches_ahead must be >= 0"):
+        BatchingConfig(batches_ahead=-1)
