@@ -49,7 +49,11 @@ def test_the_gateway_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> 
     ratio = doc["gateway_vs_direct_throughput"]
     assert isinstance(ratio, float) and ratio > 0
     assert summary["gateway"]["gateway_cpu_us_per_token"] > 0
-    assert summary["direct"]["gateway_cpu_us_per_token"] == 0
+    # Direct calls bypass the gateway: it spends at most its background work (pool probes) meanwhile,
+    # counted in clock ticks, so a tick or two (2 x 10 ms over a quick run's few tokens) is allowed.
+    tokens = doc["tokens"]
+    assert isinstance(tokens, int) and tokens > 0
+    assert summary["direct"]["gateway_cpu_us_per_token"] * tokens <= 2 * 1e6 / os.sysconf("SC_CLK_TCK") + 1
 
 
 def test_both_take_a_device_and_a_compute_dtype() -> None:
