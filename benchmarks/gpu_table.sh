@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_chunks w6_ahead llm_1inst packing serving w1 w1_train w7
+# w6_chunks w6_ahead llm_1inst packing serving serving_threads w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -83,6 +83,10 @@ run_stage() {
     llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                      --instances 2 --skip-buckets-off --out llm_serving_gpu_2inst ;;
     serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --out serving_gpu ;;
+    serving_threads)  # W2/W3 with 2 host torch threads an instance instead of cores / instances (8 on 16 cores):
+                      # whether the 11.3 cores the server kept busy were intra-op threads spinning on host work
+      stage serving_threads 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --threads 2 \
+        --out serving_gpu_threads2 ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
     w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
