@@ -124,31 +124,20 @@ def sorted_baseline(lengths: Sequence[int], budget: int, fixed_s: float, per_tok
     return {"seconds": seconds, "batches": batches, "padding_efficiency": sum(lengths) / computed}
 
 
-async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients: int) -> dict[str, Any]:
+async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients: int,
+                  server_pid: int) -> dict[str, Any]:
+    """One pass of `lengths`, one sequence a request, through W6's own client (`measure_server`)."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    from benchmarks.llm_parts import executions, make_request, scrape_tokens
+    from benchmarks.llm_parts import make_request, measure_server
 
     requests = [make_request(list(range(1, n + 1)), top_k=0, logprobs=False, dtype="FP32", tail=False)
                 for n in lengths]
     async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        pending = collections.deque(requests)
-
-        async def client() -> None:
-            while pending:
-                await stub.ModelInfer(pending.popleft(), timeout=120)
-
-        useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
-        exec0 = await executions(stub)
-        start = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        seconds = time.perf_counter() - start
-        useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
-        batches = await executions(stub) - exec0
-    return {"seconds": seconds, "batches": batches,
-            "padding_efficiency": (useful1 - useful0) / max(1, computed1 - computed0)}
+        m = await measure_server(service_pb2_grpc.GRPCInferenceServiceStub(channel), requests, lengths,
+                                 clients=clients, metrics_port=metrics_port, server_pids=[server_pid])
+    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,10 +155,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "--log-level", "WARNING", *args.server_arg]
     reps = []
     with TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0) as proc:
-        endpoint, port = proc.endpoint, int(proc.ready["metrics_port"])
-        asyncio.run(_served(endpoint, port, lengths[: min(len(lengths), 2 * args.clients)], args.clients))  # warm-up
+        endpoint, port, pid = proc.endpoint, int(proc.ready["metrics_port"]), proc.pid
+        asyncio.run(_served(endpoint, port, lengths[: 2 * args.clients], args.clients, pid))  # warm-up
         for rep in range(args.reps):
-            served = asyncio.run(_served(endpoint, port, lengths, args.clients))
+            served = asyncio.run(_served(endpoint, port, lengths, args.clients, pid))
             served["ratio"] = baseline["seconds"] / served["seconds"]
             reps.append(served)
             print(f"  rep {rep + 1}: {served['seconds']:.2f} s against {baseline['seconds']:.2f} s sorted: "
