@@ -65,10 +65,15 @@ def forward_calls(shape: dict[str, Any], batch: int, length: int) -> dict[str, A
     return counter.summary()
 
 
+def _meta_batch(hidden: int, vocab: int, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output projection's weight and a batch's final hidden states, on the meta device."""
+    return (torch.empty((vocab, hidden), dtype=dtype, device="meta"),
+            torch.empty((1, tokens, hidden), dtype=dtype, device="meta"))
+
+
 def transform_calls(hidden: int, vocab: int, tokens: int, chunk_mib: int, dtype: torch.dtype) -> dict[str, Any]:
     """The server's output projection and transforms over `tokens` positions, `chunk_mib` a chunk."""
-    weight = torch.empty((vocab, hidden), dtype=dtype, device="meta")
-    h = torch.empty((1, tokens, hidden), dtype=dtype, device="meta")
+    weight, h = _meta_batch(hidden, vocab, tokens, dtype)
     spec = TensorSpec("LOGITS", "FP32", (-1, vocab), per_position=True)
     want = OutputTransform("LOGITS", "FP16", TOP_K, True, 1.0, True)
     context = OutputContext(None, lambda x: torch.nn.functional.linear(x, weight), vocab, chunk_mib << 20)
@@ -81,8 +86,7 @@ def transform_calls(hidden: int, vocab: int, tokens: int, chunk_mib: int, dtype:
 
 def baseline_calls(hidden: int, vocab: int, tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     """The in-process baseline's projection and top-k of the whole batch at once."""
-    weight = torch.empty((vocab, hidden), dtype=dtype, device="meta")
-    h = torch.empty((1, tokens, hidden), dtype=dtype, device="meta")
+    weight, h = _meta_batch(hidden, vocab, tokens, dtype)
     with torch.inference_mode(), CallCounter() as counter:
         output_work(torch.nn.functional.linear(h, weight), TOP_K)
     return counter.summary()

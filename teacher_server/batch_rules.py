@@ -33,7 +33,8 @@ class BatchingConfig:
     # Batches an instance may hold formed and not yet answered (staged, computing, being finished);
     # 0: what its device wants (1 on CPU, 2 with asynchronous outputs, one more with a stager: 3 on a
     # GPU). Fewer batches ahead are formed later, from more queued requests: on an emulated GPU
-    # (benchmarks/batching_sim.py) 2 instead of 3 gave 62 forward passes instead of 68 for W6.
+    # (benchmarks/batching_sim.py) 2 instead of 3 gave W6 62 forward passes instead of 66 with one
+    # instance, 69 instead of 75 with two.
     batches_ahead: int = 0
 
     def __post_init__(self) -> None:

@@ -81,7 +81,7 @@ def _full(rows: Rows, spec: TensorSpec) -> tuple[torch.Tensor, torch.dtype | Non
     """The output itself, as sent when no transform replaced it, and the dtype it is sent as."""
     if rows.floating:
         return rows.values, rows.value_dtype()
-    return rows.values, datatype(spec.datatype).torch_dtype
+    return rows.values, spec.torch_dtype
 
 
 def transform_output(tensor: torch.Tensor, spec: TensorSpec, want: OutputTransform,

@@ -96,6 +96,7 @@ class Rows:
         if self._upcast and self._values.dtype == torch.float16 and self._values.is_cuda:
             return torch.log_softmax(self._values, dim=-1, dtype=torch.float32)
         values = self.values  # fp32 unless no floating transform asked for it (a registered one may not)
+        # Not values.float() always: on an fp32 tensor it is still one more dispatch a chunk.
         return torch.log_softmax(values if values.dtype == torch.float32 else values.float(), dim=-1)
 
     def divide(self, by: float) -> None:
