@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_chunks w6_ahead llm_1inst packing serving serving_threads w1 w1_train w7
+# w6_chunks w6_ahead llm_1inst llm_3inst packing serving serving_threads w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -61,14 +61,17 @@ run_stage() {
               # and without the buckets-off server, for more repetitions in the same time
       shape && stage w6_long 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --reps "${W6_REPS:-5}" --out llm_serving_gpu_long ;;
-    w6_chunks)  # A/B of the output transforms' chunk size (the 256 MiB default against 64), and its memory at 8k tokens
+    w6_chunks)  # A/B of the output transforms' chunk size (the 256 MiB default against 64) in W6's headline layout
+                # (1 instance against 1 in-process loop), and the transforms' memory at 8k tokens
       shape && stage w6_chunks 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
-        --alt-server-arg=--output-chunk-mb=64 --reps "$REPS" --out llm_serving_gpu_chunks
+        --instances 1 --alt-server-arg=--output-chunk-mb=64 --reps "$REPS" --out llm_serving_gpu_chunks
       stage memory_chunks 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k_chunk256 ;;
     w6_ahead)  # A/B at the GPU default of 2 instances: --batches-ahead 2 against the default 3 an instance
       shape && stage w6_ahead 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --instances 2 --alt-server-arg=--batches-ahead=2 --reps "$REPS" --out llm_serving_gpu_ahead ;;
+    llm_3inst) shape && stage llm_3inst 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 \
+                 --skip-buckets-off --instances 3 --reps "$REPS" --out llm_serving_gpu_3inst ;;
     llm_1inst) shape && stage llm_1inst 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 \
                  --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_1inst ;;
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --student-batch 16 \
