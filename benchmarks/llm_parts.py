@@ -65,6 +65,7 @@ class Settings:
     buckets_off: bool = True  # W6 also measures a server with length buckets off (--skip-buckets-off: not)
     alt_server_args: tuple[str, ...] = ()  # --alt-server-arg: W6 also measures a server with these flags added
     student_batch: int = 0  # --mode reader: sequences per student batch (0: --batch)
+    reader_rows: int = 0  # --mode reader: rows the matched reader keeps in flight (0: --clients)
 
     @property
     def choice(self) -> DeviceChoice:
@@ -74,6 +75,11 @@ class Settings:
     def reader_batch(self) -> int:
         """The student's batch in --mode reader: --student-batch, else --batch."""
         return self.student_batch or self.batch
+
+    @property
+    def reader_ahead(self) -> int:
+        """Student batches the matched reader keeps in flight: --reader-rows (else --clients) of rows."""
+        return max(1, (self.reader_rows or self.concurrency) // self.reader_batch)
 
     @property
     def token_budget(self) -> int:

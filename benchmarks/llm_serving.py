@@ -290,6 +290,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--student-batch", type=int, default=0,
                    help="--mode reader: sequences per student batch (default: --batch); on a GPU keep it small, "
                    "the in-process baseline computes the loader's padded batches' whole logits")
+    p.add_argument("--reader-rows", type=int, default=0,
+                   help="--mode reader: rows the matched reader keeps in flight, in student batches (default: "
+                   "--clients, what the one-per-request clients keep)")
     p.add_argument("--alt-server-arg", action="append", default=[],
                    help="also measure a server with this extra flag (repeatable), e.g. "
                    "--alt-server-arg=--no-async-outputs: an A/B within one run")
@@ -301,8 +304,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     a = p.parse_args(argv)
     reps = a.reps if a.reps is not None else (2 if a.quick else Settings.reps)
     sequences = a.sequences if a.sequences is not None else (96 if a.quick else Settings.sequences)
-    if reps < 1 or sequences < 1 or a.batch < 1 or a.min_len < 2 or a.top_k < 1 or a.student_batch < 0:
-        p.error("--reps, --sequences, --batch, --top-k must be >= 1, --min-len >= 2 and --student-batch >= 0")
+    if reps < 1 or sequences < 1 or a.batch < 1 or a.min_len < 2 or a.top_k < 1 or a.student_batch < 0 \
+            or a.reader_rows < 0:
+        p.error("--reps, --sequences, --batch, --top-k must be >= 1, --min-len >= 2, "
+                "--student-batch and --reader-rows >= 0")
     return Settings(
         reps=reps, sequences=sequences, batch=a.batch, min_len=a.min_len, seed=a.seed, top_k=a.top_k,
         clients=a.clients, delay_us=a.delay_us, threads=a.threads, instances=a.instances, teacher=a.teacher,
@@ -312,6 +317,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         out=a.out or ("llm_reader" if a.mode == "reader" else "llm_serving"), mode=a.mode,
         device=a.device, compute_dtype=a.compute_dtype, extra_server_args=tuple(a.server_arg),
         buckets_off=not a.skip_buckets_off, alt_server_args=tuple(a.alt_server_arg), student_batch=a.student_batch,
+        reader_rows=a.reader_rows,
     )
 
 

@@ -18,10 +18,18 @@ __all__ = ["ClientTLS", "RouterConfig"]
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The router's tuning: in-flight limits, ejection backoff, the probe deadline."""
+    """The router's tuning: in-flight limits, ejection backoff, the probe deadline.
+
+    `min_limit` is the floor of the latency gradient (overload answers still halve below it): a
+    teacher that batches by length wants many sequences queued to fill its batches, and the
+    gradient, which takes latency above the idle teacher's as queueing, would shrink its share
+    to a few requests (on a GPU, the reader's padded batches then made 168 forward passes a pass
+    where 34 did). Set it to the requests each teacher should always be allowed to hold.
+    """
 
     initial_limit: float = 2.0
     max_limit: int = 16
+    min_limit: float = 1.0
     backoff_base_s: float = 0.25
     backoff_max_s: float = 30.0
     probe_timeout_s: float = 1.0
@@ -30,6 +38,14 @@ class RouterConfig:
     overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
     overload_backoff_max_s: float = 2.0
     reject_strikes: int = 3  # refusals in a row of inputs other teachers accepted: incompatible
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.min_limit <= self.max_limit:
+            raise ValueError(f"RouterConfig: min_limit {self.min_limit} must be between 1 and max_limit "
+                             f"{self.max_limit}")
+        if not 1.0 <= self.initial_limit <= self.max_limit:
+            raise ValueError(f"RouterConfig: initial_limit {self.initial_limit} must be between 1 and "
+                             f"max_limit {self.max_limit}")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class Router:
 
     # ---- membership ------------------------------------------------------------------------
     def add(self, key: str, endpoint: str, client: InferenceClient, meta: TeacherMetadata | None) -> TeacherState:
-        t = TeacherState(key, endpoint, client, self.config.initial_limit, meta)
+        t = TeacherState(key, endpoint, client, max(self.config.initial_limit, self.config.min_limit), meta)
         self.teachers[key] = t
         self.notify()
         return t
@@ -245,7 +245,7 @@ class Router:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
                 t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
         elif latency_s > 2.5 * t.best_s:
-            t.limit = max(1.0, t.limit * 0.9)
+            t.limit = max(self.config.min_limit, t.limit * 0.9)
         self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
 
     def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:

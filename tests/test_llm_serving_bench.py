@@ -146,3 +146,19 @@ def test_the_summary_without_the_buckets_off_server() -> None:
     assert doc["ratios"]["server_over_server_alt"]["per_rep"] == [1.25, 1.1]
     assert doc["ratios"]["server_alt_over_inprocess"]["per_rep"] == [0.76, 0.8182]
     assert "server with --no-async-outputs" in llm_serving.report(doc | {"machine": machine})
+
+
+def test_the_reader_keeps_reader_rows_in_flight_in_student_batches() -> None:
+    from benchmarks.llm_reader import reader_options
+    from benchmarks.llm_serving import parse_args
+
+    s = parse_args(["--mode", "reader", "--student-batch", "16", "--reader-rows", "64"])
+    assert s.reader_ahead == 4
+    options = reader_options("127.0.0.1:1", s)
+    assert options["prefetch"] == 4
+    router = options["router"]
+    assert router.initial_limit == router.min_limit == 4.0 and router.max_limit == 16
+    assert parse_args(["--mode", "reader", "--student-batch", "16", "--clients", "256"]).reader_ahead == 16
+    assert "router" not in reader_options("127.0.0.1:1", s, matched=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "reader", "--reader-rows", "-1"])

@@ -7,6 +7,7 @@ import asyncio
 import collections
 
 import grpc
+import pytest
 
 from distill.router import Router, RouterConfig, TeacherState
 from distill.teacher_client import TeacherClient, TeacherMetadata
@@ -141,3 +142,40 @@ def test_a_cancelled_wait_for_a_change_is_never_swallowed() -> None:
 
     cancelled = [asyncio.run(once(turns)) for turns in range(4)]
     assert any(cancelled), "no case cancelled a pending wait: the test checks nothing"
+
+
+def test_the_latency_gradient_never_shrinks_a_limit_below_min_limit() -> None:
+    """Latency that climbs as requests queue shrinks the default limit towards 1; with min_limit
+    (a length-bucketing teacher that wants many sequences queued) the limit stays at its floor,
+    and an overload answer still halves it below."""
+
+    async def main() -> None:
+        plain, (a,) = _router(RouterConfig(initial_limit=8.0), 1)
+        floored, (b,) = _router(RouterConfig(initial_limit=8.0, min_limit=8.0), 1)
+        for router, t in ((plain, a), (floored, b)):
+            _serve(router, t, 0.010)  # the idle teacher's latency sets the best seen
+            for i in range(60):  # then every answer takes 10x that: the requests queue
+                _serve(router, t, 0.100 + 0.001 * i)
+        assert a.limit == 1.0, a.limit
+        assert b.limit == 8.0, b.limit
+        floored.started(b)
+        floored.overloaded(b, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        assert b.limit == 4.0, b.limit
+        await _close([a, b])
+
+    asyncio.run(main())
+
+
+def test_a_teacher_starts_at_min_limit_when_it_is_above_the_initial_limit() -> None:
+    async def main() -> None:
+        _, (a,) = _router(RouterConfig(initial_limit=2.0, min_limit=6.0), 1)
+        assert a.limit == 6.0
+        await _close([a])
+
+    asyncio.run(main())
+
+
+def test_router_config_refuses_limits_out_of_order() -> None:
+    for kwargs in ({"min_limit": 0.5}, {"min_limit": 20.0}, {"initial_limit": 0.0}, {"initial_limit": 17.0}):
+        with pytest.raises(ValueError, match="max_limit"):
+            RouterConfig(**kwargs)  # type: ignore[arg-type]
