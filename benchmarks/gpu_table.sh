@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_chunks w6_ahead llm_1inst llm_3inst packing serving serving_threads w1 w1_train w7
+# w6_chunks w6_ahead llm_1inst llm_3inst host_bound packing serving serving_threads w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -55,7 +55,7 @@ run_stage() {
         tests/test_hf_scoring.py tests/test_hf_teacher.py tests/test_output_transforms.py \
         tests/test_padded_batching.py tests/test_row_rebatching.py tests/test_staging.py tests/test_teacher_server.py \
         tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py ;;
-    shape) stage shape 240 shape ;;
+    shape) shape ;;  # a shell function, so no time cap of its own
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
     w6_long)  # W6 with twice the sequences a pass (the start and end of a pass weigh half as much)
               # and without the buckets-off server, for more repetitions in the same time
@@ -95,6 +95,10 @@ run_stage() {
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
           --batch 32 --prompt-len 64 --new-tokens 64 --steps 8 --reps "$REPS" --out onpolicy_gpu \
           --w6-results benchmarks/results/llm_serving_gpu.json ;;
+    host_bound)  # one batch on the host and on the device: forward pass, transforms at 256/64/1024 MiB chunks
+                 # and the in-process whole-batch top-k, and the calls that make the host wait for the GPU
+      shape && stage host_bound 120 $PY -m benchmarks.host_bound --teacher "$Q15" --device cuda \
+        --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
     packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
       stage packing 240 $PY -m benchmarks.packing --device cuda --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
         --heads 12 --vocab 151936 --row 1024 --budget 16384 --sequences 512 --reps "$REPS" --out packing_gpu ;;
