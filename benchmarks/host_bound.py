@@ -1,7 +1,8 @@
 """Is one batch of an `hf:` causal LM teacher bound by the host or by the device? For batches of the
-W6 shape at a few row counts and lengths, the time the host takes to issue the forward pass and the
-server's output transforms (`hidden` + `transform_output`, as an instance runs them), the time the
-device takes to run them (CUDA events), and the calls that make the host wait for the device.
+W6 shape at a few row counts and lengths: the time the host takes to issue the forward pass (with
+its mask, and without it as the server runs a right-padded batch), the server's output transforms
+at each chunk size and the in-process baseline's whole-batch top-k; the time the device takes to
+run them (CUDA events); and the calls that make the host wait for the device.
 
     .venv/bin/python -m benchmarks.host_bound --teacher DIR [--device cuda] [--compute-dtype BF16]
 
@@ -75,7 +76,7 @@ class Probe:
         return out, host_ms, float(start.elapsed_time(end))
 
 
-def _forward(teacher: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _forward(teacher: Any, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     out: torch.Tensor = teacher.hidden(ids, mask)[0]
     return out
 
@@ -111,12 +112,20 @@ def measure_shape(teacher: Any, probe: Probe, shape: tuple[int, int], *, reps: i
         for mib in chunks_mib}
     stages["baseline"] = functools.partial(_baseline, head=teacher.head)
     times: dict[str, list[float]] = collections.defaultdict(list)
+    unmasked_syncs: list[int] = []
     warm_syncs = 0
     with torch.inference_mode():
         for rep in range(reps + 1):  # the first is a warm-up
             hidden, host, dev = probe.stage(functools.partial(_forward, teacher, ids, mask))
             times["forward_host_ms"].append(host)
             times["forward_device_ms"].append(dev)
+            syncs = sum(probe.syncs.values())
+            # What the server runs for a right-padded batch (teacher_server.instance.unmasked):
+            # no mask, so no host reads of it; its syncs are counted apart.
+            _, host, dev = probe.stage(functools.partial(_forward, teacher, ids, None))
+            times["forward_unmasked_host_ms"].append(host)
+            times["forward_unmasked_device_ms"].append(dev)
+            unmasked_syncs.append(sum(probe.syncs.values()) - syncs)
             for name, fn in stages.items():
                 _, host, dev = probe.stage(functools.partial(fn, hidden))
                 times[f"{name}_host_ms"].append(host)
@@ -125,13 +134,15 @@ def measure_shape(teacher: Any, probe: Probe, shape: tuple[int, int], *, reps: i
                 warm_syncs = sum(probe.syncs.values())
                 probe.syncs.clear()
                 times.clear()
+                unmasked_syncs.clear()
     med = {k: _median(v) for k, v in times.items()}
     default = f"transforms_{chunks_mib[0]}"
     host = med["forward_host_ms"] + med[f"{default}_host_ms"]
     dev = med["forward_device_ms"] + med[f"{default}_device_ms"]
     return {"rows": rows, "length": length, "positions": rows * length, **med,
             "host_over_device": round(host / dev, 3) if dev else None,
-            "syncs_per_batch": round(sum(probe.syncs.values()) / reps, 2), "syncs_in_warmup": warm_syncs,
+            "syncs_per_batch": round((sum(probe.syncs.values()) - sum(unmasked_syncs)) / reps, 2),
+            "unmasked_forward_syncs_per_batch": round(sum(unmasked_syncs) / reps, 2), "syncs_in_warmup": warm_syncs,
             "sync_sites": dict(probe.syncs.most_common(6)), "device_positions_per_s": round(rows * length / dev * 1e3)}
 
 
@@ -149,15 +160,17 @@ def run(teacher_dir: str, choice: DeviceChoice, shapes: list[tuple[int, int]], r
 
 def report(doc: dict[str, Any]) -> str:
     chunks = doc["chunks_mib"]
-    headers = ["batch", "forward host ms", "forward device ms",
+    headers = ["batch", "forward host ms", "forward device ms", "unmasked forward host/device ms",
                *[f"transforms {m} MiB host/device ms" for m in chunks], "whole-batch top-k host/device ms",
-               "host / device", "syncs a batch", "positions/s on device"]
+               "host / device", "syncs a batch (unmasked forward)", "positions/s on device"]
     rows = []
     for r in doc["shapes"]:
         rows.append([f"{r['rows']} x {r['length']}", r["forward_host_ms"], r["forward_device_ms"],
+                     f"{r['forward_unmasked_host_ms']} / {r['forward_unmasked_device_ms']}",
                      *[f"{r[f'transforms_{m}_host_ms']} / {r[f'transforms_{m}_device_ms']}" for m in chunks],
                      f"{r['baseline_host_ms']} / {r['baseline_device_ms']}", r["host_over_device"],
-                     r["syncs_per_batch"], f"{r['device_positions_per_s']:,}"])
+                     f"{r['syncs_per_batch']} ({r['unmasked_forward_syncs_per_batch']})",
+                     f"{r['device_positions_per_s']:,}"])
     sites: collections.Counter[str] = collections.Counter()
     for r in doc["shapes"]:
         sites.update(r["sync_sites"])

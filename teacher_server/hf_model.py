@@ -59,6 +59,12 @@ class HFTeacher(nn.Module):
         self.model = model
         self.kind = kind
         self.width = width
+        # A causal LM's real positions attend only to earlier positions, so in a right-padded batch
+        # (every row real up to its length) the attention mask changes nothing they compute: the
+        # instance may pass None (`teacher_server.instance.unmasked`), which spares transformers'
+        # reading of the mask on the host (a device synchronisation twice a forward pass on CUDA)
+        # and lets attention use its causal kernels.
+        self.causal_mask_only = kind == CAUSAL_LM
         self._split_checked: bool | None = None
         if kind == CAUSAL_LM:
             pad = 0 if pad_token_id is None else pad_token_id
@@ -106,7 +112,7 @@ class HFTeacher(nn.Module):
         tol = 1e-4 if next(self.model.parameters()).dtype == torch.float32 else 3e-2  # bf16/fp16 kernels round
         return whole.shape == split.shape and bool(torch.allclose(whole, split, atol=tol, rtol=tol))
 
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
         """The final hidden states `[B, T, H]` (after the decoder's last norm), in place of LOGITS."""
         model: Any = self.model
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -118,7 +124,7 @@ class HFTeacher(nn.Module):
         out: torch.Tensor = model.get_output_embeddings()(hidden)
         return out
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.kind == CAUSAL_LM:
             kwargs["use_cache"] = False  # one forward pass per batch: a KV cache would only cost memory

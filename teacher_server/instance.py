@@ -37,6 +37,15 @@ from teacher_server.work import Work, batch_input
 __all__ = ["BatchResult", "ModelInstance", "copy_to_host"]
 
 
+def unmasked(works: Sequence[Work]) -> bool:
+    """Every request of the batch is real at every position it carries (its mask, counted on
+    arrival by `rows.RowSplitter`, marks `batch_size x length` positions), so the batch's only
+    padding is what batching added after each row's end: right padding, which a causal LM's real
+    positions never attend to."""
+    return all(w.useful is not None and w.length is not None and w.useful == w.batch_size * w.length
+               for w in works)
+
+
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
     """The one device-to-host copy of a transformed output. From CUDA it is enqueued on the
     current stream into pinned host memory and not waited for: the tensor holds the data once the
@@ -70,6 +79,8 @@ class ModelInstance:
         self._token = token_input(model.io)
         mask = model.io.attention_mask
         self._mask = next((i for i, s in enumerate(model.io.inputs) if s.name == mask), None)
+        # The mask may be left out of a right-padded batch (see `unmasked`) when the module says so.
+        self._unmask = self._mask if getattr(model.module, "causal_mask_only", False) is True else None
         self._lock = threading.Lock()
         self._unfinished = 0  # batches launched (or launching) and not finished
 
@@ -139,11 +150,14 @@ class ModelInstance:
         hf: causal LM) returns its final hidden states instead when every request wants that
         output reduced (top-k, scores): the transforms then apply the projection a chunk of
         positions at a time, and the full logits never exist."""
+        model_xs: list[torch.Tensor | None] = list(xs)
+        if self._unmask is not None and unmasked(works):
+            model_xs[self._unmask] = None
         split = self._split
         if split is not None and self.chunked and all(
                 want.reduces(bool(w.aux)) for w in works for want in w.outputs if want.name == split.head_output):
-            return self._transform(split.hidden(*xs), works, xs, split.head)
-        return self._transform(self.model.forward(xs), works, xs, None)
+            return self._transform(split.hidden(*model_xs), works, xs, split.head)
+        return self._transform(self.model.forward(model_xs), works, xs, None)
 
     def _gather(self, works: Sequence[Work]) -> list[torch.Tensor]:
         if (staged := take_staged(works)) is not None:  # built ahead by the batcher's stager

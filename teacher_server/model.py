@@ -48,7 +48,7 @@ class LoadedModel:
     def __post_init__(self) -> None:
         self.device = with_index(torch.device(self.device))
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Run the module and return its outputs in declared order (callers hold inference_mode)."""
         autocast = self.autocast and self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):

@@ -25,9 +25,10 @@ def test_the_host_bound_benchmark_times_every_stage_of_a_batch(tmp_path: Path,
     assert doc["device"] == "cpu" and doc["gpu"] is None and doc["chunks_mib"] == [1, 4] and doc["vocab"] == 97
     assert [(r["rows"], r["length"], r["positions"]) for r in doc["shapes"]] == [(4, 32, 128), (8, 16, 128)]
     for r in doc["shapes"]:
-        for stage in ("forward", "transforms_1", "transforms_4", "baseline"):
+        for stage in ("forward", "forward_unmasked", "transforms_1", "transforms_4", "baseline"):
             assert r[f"{stage}_host_ms"] == r[f"{stage}_device_ms"] > 0, (stage, r)
         assert r["host_over_device"] == 1.0 and r["syncs_per_batch"] == 0 and r["sync_sites"] == {}
+        assert r["unmasked_forward_syncs_per_batch"] == 0
         assert r["device_positions_per_s"] > 0
 
 
