@@ -86,10 +86,13 @@ run_stage() {
     llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                      --instances 2 --skip-buckets-off --out llm_serving_gpu_2inst ;;
     serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --out serving_gpu ;;
-    serving_threads)  # W2/W3 with 2 host torch threads an instance instead of cores / instances (8 on 16 cores):
-                      # whether the 11.3 cores the server kept busy were intra-op threads spinning on host work
+    serving_threads)  # W2/W3 with 2 host torch threads an instance, then at the default (cores / instances, 8 on
+                      # 16 cores), back to back on one machine: whether the cores W2's server keeps busy (11.3 on
+                      # an H200 at 8 threads, 3.8 on an H100 at 2) are intra-op threads spinning on host work
       stage serving_threads 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --threads 2 \
-        --out serving_gpu_threads2 ;;
+        --out serving_gpu_threads2
+      stage serving_threads_default 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick \
+        --out serving_gpu ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
     w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
