@@ -15,6 +15,12 @@ would have finished that batch, as it waits on a CUDA event, and batches are for
 instance as on CUDA. The baseline is the same device running W6's in-process batches: all sequences
 sorted by length, cut at the token budget. Ratio: baseline time / served time, for the same
 sequences (W6's lengths, uniform over 8-1,021), one per request from `--clients` clients.
+
+`--student-batch N` measures the reader path instead: `DistillReader` over a student's padded
+batches of N sequences in loader order, one `[N, L_max]` request each, `--clients` rows read ahead,
+the router pinned to keep them all in flight (`--router pinned`, `RouterConfig.min_limit`) or left
+to its latency gradient (`--router default`); one reader kept across repetitions, as a training job
+keeps it across epochs.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import functools
 import random
 import threading
 import time
@@ -140,12 +148,42 @@ async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients:
     return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency}
 
 
+def _student_batches(lengths: Sequence[int], batch: int) -> list[dict[str, torch.Tensor]]:
+    """The loader's padded batches, in order (the same token ids as the one-per-request pass)."""
+    from benchmarks.llm_parts import padded_batches
+
+    seqs = [list(range(1, n + 1)) for n in lengths]
+    return [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in padded_batches(seqs, batch, 0)]
+
+
+def reader_router(kind: str, ahead: int) -> Any:
+    """The reader's router: `pinned` keeps `ahead` requests in flight, `default` is RouterConfig()."""
+    from distill import RouterConfig
+
+    if kind == "default":
+        return RouterConfig()
+    return RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(16, ahead))
+
+
+async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, server_pid: int) -> dict[str, Any]:
+    """One pass of the reader over its loader (W6's reader measurement, `llm_reader.measure_reader`)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from benchmarks.llm_reader import measure_reader
+
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        m = await measure_reader(reader, useful, metrics_port=metrics_port,
+                                 stub=service_pb2_grpc.GRPCInferenceServiceStub(channel), server_pids=[server_pid])
+    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.llm_parts import MODEL_NAME
     from teacher_server.launch import TeacherProcess
 
     lengths = draw_lengths(args.sequences, args.seed)
     baseline = sorted_baseline(lengths, args.budget, args.fixed_ms / 1e3, 1.0 / args.tokens_per_s)
-    from benchmarks.llm_parts import MODEL_NAME
 
     server = ["--model", "benchmarks.batching_sim:build", "--name", MODEL_NAME, "--device", "cpu",
               "--model-arg", f"fixed_ms={args.fixed_ms}", "--model-arg", f"tokens_per_s={args.tokens_per_s}",
@@ -154,11 +192,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "--instances", str(args.instances), "--threads", "1", "--metrics-port", "0",
               "--log-level", "WARNING", *args.server_arg]
     reps = []
-    with TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0) as proc:
+    with contextlib.ExitStack() as stack:
+        proc = stack.enter_context(TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0))
         endpoint, port, pid = proc.endpoint, int(proc.ready["metrics_port"]), proc.pid
         asyncio.run(_served(endpoint, port, lengths[: 2 * args.clients], args.clients, pid))  # warm-up
+        pass_once = functools.partial(_served, endpoint, port, lengths, args.clients, pid)
+        if args.student_batch:
+            from distill import DistillReader
+
+            ahead = max(1, args.clients // args.student_batch)
+            reader = stack.enter_context(DistillReader(
+                _student_batches(lengths, args.student_batch), teachers=endpoint, model=MODEL_NAME,
+                inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
+                output_dtype="FP16", timeout=60.0, prefetch=ahead, hedge_after=None,
+                router=reader_router(args.router, ahead)))
+            pass_once = functools.partial(_read, reader, sum(lengths), endpoint, port, pid)
         for rep in range(args.reps):
-            served = asyncio.run(_served(endpoint, port, lengths, args.clients, pid))
+            served = asyncio.run(pass_once())
             served["ratio"] = baseline["seconds"] / served["seconds"]
             reps.append(served)
             print(f"  rep {rep + 1}: {served['seconds']:.2f} s against {baseline['seconds']:.2f} s sorted: "
@@ -176,7 +226,9 @@ def report(doc: dict[str, Any]) -> str:
     rows: list[list[object]] = [
         ["in process: length-sorted batches at the budget", f"{b['seconds']:.2f}", b["batches"],
          f"{b['padding_efficiency']:.3f}", ""],
-        [f"served: {s['clients']} clients, one sequence a request (median of {len(doc['reps'])})",
+        [(f"served: DistillReader, batches of {s['student_batch']} in loader order, {s['router']} router"
+          if s["student_batch"] else f"served: {s['clients']} clients, one sequence a request")
+         + f" (median of {len(doc['reps'])})",
          f"{median([r['seconds'] for r in doc['reps']]):.2f}", f"{doc['batches_median']:.0f}",
          f"{doc['padding_efficiency_median']:.3f}", f"{doc['ratio_median']:.3f}"],
     ]
@@ -197,10 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[], help="an extra teacher-server flag (repeatable)")
+    p.add_argument("--student-batch", type=int, default=0,
+                   help="measure DistillReader with padded batches of this many sequences instead (0: off)")
+    p.add_argument("--router", choices=("pinned", "default"), default="pinned",
+                   help="--student-batch: the reader keeps --clients rows in flight, or its router decides")
     p.add_argument("--out", default="batching_sim", help="results file: benchmarks/results/<OUT>.json")
     args = p.parse_args(argv)
-    if min(args.sequences, args.clients, args.budget, args.reps, args.instances) < 1 or args.tokens_per_s <= 0:
-        p.error("--sequences, --clients, --budget, --reps, --instances and --tokens-per-s must be positive")
+    if min(args.sequences, args.clients, args.budget, args.reps, args.instances) < 1 or args.tokens_per_s <= 0 \
+            or args.student_batch < 0:
+        p.error("--sequences, --clients, --budget, --reps, --instances and --tokens-per-s must be positive, "
+                "--student-batch at least 0")
     return run_and_report(lambda: run(args), args.out, report)
 
 

@@ -44,3 +44,32 @@ def test_the_batching_simulation_runs_on_the_emulated_device(tmp_path: Path) -> 
     assert rep["seconds"] >= rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate
     assert rep["batches"] >= -(-sum(lengths) // 4096)  # no batch holds more than the budget
     assert 0.3 < rep["padding_efficiency"] <= 1.0 and 0 < doc["ratio_median"] <= 1.1
+
+
+def test_the_reader_path_runs_on_the_emulated_device(tmp_path: Path) -> None:
+    """--student-batch: DistillReader over padded batches in loader order, the router pinned to
+    keep --clients rows in flight; the server still counts every real token once."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
+    fixed_ms, rate = 2.0, 400_000.0
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--clients", "32", "--budget", "4096",
+         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "2", "--student-batch", "8",
+         "--out", "simr"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "simr.json").read_text())
+    assert doc["settings"]["student_batch"] == 8 and doc["settings"]["router"] == "pinned"
+    lengths = draw_lengths(96, 0)
+    for rep in doc["reps"]:
+        assert rep["seconds"] >= rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate
+        assert 0.3 < rep["padding_efficiency"] <= 1.0
+    assert "DistillReader, batches of 8 in loader order, pinned router" in proc.stdout
+
+
+def test_reader_router_pins_or_leaves_the_limit() -> None:
+    from benchmarks.batching_sim import reader_router
+    from distill import RouterConfig
+
+    pinned = reader_router("pinned", 20)
+    assert pinned.initial_limit == pinned.min_limit == 20.0 and pinned.max_limit == 20
+    assert reader_router("default", 20) == RouterConfig()
