@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_chunks w6_ahead llm_1inst llm_3inst host_bound packing serving serving_threads w1 w1_train w7
+# w6_chunks w6_ahead llm_1inst llm_3inst host_bound pipeline packing serving serving_threads w1 w1_train w7
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -102,6 +102,10 @@ run_stage() {
                  # and the in-process whole-batch top-k, and the calls that make the host wait for the GPU
       shape && stage host_bound 120 $PY -m benchmarks.host_bound --teacher "$Q15" --device cuda \
         --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
+    pipeline)  # one instance over W6's length-sorted batches, with and without the mask, against the batches
+               # alone and a plain loop: where the device waits between batches; Chrome traces of the instance
+      shape && stage pipeline 150 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device cuda \
+        --compute-dtype "$DTYPE" --trace "$LOGS/traces" --out instance_pipeline_gpu ;;
     packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
       stage packing 240 $PY -m benchmarks.packing --device cuda --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
         --heads 12 --vocab 151936 --row 1024 --budget 16384 --sequences 512 --reps "$REPS" --out packing_gpu ;;
