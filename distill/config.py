@@ -20,11 +20,10 @@ __all__ = ["ClientTLS", "RouterConfig"]
 class RouterConfig:
     """The router's tuning: in-flight limits, ejection backoff, the probe deadline.
 
-    `min_limit` is the floor of the latency gradient (overload answers still halve below it): a
-    teacher that batches by length wants many sequences queued to fill its batches, and the
-    gradient, which takes latency above the idle teacher's as queueing, would shrink its share
-    to a few requests (on a GPU, the reader's padded batches then made 168 forward passes a pass
-    where 34 did). Set it to the requests each teacher should always be allowed to hold.
+    `min_limit` is the floor of the latency gradient (overload answers still halve below it): the
+    requests each teacher should always be allowed to hold, whatever its latency does. A teacher
+    that batches LLM rows by length needs many queued to fill its batches; pin them with
+    `initial_limit=min_limit=N` (the reader benchmark's matched reader does).
     """
 
     initial_limit: float = 2.0
