@@ -144,36 +144,39 @@ def test_a_cancelled_wait_for_a_change_is_never_swallowed() -> None:
     assert any(cancelled), "no case cancelled a pending wait: the test checks nothing"
 
 
-def test_a_saturated_batching_teacher_keeps_its_requests_queued() -> None:
-    """A teacher that batches answers later the more requests it holds (each waits for those
-    before it): that queueing is what fills its batches, so the limit keeps growing to max_limit
-    instead of settling where latency is a few times the idle teacher's."""
+def test_a_saturated_teacher_keeps_min_limit_requests_queued() -> None:
+    """A teacher that answers later the more requests it holds (each waits for those before it):
+    the gradient settles the default limit where latency is a few times the idle teacher's, and
+    min_limit keeps the requests a length-bucketing teacher needs queued."""
 
     async def main() -> None:
-        router, (a,) = _router(RouterConfig(initial_limit=2.0, max_limit=16), 1)
-        for _ in range(400):
-            while a.in_flight < int(a.limit):
-                router.started(a)
-            router.succeeded(a, 0.010 * a.in_flight, samples=8)
-        assert a.limit >= 15.0, a.limit
-        await _close([a])
+        plain, (a,) = _router(RouterConfig(initial_limit=2.0, max_limit=16), 1)
+        floored, (b,) = _router(RouterConfig(initial_limit=2.0, min_limit=12.0, max_limit=16), 1)
+        for router, t in ((plain, a), (floored, b)):
+            for _ in range(400):
+                while t.in_flight < int(t.limit):
+                    router.started(t)
+                router.succeeded(t, 0.010 * t.in_flight, samples=8)
+        assert 2.0 <= a.limit <= 8.0, a.limit
+        assert b.limit >= 12.0, b.limit
+        await _close([a, b])
 
     asyncio.run(main())
 
 
-def test_a_sudden_slowdown_shrinks_the_limit_but_never_below_min_limit() -> None:
-    """Answers far slower than the usual latency shrink the default limit; with min_limit the
-    limit stays at its floor, and an overload answer still halves it below."""
+def test_a_slowdown_shrinks_the_limit_but_never_below_min_limit() -> None:
+    """Answers far slower than the best seen shrink the default limit; with min_limit the limit
+    stays at its floor, and an overload answer still halves it below."""
 
     async def main() -> None:
         plain, (a,) = _router(RouterConfig(initial_limit=8.0), 1)
         floored, (b,) = _router(RouterConfig(initial_limit=8.0, min_limit=8.0), 1)
         for router, t in ((plain, a), (floored, b)):
             for _ in range(20):
-                _serve(router, t, 0.010)  # the usual latency
+                _serve(router, t, 0.010)  # the idle teacher's latency
             for _ in range(20):
-                _serve(router, t, 0.100)  # then ten times that
-        assert a.limit < 4.0, a.limit
+                _serve(router, t, 0.100)  # then ten times that: the requests queue
+        assert a.limit == 1.0, a.limit
         assert b.limit == 8.0, b.limit
         floored.started(b)
         floored.overloaded(b, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
