@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import REPO_ROOT, format_table, machine_info, median, run_and_report
+from benchmarks.common import REPO_ROOT, format_table, machine_info, median, run_and_report, sorted_groups
 from teacher_server.spec import ModelIO
 
 VOCAB = 8
@@ -120,16 +120,10 @@ def draw_lengths(n: int, seed: int, low: int = 8, high: int = 1021) -> list[int]
 
 def sorted_baseline(lengths: Sequence[int], budget: int, fixed_s: float, per_token_s: float) -> dict[str, Any]:
     """The device's time for the in-process baseline's batches: sorted by length, cut at the budget."""
-    ordered = sorted(lengths)
-    seconds, batches, computed, i = 0.0, 0, 0, 0
-    while i < len(ordered):
-        j = i + 1
-        while j < len(ordered) and (j + 1 - i) * ordered[j] <= budget:
-            j += 1
-        positions = (j - i) * ordered[j - 1]
-        seconds += fixed_s + per_token_s * positions
-        batches, computed, i = batches + 1, computed + positions, j
-    return {"seconds": seconds, "batches": batches, "padding_efficiency": sum(lengths) / computed}
+    groups = sorted_groups(lengths, budget, int)
+    positions = [len(g) * g[-1] for g in groups]
+    return {"seconds": sum(fixed_s + per_token_s * p for p in positions), "batches": len(groups),
+            "padding_efficiency": sum(lengths) / sum(positions)}
 
 
 async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients: int,
@@ -158,11 +152,10 @@ def _student_batches(lengths: Sequence[int], batch: int) -> list[dict[str, torch
 
 def reader_router(kind: str, ahead: int) -> Any:
     """The reader's router: `pinned` keeps `ahead` requests in flight, `default` is RouterConfig()."""
+    from benchmarks.llm_reader import pinned_router
     from distill import RouterConfig
 
-    if kind == "default":
-        return RouterConfig()
-    return RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(16, ahead))
+    return RouterConfig() if kind == "default" else pinned_router(ahead)
 
 
 async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, server_pid: int) -> dict[str, Any]:

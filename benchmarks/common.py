@@ -115,6 +115,21 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
 
 
+def sorted_groups(items: Sequence[T], budget: int, size: Callable[[T], int],
+                  max_rows: int | None = None) -> list[list[T]]:
+    """Length-sorted batches at a token budget: `items` sorted by `size` (stably) and cut into
+    groups of as many as fit rows x the largest <= `budget` (an item larger than the budget on its
+    own makes a group of one), at most `max_rows` a group. The in-process baselines' batching."""
+    groups: list[list[T]] = []
+    for item in sorted(items, key=size):
+        group = groups[-1] if groups else []
+        if not group or (len(group) + 1) * size(item) > budget or (max_rows is not None and len(group) >= max_rows):
+            groups.append([item])
+        else:
+            group.append(item)
+    return groups
+
+
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
     """Per-repetition ratios of two interleaved variants.
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_table, machine_info, run_and_report
+from benchmarks.common import format_table, machine_info, median, run_and_report
 from benchmarks.device import DeviceChoice, add_device_args
 from benchmarks.llm_parts import output_work
 from teacher_server.hf_model import load_hf_teacher
@@ -35,6 +35,7 @@ from teacher_server.outputs import CHUNK_BYTES, OutputContext, OutputTransform, 
 from teacher_server.spec import TensorSpec
 
 TOP_K = 20
+W6_WANT = OutputTransform("LOGITS", "FP16", TOP_K, True, 1.0, True)  # top-20 log-probs in fp16 + the tail
 
 
 def _sync_site(w: warnings.WarningMessage) -> str:
@@ -89,10 +90,6 @@ def _baseline(hidden: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tens
     return output_work(head(hidden), TOP_K)
 
 
-def _median(values: list[float]) -> float:
-    return round(sorted(values)[len(values) // 2], 2)
-
-
 def measure_shape(teacher: Any, probe: Probe, shape: tuple[int, int], *, reps: int,
                   chunks_mib: list[int]) -> dict[str, Any]:
     """Medians over `reps` of one batch of rows x length positions (the last row half padding):
@@ -105,9 +102,8 @@ def measure_shape(teacher: Any, probe: Probe, shape: tuple[int, int], *, reps: i
     mask = torch.ones_like(ids)
     mask[-1, length // 2:] = 0
     spec = TensorSpec("LOGITS", "FP32", (-1, vocab), per_position=True)
-    want = OutputTransform("LOGITS", "FP16", TOP_K, True, 1.0, True)
     stages: dict[str, Callable[[torch.Tensor], Any]] = {
-        f"transforms_{mib}": functools.partial(_transforms, spec=spec, want=want,
+        f"transforms_{mib}": functools.partial(_transforms, spec=spec, want=W6_WANT,
                                                context=OutputContext(None, teacher.head, vocab, mib << 20))
         for mib in chunks_mib}
     stages["baseline"] = functools.partial(_baseline, head=teacher.head)
@@ -135,7 +131,7 @@ def measure_shape(teacher: Any, probe: Probe, shape: tuple[int, int], *, reps: i
                 probe.syncs.clear()
                 times.clear()
                 unmasked_syncs.clear()
-    med = {k: _median(v) for k, v in times.items()}
+    med = {k: round(median(v), 2) for k, v in times.items()}
     default = f"transforms_{chunks_mib[0]}"
     host = med["forward_host_ms"] + med[f"{default}_host_ms"]
     dev = med["forward_device_ms"] + med[f"{default}_device_ms"]

@@ -38,83 +38,38 @@ from typing import Any
 import torch
 
 from benchmarks.batching_sim import draw_lengths
-from benchmarks.common import format_table, machine_info, run_and_report
+from benchmarks.common import format_table, machine_info, run_and_report, sorted_groups
 from benchmarks.device import DeviceChoice, add_device_args
+from benchmarks.host_bound import W6_WANT, Probe
+from benchmarks.llm_parts import padded_batches
 from teacher_server.finishing import BatchResult
 from teacher_server.instance import ModelInstance
 from teacher_server.model import LoadedModel, load_model
-from teacher_server.outputs import OutputContext, OutputTransform, transform_output
+from teacher_server.outputs import OutputContext, transform_output
 from teacher_server.spec import TensorSpec
 from teacher_server.validation import pad_plan
 from teacher_server.work import Work
 
-TOP_K = 20
-WANT = OutputTransform("LOGITS", "FP16", TOP_K, True, 1.0, True)
 
-
-def sorted_batches(lengths: list[int], budget: int, max_rows: int) -> list[list[int]]:
-    """Lengths sorted and cut where rows x the longest would pass the budget (W6's baseline)."""
-    ordered, batches, i = sorted(lengths), [], 0
-    while i < len(ordered):
-        j = i + 1
-        while j < len(ordered) and j - i < max_rows and (j + 1 - i) * ordered[j] <= budget:
-            j += 1
-        batches.append(ordered[i:j])
-        i = j
-    return batches
-
-
-def make_works(model: LoadedModel, batch: list[int], vocab: int, *, masked: bool, seed: int) -> list[Work]:
+def make_works(model: LoadedModel, seqs: list[list[int]], *, masked: bool) -> list[Work]:
     """One Work a sequence; `masked=False` counts its mask as the server's RowSplitter does, so the
     instance may leave the mask out; `masked=True` leaves it uncounted, so the mask is passed."""
-    gen = torch.Generator().manual_seed(seed)
     plan = pad_plan(model.io)
     works = []
-    for n in batch:
-        ids = torch.randint(1, vocab, (1, n), generator=gen)
-        works.append(Work([ids, torch.ones_like(ids)], 1, [WANT], (), n, plan, useful=None if masked else n))
+    for seq in seqs:
+        ids = torch.tensor([seq], dtype=torch.long)
+        works.append(Work([ids, torch.ones_like(ids)], 1, [W6_WANT], (), len(seq), plan,
+                          useful=None if masked else len(seq)))
     return works
 
 
-def _padded(works: list[Work], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(w.inputs[0].shape[1] for w in works)
-    ids = torch.zeros((len(works), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, w in enumerate(works):
-        n = w.inputs[0].shape[1]
-        ids[r, :n] = w.inputs[0][0]
-        mask[r, :n] = 1
-    return ids.to(device), mask.to(device)
-
-
-class Timer:
-    """Wall time of a region, the device drained before and after."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time(self, fn: Callable[[], Any]) -> float:
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - t0
-
-    def device_time(self, fn: Callable[[], Any]) -> float:
-        """The device's time for `fn`'s work alone (CUDA events; wall time on the CPU)."""
-        if not self.cuda:
-            return self.time(fn)
-        self.sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
+def wall_s(fn: Callable[[], Any], choice: DeviceChoice) -> float:
+    """Wall time of `fn`, the device drained before and after."""
+    choice.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    choice.synchronize()
+    return time.perf_counter() - t0
 
 
 def plain_step(model: LoadedModel, inputs: tuple[torch.Tensor, torch.Tensor], mask: bool) -> None:
@@ -123,7 +78,7 @@ def plain_step(model: LoadedModel, inputs: tuple[torch.Tensor, torch.Tensor], ma
     ids, attention = inputs
     hidden = module.hidden(ids, attention if mask else None)[0]
     spec = TensorSpec("LOGITS", "FP32", (-1, int(module.width)), per_position=True)
-    transform_output(hidden, spec, WANT, OutputContext(None, module.head, int(module.width)))
+    transform_output(hidden, spec, W6_WANT, OutputContext(None, module.head, int(module.width)))
 
 
 def run_instance(inst: ModelInstance, batches: list[list[Work]], ahead: int) -> None:
@@ -157,13 +112,13 @@ def traced(path: Path | None, cuda: bool) -> Iterator[None]:
     raw.unlink()
 
 
-def measure(model: LoadedModel, inst: ModelInstance, cut: list[list[int]], *, masked: bool, ahead: int,
-            trace: Path | None) -> dict[str, Any]:
+def measure(model: LoadedModel, inst: ModelInstance, cut: list[list[list[int]]], choice: DeviceChoice, *,
+            masked: bool, ahead: int, trace: Path | None) -> dict[str, Any]:
     """The three runs of the batches with or without the mask (see the module's doc)."""
-    vocab = int(model.module.width)
-    timer = Timer(model.device)
-    works = [make_works(model, b, vocab, masked=masked, seed=i) for i, b in enumerate(cut)]
-    inputs = [_padded(w, model.device) for w in works]
+    works = [make_works(model, seqs, masked=masked) for seqs in cut]
+    inputs = [(ids.to(model.device), mask.to(model.device))
+              for ids, mask, _ in (padded_batches(seqs, len(seqs), 0)[0] for seqs in cut)]
+    probe = Probe(model.device)
 
     def loop() -> None:
         for x in inputs:
@@ -172,13 +127,13 @@ def measure(model: LoadedModel, inst: ModelInstance, cut: list[list[int]], *, ma
     run_instance(inst, works[:2], ahead)  # warm-up: kernels chosen, memory cached
     for x in inputs[:2]:
         plain_step(model, x, masked)
-    device_s = sum(timer.device_time(functools.partial(plain_step, model, x, masked)) for x in inputs)
-    loop_s = timer.time(loop)
-    instance_s = timer.time(functools.partial(run_instance, inst, works, ahead))
+    device_s = sum(probe.stage(functools.partial(plain_step, model, x, masked))[2] for x in inputs) / 1e3
+    loop_s = wall_s(loop, choice)
+    instance_s = wall_s(functools.partial(run_instance, inst, works, ahead), choice)
     if trace is not None:
-        with traced(trace, timer.cuda):
+        with traced(trace, choice.cuda):
             run_instance(inst, works, ahead)
-    n, useful = len(cut), sum(sum(b) for b in cut)
+    n, useful = len(cut), sum(len(q) for seqs in cut for q in seqs)
     return {"device_s": round(device_s, 4), "loop_s": round(loop_s, 4), "instance_s": round(instance_s, 4),
             "loop_busy": round(device_s / loop_s, 3), "instance_busy": round(device_s / instance_s, 3),
             "loop_idle_ms_per_batch": round(1e3 * max(0.0, loop_s - device_s) / n, 2),
@@ -191,11 +146,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     choice.check()
     model = load_model(f"hf:{a.teacher}", device=choice.device, compute_dtype=a.compute_dtype)
     lengths = draw_lengths(a.sequences, a.seed)
-    cut = sorted_batches(lengths, a.budget, a.max_rows)
+    gen = torch.Generator().manual_seed(a.seed)
+    seqs = [torch.randint(1, int(model.module.width), (n,), generator=gen).tolist() for n in lengths]
+    cut = sorted_groups(seqs, a.budget, len, a.max_rows)
     trace_dir = Path(a.trace) if a.trace else None
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"batches": len(cut), "positions": sum(len(b) * max(b) for b in cut),
+    result: dict[str, Any] = {"batches": len(cut), "positions": sum(len(g) * len(g[-1]) for g in cut),
                               "useful": sum(lengths)}
     inst = ModelInstance(model, 0, max_batch_size=a.max_rows)
     try:
@@ -203,7 +160,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for masked in (True, False):
                 label = "masked" if masked else "unmasked"
                 trace = trace_dir / f"instance_{label}.json.gz" if trace_dir is not None else None
-                result[label] = measure(model, inst, cut, masked=masked, ahead=a.ahead, trace=trace)
+                result[label] = measure(model, inst, cut, choice, masked=masked, ahead=a.ahead, trace=trace)
                 print(f"  {label}: {result[label]}", flush=True)
     finally:
         inst.close()

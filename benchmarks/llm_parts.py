@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2
 
 from benchmarks.common import (
     BATCHING_QUEUE_DELAY_US,
+    sorted_groups,
 )
 from benchmarks.cpu import CpuMeter, CpuUsage, busiest_threads, thread_cpu_seconds
 from benchmarks.device import DeviceChoice
@@ -188,13 +189,7 @@ def padded_batches(seqs: Sequence[list[int]], batch: int, pad_id: int) -> list[t
 def sorted_batches(seqs: Sequence[list[int]], budget: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """The sequences sorted by length, in padded batches of at most `budget` positions (rows x
     longest): the best plain PyTorch batching of the same work at the server's token budget."""
-    order = sorted(seqs, key=len)
-    groups: list[list[list[int]]] = [[]]
-    for q in order:
-        if groups[-1] and (len(groups[-1]) + 1) * len(q) > budget:
-            groups.append([])
-        groups[-1].append(q)
-    return [b for g in groups for b in padded_batches(g, len(g), pad_id)]
+    return [b for g in sorted_groups(seqs, budget, len) for b in padded_batches(g, len(g), pad_id)]
 
 
 def load_inprocess(directory: Path, choice: DeviceChoice) -> torch.nn.Module:

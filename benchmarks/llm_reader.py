@@ -81,15 +81,19 @@ class Loader:
         return iter(self.batches)
 
 
-def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str, Any]:
-    """`matched`: the router keeps all read-ahead batches in flight, `min_limit` so that its latency
-    gradient cannot shrink them (else its default limit: on a GPU the gradient took the reader from
-    34 forward passes a pass to 168 over two repetitions of one run)."""
+def pinned_router(ahead: int) -> Any:
+    """A router that keeps `ahead` requests in flight to each teacher, `min_limit` so that its
+    latency gradient cannot shrink them (on a GPU the gradient took the reader from 34 forward
+    passes a pass to 168 over two repetitions of one run)."""
     from distill.router import RouterConfig
 
-    ahead = s.reader_ahead
-    fixed = RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(ahead, 16))
-    router = {"router": fixed} if matched else {}
+    return RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(ahead, 16))
+
+
+def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str, Any]:
+    """`matched`: the router keeps all read-ahead batches in flight (`pinned_router`), else its
+    default limit."""
+    router = {"router": pinned_router(s.reader_ahead)} if matched else {}
     return {**router, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
                                                                    "ATTENTION_MASK": "attention_mask"},
             "outputs": ["LOGITS"], "top_k": s.top_k, "logprobs": True, "output_dtype": "FP16", "topk_tail": True,

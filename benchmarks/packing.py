@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_table, machine_info, median, paired_ratios, run_and_report
+from benchmarks.common import format_table, machine_info, median, paired_ratios, run_and_report, sorted_groups
 from benchmarks.device import DeviceChoice, add_device_args
 from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
 from teacher_server.work import Work
@@ -117,14 +117,7 @@ def padded(seqs: Sequence[torch.Tensor], order: Sequence[int]) -> Batch:
 
 def sorted_batches(seqs: Sequence[torch.Tensor], budget: int) -> list[Batch]:
     """Length-sorted batches, each as many sequences as fit samples x longest <= budget."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches, cur = [], list[int]()
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > budget:
-            batches.append(padded(seqs, cur))
-            cur = []
-        cur.append(i)
-    return [*batches, padded(seqs, cur)] if cur else batches
+    return [padded(seqs, group) for group in sorted_groups(range(len(seqs)), budget, lambda i: len(seqs[i]))]
 
 
 def bucket_batches(seqs: Sequence[torch.Tensor], budget: int) -> list[Batch]:

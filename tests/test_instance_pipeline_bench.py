@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from benchmarks import instance_pipeline
-from benchmarks.instance_pipeline import sorted_batches
+from benchmarks.common import sorted_groups
 from tests.hf_models import save_llama
 
 
-def test_sorted_batches_cut_at_the_budget_and_the_row_cap() -> None:
-    assert sorted_batches([5, 1, 4, 2, 3], budget=8, max_rows=8) == [[1, 2], [3, 4], [5]]
-    assert sorted_batches([1, 1, 1, 1, 1], budget=100, max_rows=2) == [[1, 1], [1, 1], [1]]
+def test_sorted_groups_cut_at_the_budget_and_the_row_cap() -> None:
+    assert sorted_groups([5, 1, 4, 2, 3], budget=8, size=int, max_rows=8) == [[1, 2], [3, 4], [5]]
+    assert sorted_groups([1, 1, 1, 1, 1], budget=100, size=int, max_rows=2) == [[1, 1], [1, 1], [1]]
+    assert sorted_groups([20, 1], budget=8, size=int) == [[1], [20]]  # one larger than the budget: alone
 
 
 def test_the_instance_pipeline_benchmark_reports_both_masks_and_writes_traces(
