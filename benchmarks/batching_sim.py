@@ -19,8 +19,10 @@ sequences (W6's lengths, uniform over 8-1,021), one per request from `--clients`
 `--student-batch N` measures the reader path instead: `DistillReader` over a student's padded
 batches of N sequences in loader order, one `[N, L_max]` request each, `--clients` rows read ahead,
 the router pinned to keep them all in flight (`--router pinned`, `RouterConfig.min_limit`) or left
-to its latency gradient (`--router default`); one reader kept across repetitions, as a training job
-keeps it across epochs.
+to its defaults (`--router default`: the teacher says it batches by length, so the router keeps up to
+`max_limit` requests in flight to it); `--router defaults` leaves the read-ahead to the reader too
+(`prefetch` unset: `--clients` does not apply). One reader kept across repetitions, as a training
+job keeps it across epochs.
 """
 
 from __future__ import annotations
@@ -151,11 +153,11 @@ def _student_batches(lengths: Sequence[int], batch: int) -> list[dict[str, torch
 
 
 def reader_router(kind: str, ahead: int) -> Any:
-    """The reader's router: `pinned` keeps `ahead` requests in flight, `default` is RouterConfig()."""
+    """The reader's router: `pinned` keeps `ahead` requests in flight; `default(s)` is RouterConfig()."""
     from benchmarks.llm_reader import pinned_router
     from distill import RouterConfig
 
-    return RouterConfig() if kind == "default" else pinned_router(ahead)
+    return pinned_router(ahead) if kind == "pinned" else RouterConfig()
 
 
 async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, server_pid: int) -> dict[str, Any]:
@@ -197,7 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reader = stack.enter_context(DistillReader(
                 _student_batches(lengths, args.student_batch), teachers=endpoint, model=MODEL_NAME,
                 inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
-                output_dtype="FP16", timeout=60.0, prefetch=ahead, hedge_after=None,
+                output_dtype="FP16", timeout=60.0, prefetch=None if args.router == "defaults" else ahead,
+                hedge_after=None,
                 router=reader_router(args.router, ahead)))
             pass_once = functools.partial(_read, reader, sum(lengths), endpoint, port, pid)
         for rep in range(args.reps):
@@ -244,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="an extra teacher-server flag (repeatable)")
     p.add_argument("--student-batch", type=int, default=0,
                    help="measure DistillReader with padded batches of this many sequences instead (0: off)")
-    p.add_argument("--router", choices=("pinned", "default"), default="pinned",
-                   help="--student-batch: the reader keeps --clients rows in flight, or its router decides")
+    p.add_argument("--router", choices=("pinned", "default", "defaults"), default="pinned",
+                   help="--student-batch: the reader keeps --clients rows in flight, or its router decides "
+                   "(default), or the reader decides its read-ahead as well (defaults)")
     p.add_argument("--out", default="batching_sim", help="results file: benchmarks/results/<OUT>.json")
     args = p.parse_args(argv)
     if min(args.sequences, args.clients, args.budget, args.reps, args.instances) < 1 or args.tokens_per_s <= 0 \

@@ -20,10 +20,12 @@ __all__ = ["ClientTLS", "RouterConfig"]
 class RouterConfig:
     """The router's tuning: in-flight limits, ejection backoff, the probe deadline.
 
-    `min_limit` is the floor of the latency gradient (overload answers still halve below it): the
-    requests each teacher should always be allowed to hold, whatever its latency does. A teacher
-    that batches LLM rows by length needs many queued to fill its batches; pin them with
-    `initial_limit=min_limit=N` (the reader benchmark's matched reader does).
+    `min_limit` is the floor of the latency gradient (overload answers still halve below it, and
+    successes bring the limit back one request each): the requests each teacher should always be
+    allowed to hold, whatever its latency does. A teacher that batches padded rows by length says
+    so, and its floor is `max_limit` instead: it needs many rows queued to fill its batches, so
+    `max_limit` is then the requests a student keeps in flight to it (raise it when a student's
+    prefetch holds more).
     """
 
     initial_limit: float = 2.0

@@ -69,6 +69,9 @@ from distill.types import FieldArray, OutputCache, StoredRows
 
 log = logging.getLogger("distill.reader")
 
+PREFETCH = 4
+"""Batches read ahead when `prefetch` is not set and no teacher batches by length (`read_ahead`)."""
+
 
 class Engine:
     """Lives on the reader's event loop thread; the DistillReader talks to it thread-safely.
@@ -86,12 +89,14 @@ class Engine:
         self._tasks: set[asyncio.Task[Any]] = set()
         connect = connect or grpc_connector(options.client_tls, options.headers)
         self._services = {s: Service(TeacherPool(s, options, connect, self._spawn_aux)) for s in options.services}
+        for svc in self._services.values():
+            svc.router.on_metadata = self._deepen
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
         self._loader = LoaderThread()
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
-        self._slots = ReadAhead(0, options.prefetch)
+        self._slots = ReadAhead(0, options.prefetch or PREFETCH)
         self._submitted = 0  # batches taken by submit(), their sequence numbers
         self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
@@ -165,13 +170,27 @@ class Engine:
         self.epoch += 1
         self._dispatcher.epoch = self.epoch
         self._slots.close()  # the last pass's loader stops reading
-        self._slots = ReadAhead(self.epoch, self.opts.prefetch)
+        self._slots = ReadAhead(self.epoch, self.read_ahead())
         self._delivery.reset(self.epoch)
         for svc in self._services.values():
             svc.clear()
         if loader is not None:
             self._epoch_task = self._spawn(self._read(self.epoch, loader), f"epoch-{self.epoch}")
         return self.epoch
+
+    def read_ahead(self) -> int:
+        """Batches to read ahead: `prefetch` when set; else `PREFETCH`, or more where a service's
+        teachers batch padded rows by length: each may hold the router's `max_limit` requests, and
+        needs many rows queued to fill its batches (on an emulated GPU, 4 batches of 16 rows in
+        flight gave 0.840 of length-sorted batches, 16 gave 0.928)."""
+        if self.opts.prefetch is not None:
+            return self.opts.prefetch
+        return max(PREFETCH, *(svc.router.by_length_requests() for svc in self._services.values()))
+
+    def _deepen(self) -> None:
+        """A teacher's metadata arrived: read further ahead if it batches by length (the pass in
+        progress too; a pass never reads less ahead than it began with)."""
+        self._slots.widen(self.read_ahead())
 
     def begin_submissions(self) -> None:
         """Take batches from `submit` instead of a loader (called once, on the loop thread): one

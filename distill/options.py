@@ -147,9 +147,11 @@ class ReaderOptions:
     max_teachers: int = option(
         0, help="use at most N teachers, chosen by deterministic subsetting so that many students spread over the "
         "pool; 0 = all", check=non_negative_int, flag=Flag(metavar="N", required=True))
-    prefetch: int = option(4, help="loader batches in flight to teachers ahead of the training loop; with no "
-                           "loader, the most submitted batches unsettled at once (distill.submit)",
-                           check=positive_int, flag=Flag(metavar="N", required=True))
+    prefetch: int | None = option(
+        None, help="loader batches in flight to teachers ahead of the training loop; with no loader, the most "
+        "submitted batches unsettled at once (distill.submit). Default: 4, and as many more as fill every teacher "
+        "that batches padded rows by length up to the router's max_limit (it needs many rows queued)",
+        check=positive_int, flag=Flag(metavar="N", required=True))
     teacher_batch_size: int = option(
         0, help="split batches into chunks of at most N samples per request; 0 = the teacher's max batch size",
         check=non_negative_int, flag=Flag(metavar="N", required=True))

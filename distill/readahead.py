@@ -95,6 +95,7 @@ class ReadAhead:
 
     def __init__(self, epoch: int, slots: int) -> None:
         self.epoch = epoch
+        self.size = slots
         self._free = slots
         self._wake_at = max(1, slots // 4)
         self._lock = threading.Lock()
@@ -120,6 +121,19 @@ class ReadAhead:
         with self._lock:
             self._free += 1
             if self._waiting and self._free >= self._wake_at:
+                self._waiting = False
+                self._wakeup.release()
+
+    def widen(self, size: int) -> None:
+        """Grow to `size` slots (never shrinks: a pass keeps what it was given), waking a waiting
+        loader for the new ones (any thread)."""
+        with self._lock:
+            if size <= self.size:
+                return
+            self._free += size - self.size
+            self.size = size
+            self._wake_at = max(1, size // 4)
+            if self._waiting:
                 self._waiting = False
                 self._wakeup.release()
 

@@ -37,7 +37,7 @@ import torch
 
 from distill.batches import Submitted, extract_inputs
 from distill.checks import CACHE_MODES
-from distill.engine import Engine
+from distill.engine import PREFETCH, Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.options import ReaderOptions, default_student_id
 from distill.stats import ConsumptionMeter, ReaderStats
@@ -143,7 +143,7 @@ class DistillReader:
         self._options = options if options is not None else ReaderOptions(**kwargs)
         self._loader = loader
         # No loader: batches come from submit() (distill.submit), at most `prefetch` unsettled.
-        self._submissions = Submissions(self._options.prefetch) if loader is None else None
+        self._submissions = Submissions(self._options.prefetch or PREFETCH) if loader is None else None
         if self._submissions is not None and self._options.cache is not None:
             raise ValueError("a reader without a loader scores new batches each step, which a teacher-output "
                              "store would never hold: drop cache=, or give the reader a loader")

@@ -9,12 +9,14 @@ The in-flight limit follows the latency gradient: it grows by about one per roun
 latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
 and shrinks when latency climbs (requests only queue there). EDL kept one request in flight per
 teacher; a dynamic-batching teacher needs several to stay busy across network round trips. A
-teacher that batches LLM rows by length is the exception: it needs many rows queued to fill its
-batches, which the gradient reads as queueing; `RouterConfig.min_limit` floors the gradient for it.
-Measuring latency against its usual level instead would serve that teacher without tuning (an
-emulated GPU: 0.959 of one request per row against 0.865), but it costs W4's students 1% of their
-samples while the pool scales up (0.946 against 0.955, below the goal of 0.95): a saturated CV
-teacher's deeper queue is backlog when new teachers arrive.
+teacher that batches padded rows by length is the exception: it needs many rows queued to fill its
+batches, and a padded request waits for its slowest row, which the gradient would read as
+overload. Such a teacher says so (`TeacherMetadata.batches_by_length`), and its floor is
+`max_limit`: latency never shrinks its limit; only overload answers do, and successes then bring it
+back one request each. Other teachers' floor is `RouterConfig.min_limit`. (Measuring latency against
+its usual level instead of the best seen would serve both without the declaration, but it costs
+W4's students 1% of their samples while the pool scales up, 0.946 against 0.955: a saturated CV
+teacher's deeper queue is backlog when new teachers arrive.)
 
 Failures eject a teacher with exponential backoff (connection and deadline errors), or mark it
 incompatible (wrong model, an answer that contradicts its own metadata, or refusing inputs that
@@ -36,7 +38,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -123,12 +125,18 @@ class Router:
         self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
         self._no_teacher_since: float | None = time.monotonic()
+        # Called when a teacher's metadata becomes known (it joins with it, or it arrives later):
+        # the engine deepens its read-ahead for teachers that batch by length.
+        self.on_metadata: Callable[[], None] | None = None
 
     # ---- membership ------------------------------------------------------------------------
     def add(self, key: str, endpoint: str, client: InferenceClient, meta: TeacherMetadata | None) -> TeacherState:
-        t = TeacherState(key, endpoint, client, max(self.config.initial_limit, self.config.min_limit), meta)
+        t = TeacherState(key, endpoint, client, self.config.initial_limit, meta)
+        t.limit = max(t.limit, self.floor(t))
         self.teachers[key] = t
         self.notify()
+        if meta is not None and self.on_metadata is not None:
+            self.on_metadata()
         return t
 
     def remove(self, key: str) -> TeacherState | None:
@@ -144,8 +152,18 @@ class Router:
                      self.service)
             t.incompatible = None
         t.meta = meta
+        t.limit = max(t.limit, self.floor(t))
         t.checked.clear()
         self.notify()
+        if self.on_metadata is not None:
+            self.on_metadata()
+
+    def floor(self, t: TeacherState) -> float:
+        """The least limit the latency gradient leaves `t`: `max_limit` for a teacher that batches
+        padded rows by length (its queueing is how it fills batches), `min_limit` for any other."""
+        if t.meta is not None and t.meta.batches_by_length:
+            return float(self.config.max_limit)
+        return self.config.min_limit
 
     def mark_incompatible(self, t: TeacherState, reason: str) -> None:
         if t.incompatible is None:
@@ -177,6 +195,13 @@ class Router:
         this signature: then `t` is the odd one out, not the batch."""
         return any(o is not t and o.meta is not None and o.incompatible is None and not o.removed
                    and self.misfit(o, signature) is None for o in self.teachers.values())
+
+    def by_length_requests(self) -> int:
+        """Requests this student may keep in flight to its teachers that batch by length (`max_limit`
+        each): what the reader reads ahead for them when `prefetch` is not set."""
+        return self.config.max_limit * sum(
+            1 for t in self.teachers.values()
+            if not t.removed and t.incompatible is None and t.meta is not None and t.meta.batches_by_length)
 
     # ---- choosing ---------------------------------------------------------------------------
     def notify(self) -> None:
@@ -247,11 +272,14 @@ class Router:
         t.last_result = time.monotonic()
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
         t.best_s = min(t.best_s * 1.002, latency_s)
-        if latency_s <= 1.5 * t.best_s:
+        floor = self.floor(t)
+        if t.limit < floor:  # an overload answer or an ejection took it below: one request back an answer
+            t.limit = min(floor, t.limit + 1.0)
+        elif latency_s <= 1.5 * t.best_s:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
                 t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
         elif latency_s > 2.5 * t.best_s:
-            t.limit = max(self.config.min_limit, t.limit * 0.9)
+            t.limit = max(floor, t.limit * 0.9)
         self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
 
     def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:

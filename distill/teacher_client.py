@@ -30,6 +30,7 @@ from distill.config import ClientTLS
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
+    BY_LENGTH_PARAMETER,
     DATATYPES,
     RAW_INPUT_FIELD,
     Datatype,
@@ -365,8 +366,10 @@ class TeacherClient:
             return {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape[1:] if max_batch > 0 else t.shape))
                     for t in ts}
 
+        by_length = config.config.parameters.get(BY_LENGTH_PARAMETER)
         return TeacherMetadata(meta.name, version or (meta.versions[-1] if meta.versions else ""),
-                               max_batch, tensors(meta.inputs), tensors(meta.outputs))
+                               max_batch, tensors(meta.inputs), tensors(meta.outputs),
+                               by_length is not None and by_length.string_value.lower() == "true")
 
     async def _unary(self, method: str, request: Any, response_type: Any, timeout: float) -> Any:
         """One control-plane call with this client's headers and a deadline; a refusal of access

@@ -70,13 +70,16 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class TeacherMetadata:
-    """What a student must know to call a teacher: model, batch limit, tensors."""
+    """What a student must know to call a teacher: model, batch limit, tensors, and whether it
+    batches padded rows by length (`protos.kserve.BY_LENGTH_PARAMETER`: the router then keeps
+    requests in flight to it however their latency moves)."""
 
     model_name: str
     model_version: str
     max_batch_size: int
     inputs: dict[str, TensorMeta]
     outputs: dict[str, TensorMeta]
+    batches_by_length: bool = False
 
     @classmethod
     def from_record(cls, rec: registry_pb2.TeacherRecord) -> TeacherMetadata | None:
@@ -87,6 +90,7 @@ class TeacherMetadata:
             rec.model_name, rec.model_version, rec.max_batch_size,
             {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.inputs},
             {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.outputs},
+            rec.batches_by_length,
         )
 
 

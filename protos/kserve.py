@@ -17,6 +17,7 @@ import torch
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 __all__ = [
+    "BY_LENGTH_PARAMETER",
     "DATATYPES",
     "Datatype",
     "decode_tensor",
@@ -26,6 +27,12 @@ __all__ = [
     "service_pb2_grpc",
     "shape_numel",
 ]
+
+BY_LENGTH_PARAMETER = "batches_by_length"
+"""The ModelConfig parameter (string value "true") by which a teacher says it batches padded rows by
+length (``TeacherRecord.batches_by_length`` in the registry says the same): it fills a batch from
+rows of like length, so it needs many rows queued and a request waits longer than its forward pass;
+a student's router then keeps its requests in flight instead of reading that queueing as overload."""
 
 # Received protobuf bytes are immutable; tensors over them are only read (inference_mode), so
 # torch's warning about non-writable buffers is noise on this path.

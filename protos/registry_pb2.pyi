@@ -17,7 +17,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TeacherRecord(_message.Message):
-    __slots__ = ("instance_id", "endpoint", "model_name", "model_version", "max_batch_size", "inputs", "outputs", "device", "started_at", "instances", "tls")
+    __slots__ = ("instance_id", "endpoint", "model_name", "model_version", "max_batch_size", "inputs", "outputs", "device", "started_at", "instances", "tls", "batches_by_length")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TeacherRecord(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_BY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     endpoint: str
     model_name: str
@@ -40,7 +41,8 @@ class TeacherRecord(_message.Message):
     started_at: float
     instances: int
     tls: bool
-    def __init__(self, instance_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., device: _Optional[str] = ..., started_at: _Optional[float] = ..., instances: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
+    batches_by_length: bool
+    def __init__(self, instance_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., device: _Optional[str] = ..., started_at: _Optional[float] = ..., instances: _Optional[int] = ..., tls: _Optional[bool] = ..., batches_by_length: _Optional[bool] = ...) -> None: ...
 
 class TeacherLoad(_message.Message):
     __slots__ = ("instance_id", "queue_depth", "in_flight", "samples_per_s", "busy_fraction", "capacity_samples_per_s", "updated_at", "draining")

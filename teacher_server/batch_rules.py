@@ -57,6 +57,11 @@ class BatchingConfig:
         request larger than this still runs, alone."""
         return self.max_batch_tokens or self.max_batch_size * TYPICAL_LENGTH
 
+    def by_length(self, padded: bool) -> bool:
+        """Whether a model (`padded`: it has padded inputs) has its rows batched by length. Such a
+        teacher says so to students (`protos.kserve.BY_LENGTH_PARAMETER`)."""
+        return padded and self.enabled and self.length_buckets
+
 
 class Candidate(Protocol):
     """A queued request as the rules see it."""

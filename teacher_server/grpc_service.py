@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from protos.kserve import DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
+from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
 from teacher_server.errors import InferError
 from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, grpc_status
 from teacher_server.infer_request import InferRequest
@@ -124,6 +124,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if batching.enabled:
             cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
             cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+        if batching.by_length(io.padded):
+            cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
         gpu = model.device.type == "cuda"
         group = cfg.instance_group.add(
             name=f"{model.name}_0", count=model.instances,

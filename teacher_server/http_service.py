@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from protos.kserve import DATATYPES, model_config_pb2
+from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2
 from teacher_server.config import HTTPLimits
 from teacher_server.errors import InferError
 from teacher_server.http_body import BodyReader, BodyRefused
@@ -182,6 +182,8 @@ class HTTPService:
                 "max_queue_delay_microseconds": batching.max_queue_delay_us,
                 "default_queue_policy": {"max_queue_size": batching.max_queue_size},
             }
+        if batching.by_length(io.padded):
+            config["parameters"] = {BY_LENGTH_PARAMETER: {"string_value": "true"}}
         return _json(config)
 
     async def model_stats(self, request: web.Request) -> web.Response:

@@ -282,7 +282,7 @@ class TeacherServer:
             instance_id=self.instance_id, endpoint=self.endpoint, model_name=self.config.name,
             model_version=self.config.version, max_batch_size=self.config.batching.max_batch_size,
             device=str(self.device), started_at=self.started_at, instances=self.config.instances,
-            tls=self.config.tls_cert is not None,
+            tls=self.config.tls_cert is not None, batches_by_length=self.config.batching.by_length(io.padded),
         )
         for s in io.inputs:
             rec.inputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))

@@ -64,7 +64,7 @@ def test_static_teachers_with_defaults() -> None:
         "fallback": "error",
         "no_teacher_timeout": 60.0,
         "max_teachers": 0,
-        "prefetch": 4,
+        "prefetch": None,
         "teacher_batch_size": 0,
         "hedge_after": "auto",
         "top_k": 0,

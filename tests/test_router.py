@@ -199,3 +199,49 @@ def test_router_config_refuses_limits_out_of_order() -> None:
     for kwargs in ({"min_limit": 0.5}, {"min_limit": 20.0}, {"initial_limit": 0.0}, {"initial_limit": 17.0}):
         with pytest.raises(ValueError, match="max_limit"):
             RouterConfig(**kwargs)  # type: ignore[arg-type]
+
+
+BY_LENGTH = TeacherMetadata("llm", "1", 8, {}, {}, batches_by_length=True)
+
+
+def test_a_teacher_that_batches_by_length_keeps_max_limit_whatever_its_latency() -> None:
+    """Its queueing is how it fills batches: slow answers never shrink its limit; an overload
+    answer halves it, and successes bring it back one request each. A plain teacher beside it
+    follows the gradient down."""
+
+    async def main() -> None:
+        router, (plain,) = _router(RouterConfig(initial_limit=8.0, max_limit=12), 1)
+        llm = router.add("llm", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), BY_LENGTH)
+        assert llm.limit == 12.0 and plain.limit == 8.0
+        for t in (plain, llm):
+            for _ in range(20):
+                _serve(router, t, 0.010)
+            for _ in range(20):
+                _serve(router, t, 0.100)
+        assert plain.limit == 1.0, plain.limit
+        assert llm.limit == 12.0, llm.limit
+        router.started(llm)
+        router.overloaded(llm, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        assert llm.limit == 6.0
+        recovered = []
+        for _ in range(8):
+            _serve(router, llm, 0.100)
+            recovered.append(llm.limit)
+        assert recovered == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 12.0, 12.0]
+        await _close([plain, llm])
+
+    asyncio.run(main())
+
+
+def test_a_declaration_that_arrives_with_later_metadata_raises_the_limit() -> None:
+    """A static teacher's metadata comes after it joins (ModelConfig is asked then)."""
+
+    async def main() -> None:
+        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=10))
+        t = router.add("k", "127.0.0.1:1", TeacherClient("127.0.0.1:1"), None)
+        assert t.limit == 2.0
+        router.set_metadata(t, BY_LENGTH)
+        assert t.limit == 10.0
+        await _close([t])
+
+    asyncio.run(main())

@@ -1,0 +1,209 @@
+"""A teacher that batches padded rows by length says so, and students' routers keep their requests
+in flight to it instead of reading its queueing as overload.
+
+The declaration travels two ways, both checked against real servers: the registry record
+(`TeacherRecord.batches_by_length`, a teacher process registered in a real etcd) and the model
+configuration (`parameters["batches_by_length"]`, read by `tritonclient` over gRPC and HTTP and by
+the student's own client for static teacher lists). Teachers that do not batch by length (no
+padded input, or `--no-length-buckets`) say nothing, and keep the latency gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import tritonclient.grpc as tg
+
+from discovery import open_registry
+from discovery.local_etcd import LocalEtcd
+from distill import DistillReader, RouterConfig
+from distill.teacher_client import TeacherClient
+from protos.kserve import BY_LENGTH_PARAMETER
+from teacher_server import BatchingConfig, ServerConfig
+from tests import seq_models
+from tests.etcd_fixtures import arun, unique_service
+from tests.servers import ServerThread, teacher_process
+from tests.test_padded_batching import PADDED, UNPADDED
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as server:
+        yield server
+
+
+def _server(model: str, length_buckets: bool = True) -> ServerThread:
+    return ServerThread(ServerConfig(
+        model=model, name="seq", device="cpu", instances=1, metrics_port=0, http_port=0,
+        batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000, length_buckets=length_buckets)))
+
+
+def _declared(s: ServerThread) -> tuple[dict[str, object], dict[str, object], bool, bool]:
+    """What the teacher says over gRPC (tritonclient), HTTP, its registry record, and what the
+    student's client reads from it."""
+    assert s.server is not None
+    with tg.InferenceServerClient(s.url) as c:
+        grpc_params = c.get_model_config("seq", as_json=True)["config"].get("parameters", {})
+    url = f"http://127.0.0.1:{s.server.http_port}/v2/models/seq/config"
+    http_params = json.loads(urllib.request.urlopen(url, timeout=10).read()).get("parameters", {})
+
+    async def fetch() -> bool:
+        client = TeacherClient(s.url)
+        try:
+            return (await client.fetch_metadata("seq", "", timeout=10)).batches_by_length
+        finally:
+            await client.close()
+
+    return grpc_params, http_params, s.server.record().batches_by_length, asyncio.run(fetch())
+
+
+def test_a_padded_teacher_that_batches_by_length_says_so_everywhere() -> None:
+    with _server(PADDED) as s:
+        grpc_params, http_params, recorded, fetched = _declared(s)
+    want = {BY_LENGTH_PARAMETER: {"string_value": "true"}}
+    assert grpc_params == want and http_params == want
+    assert recorded and fetched
+
+
+@pytest.mark.parametrize(("model", "buckets"), [(UNPADDED, True), (PADDED, False)],
+                         ids=["no-padded-input", "no-length-buckets"])
+def test_other_teachers_say_nothing(model: str, buckets: bool) -> None:
+    with _server(model, length_buckets=buckets) as s:
+        grpc_params, http_params, recorded, fetched = _declared(s)
+    assert grpc_params == {} and http_params == {}
+    assert not recorded and not fetched
+
+
+def _padded_batches(n: int, rows: int = 4, width: int = 12) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(1, width + 1, (rows,), generator=g)
+        mask = (torch.arange(width) < lengths[:, None]).long()
+        ids = torch.randint(1, seq_models.VOCAB, (rows, width), generator=g) * mask
+        out.append({"tokens": ids, "mask": mask})
+    return out
+
+
+def _limit(reader: DistillReader, endpoint: str) -> float:
+    """The reader's router's in-flight limit for the teacher at `endpoint` (any service)."""
+    (limit,) = [float(t["limit"]) for teachers in reader.stats().teachers.values()  # type: ignore[arg-type]
+                for e, t in teachers.items() if e == endpoint]
+    return limit
+
+
+def test_a_student_keeps_max_limit_requests_in_flight_to_a_registered_teacher_that_batches_by_length(
+        etcd: LocalEtcd, tmp_path: Path) -> None:
+    """From the registry record alone: the reader's router starts the padded teacher at max_limit
+    and its limit is still there after a pass, whatever the answers' latency did; an unpadded
+    teacher in a service of its own starts at the initial limit."""
+    service = unique_service("bylen")
+    args = ["--model", PADDED, "--name", "seq", "--device", "cpu", "--max-batch-size", "64",
+            "--registry", etcd.address, "--service", service, "--instance-id", "padded-1", "--ttl", "3"]
+    config = RouterConfig(initial_limit=2.0, max_limit=6)
+    with teacher_process(args, tmp_path) as (_, info):
+        async def recorded() -> bool:
+            async with open_registry(etcd.address) as reg:
+                return (await reg.teachers(service))["padded-1"].record.batches_by_length
+
+        assert arun(recorded())
+        batches = _padded_batches(24)
+        with DistillReader(batches, registry=etcd.address, service=service, model="seq",
+                           inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], prefetch=8,
+                           router=config, timeout=30.0) as reader:
+            got = [out["LOGITS"] for _, out in reader]
+            limit = _limit(reader, info["endpoint"])
+    assert len(got) == len(batches)
+    assert all(g.shape == (4, 12, seq_models.VOCAB) for g in got)
+    assert limit == 6.0, f"the by-length teacher's limit left max_limit: {limit}"
+
+
+def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> None:
+    """No registry: the student reads ModelConfig, and the padded teacher starts at max_limit
+    while the unpadded one starts at the initial limit."""
+    config = RouterConfig(initial_limit=2.0, max_limit=6)
+    with _server(PADDED) as padded, DistillReader(_padded_batches(4), teachers=padded.url, model="seq",
+                       inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], router=config,
+                       timeout=30.0) as reader:
+        assert sum(1 for _ in reader) == 4
+        padded_limit = _limit(reader, padded.url)
+    with _server(UNPADDED) as plain:
+        tokens = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in _padded_batches(4)]
+        with DistillReader(tokens, teachers=plain.url, model="seq", inputs={"TOKENS": "tokens"},
+                           outputs=["LOGITS"], router=config, timeout=30.0) as reader:
+            assert sum(1 for _ in reader) == 4
+            plain_limit = _limit(reader, plain.url)
+    assert padded_limit == 6.0
+    assert plain_limit < 6.0
+
+
+class _CountingLoader:
+    """Padded batches; counts how many the reader has taken from it."""
+
+    def __init__(self, n: int) -> None:
+        self.batches = _padded_batches(n)
+        self.taken = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for b in self.batches:
+            self.taken += 1
+            yield b
+
+
+def _read_ahead(loader: _CountingLoader) -> int:
+    """Batches taken from the loader while the training loop has taken none: once it stops growing."""
+    last, still = -1, 0
+    for _ in range(100):  # at most 10 s
+        time.sleep(0.1)
+        still = still + 1 if loader.taken == last else 0
+        last = loader.taken
+        if still >= 5 and last > 0:
+            break
+    return last
+
+
+@pytest.mark.parametrize(("model", "prefetch", "want"), [(PADDED, None, 10), (PADDED, 3, 3), (UNPADDED, None, 4)],
+                         ids=["by-length-default", "by-length-explicit", "plain-default"])
+def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
+        model: str, prefetch: int | None, want: int) -> None:
+    """`prefetch` unset: 4 batches, or `max_limit` for each teacher that batches by length (its
+    metadata arrives after the pass began: the pass deepens); set, it is what it says."""
+    loader = _CountingLoader(30)
+    if model == UNPADDED:
+        loader.batches = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in loader.batches]
+    inputs = {"TOKENS": "tokens", "MASK": "mask"} if model == PADDED else {"TOKENS": "tokens"}
+    with _server(model) as s, DistillReader(loader, teachers=s.url, model="seq", inputs=inputs, outputs=["LOGITS"],
+                                            router=RouterConfig(max_limit=10), prefetch=prefetch,
+                                            timeout=30.0) as reader:
+        it = iter(reader)
+        ahead = _read_ahead(loader)
+        assert sum(1 for _ in it) == 30
+    assert ahead == want
+
+
+def test_a_pass_reads_further_ahead_when_another_such_teacher_joins(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """Two teachers that batch by length, the second registered while the pass waits on the
+    training loop: the pass deepens from one teacher's `max_limit` to two."""
+    service = unique_service("deepen")
+
+    def args(iid: str) -> list[str]:
+        return ["--model", PADDED, "--name", "seq", "--device", "cpu", "--max-batch-size", "64",
+                "--registry", etcd.address, "--service", service, "--instance-id", iid, "--ttl", "3"]
+
+    loader = _CountingLoader(40)
+    with teacher_process(args("a"), tmp_path), DistillReader(
+            loader, registry=etcd.address, service=service, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
+            outputs=["LOGITS"], router=RouterConfig(max_limit=5), timeout=30.0) as reader:
+        it = iter(reader)
+        one = _read_ahead(loader)
+        with teacher_process(args("b"), tmp_path):
+            two = _read_ahead(loader)
+            assert sum(1 for _ in it) == 40
+    assert (one, two) == (5, 10)
