@@ -185,7 +185,7 @@ class Engine:
         flight gave 0.840 of length-sorted batches, 16 gave 0.928)."""
         if self.opts.prefetch is not None:
             return self.opts.prefetch
-        return max(PREFETCH, *(svc.router.by_length_requests() for svc in self._services.values()))
+        return max([PREFETCH, *(svc.router.by_length_requests() for svc in self._services.values())])
 
     def _deepen(self) -> None:
         """A teacher's metadata arrived: read further ahead if it batches by length (the pass in
