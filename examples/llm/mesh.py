@@ -73,10 +73,10 @@ def reader_options(*, k: int, temperature: float, teachers: str | None = None, s
     """
     if (teachers is None) == (store is None):
         raise ValueError("pass teachers='host:port' (the mesh) or store=PATH (offline), one of them")
-    options = {**_wire(k, temperature), "timeout": timeout, "prefetch": 8}
-    if teachers is not None:
+    options = {**_wire(k, temperature), "timeout": timeout}
+    if teachers is not None:  # the reader reads ahead what the teachers want (they batch by length)
         return {**options, "teachers": teachers, "model": MODEL_NAME}
-    return {**options, "cache": str(store), "cache_mode": "read", "key": KEY, "model_version": version}
+    return {**options, "prefetch": 8, "cache": str(store), "cache_mode": "read", "key": KEY, "model_version": version}
 
 
 def record(loader: Iterable[Any], store: Path, *, teachers: str, k: int, temperature: float,
@@ -88,7 +88,7 @@ def record(loader: Iterable[Any], store: Path, *, teachers: str, k: int, tempera
     started = time.perf_counter()
     batches = 0
     with DistillReader(loader, teachers=teachers, model=MODEL_NAME, cache=str(store), cache_mode="read_write",
-                       key=KEY, timeout=timeout, prefetch=16, **_wire(k, temperature)) as reader:
+                       key=KEY, timeout=timeout, **_wire(k, temperature)) as reader:
         for _ in reader:
             batches += 1
     return batches, time.perf_counter() - started
