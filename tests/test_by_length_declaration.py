@@ -33,6 +33,13 @@ from tests.servers import ServerThread, teacher_process
 from tests.test_padded_batching import PADDED, UNPADDED
 
 
+@pytest.fixture(autouse=True)
+def _open_gate() -> Iterator[None]:
+    seq_models.GATE.set()
+    yield
+    seq_models.GATE.set()
+
+
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[LocalEtcd]:
     with LocalEtcd() as server:
@@ -92,11 +99,12 @@ def _padded_batches(n: int, rows: int = 4, width: int = 12) -> list[dict[str, to
     return out
 
 
-def _limit(reader: DistillReader, endpoint: str) -> float:
-    """The reader's router's in-flight limit for the teacher at `endpoint` (any service)."""
-    (limit,) = [float(t["limit"]) for teachers in reader.stats().teachers.values()  # type: ignore[arg-type]
+def _stat(reader: DistillReader, endpoint: str, key: str = "limit") -> float:
+    """One figure of the reader's router for the teacher at `endpoint` (any service): its in-flight
+    limit by default."""
+    (value,) = [float(t[key]) for teachers in reader.stats().teachers.values()  # type: ignore[arg-type]
                 for e, t in teachers.items() if e == endpoint]
-    return limit
+    return value
 
 
 def test_a_student_keeps_max_limit_requests_in_flight_to_a_registered_teacher_that_batches_by_length(
@@ -119,7 +127,7 @@ def test_a_student_keeps_max_limit_requests_in_flight_to_a_registered_teacher_th
                            inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], prefetch=8,
                            router=config, timeout=30.0) as reader:
             got = [out["LOGITS"] for _, out in reader]
-            limit = _limit(reader, info["endpoint"])
+            limit = _stat(reader, info["endpoint"])
     assert len(got) == len(batches)
     assert all(g.shape == (4, 12, seq_models.VOCAB) for g in got)
     assert limit == 6.0, f"the by-length teacher's limit left max_limit: {limit}"
@@ -133,13 +141,13 @@ def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> 
                        inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], router=config,
                        timeout=30.0) as reader:
         assert sum(1 for _ in reader) == 4
-        padded_limit = _limit(reader, padded.url)
+        padded_limit = _stat(reader, padded.url)
     with _server(UNPADDED) as plain:
         tokens = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in _padded_batches(4)]
         with DistillReader(tokens, teachers=plain.url, model="seq", inputs={"TOKENS": "tokens"},
                            outputs=["LOGITS"], router=config, timeout=30.0) as reader:
             assert sum(1 for _ in reader) == 4
-            plain_limit = _limit(reader, plain.url)
+            plain_limit = _stat(reader, plain.url)
     assert padded_limit == 6.0
     assert plain_limit < 6.0
 
@@ -207,3 +215,31 @@ def test_a_pass_reads_further_ahead_when_another_such_teacher_joins(etcd: LocalE
             two = _read_ahead(loader)
             assert sum(1 for _ in it) == 40
     assert (one, two) == (5, 10)
+
+
+def test_a_teacher_that_batches_by_length_still_sheds_and_the_reader_loses_nothing() -> None:
+    """`max_limit` in flight is more than this teacher's queue takes while its one instance is held:
+    it sheds (RESOURCE_EXHAUSTED), the router halves its limit, and every batch still arrives,
+    answered, in order."""
+    batches = _padded_batches(24)
+    server = ServerThread(ServerConfig(
+        model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
+        batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000, max_queue_size=3)))
+    with server as s, DistillReader(batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
+                                    outputs=["LOGITS"], router=RouterConfig(max_limit=12),
+                                    timeout=30.0) as reader:
+        seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
+        it = iter(reader)
+        overloaded = 0.0
+        for _ in range(100):  # at most 10 s
+            time.sleep(0.1)
+            if (overloaded := _stat(reader, s.url, "overloaded")) > 0:
+                break
+        seq_models.GATE.set()
+        got = [out["LOGITS"] for _, out in it]
+    assert overloaded > 0, "the teacher never shed: the test checked nothing"
+    assert len(got) == len(batches)
+    for b, logits in zip(batches, got, strict=True):
+        assert logits.shape == (4, 12, seq_models.VOCAB)
+        assert not logits[b["mask"] == 0].any(), "padding must come back as zeros"
+        assert logits[b["mask"] == 1].abs().sum() > 0
