@@ -105,7 +105,7 @@ run_stage() {
         --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
     pipeline)  # one instance over W6's length-sorted batches, with and without the mask, against the batches
                # alone and a plain loop: where the device waits between batches; Chrome traces of the instance
-      shape && stage pipeline 150 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device cuda \
+      shape && stage pipeline 200 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device cuda \
         --compute-dtype "$DTYPE" --trace "$LOGS/traces" --out instance_pipeline_gpu ;;
     packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
       stage packing 240 $PY -m benchmarks.packing --device cuda --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \

@@ -16,10 +16,13 @@ the one in-process loop, although issuing a batch takes a quarter of its device 
     drives it (staging, the forward pass and transforms on its own thread and CUDA stream, the
     host copies on its finishing thread);
 each with the attention mask and without it (what the server now runs for a right-padded batch).
-Busy fraction: the device-time sum over the wall time. With `--trace DIR`, the instance's runs are
-also recorded with torch.profiler (Chrome traces, `DIR/instance_{masked,unmasked}.json.gz`), which
-show every gap on the device's timeline. On the CPU host and device are one, so the fractions are
-near 1 there; the benchmark runs, and is tested, on any machine.
+Busy fraction: the device-time sum over the wall time. With `--trace DIR`, the instance's and the
+plain loop's runs are also recorded with torch.profiler (Chrome traces,
+`DIR/{instance,loop}_{masked,unmasked}.json.gz`), which show every gap on the device's timeline,
+and summarised where they were written (`benchmarks.trace_gaps`: the gaps and the host's CUDA calls
+and operators during them). On CUDA each run also counts the caching allocator's device
+allocations, frees and retries: a `cudaFree` waits for the device. On the CPU host and device are
+one, so the fractions are near 1 there; the benchmark runs, and is tested, on any machine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from benchmarks.common import format_table, machine_info, run_and_report, sorted
 from benchmarks.device import DeviceChoice, add_device_args
 from benchmarks.host_bound import W6_WANT, Probe
 from benchmarks.llm_parts import padded_batches
+from benchmarks.trace_gaps import load_trace, summarize
+from benchmarks.trace_gaps import report as trace_report
 from teacher_server.finishing import BatchResult
 from teacher_server.instance import ModelInstance
 from teacher_server.model import LoadedModel, load_model
@@ -61,6 +66,25 @@ def make_works(model: LoadedModel, seqs: list[list[int]], *, masked: bool) -> li
         works.append(Work([ids, torch.ones_like(ids)], 1, [W6_WANT], (), len(seq), plan,
                           useful=None if masked else len(seq)))
     return works
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts(cuda: bool) -> dict[str, int]:
+    """The CUDA caching allocator's counters so far (empty off CUDA)."""
+    if not cuda:
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+def counted(fn: Callable[[], float], cuda: bool) -> tuple[float, dict[str, int]]:
+    """`fn()` and how much each allocator counter grew during it."""
+    before = allocator_counts(cuda)
+    out = fn()
+    after = allocator_counts(cuda)
+    return out, {k: after[k] - before[k] for k in after}
 
 
 def wall_s(fn: Callable[[], Any], choice: DeviceChoice) -> float:
@@ -128,13 +152,24 @@ def measure(model: LoadedModel, inst: ModelInstance, cut: list[list[list[int]]],
     for x in inputs[:2]:
         plain_step(model, x, masked)
     device_s = sum(probe.stage(functools.partial(plain_step, model, x, masked))[2] for x in inputs) / 1e3
-    loop_s = wall_s(loop, choice)
-    instance_s = wall_s(functools.partial(run_instance, inst, works, ahead), choice)
+    loop_s, loop_alloc = counted(functools.partial(wall_s, loop, choice), choice.cuda)
+    instance_s, instance_alloc = counted(
+        functools.partial(wall_s, functools.partial(run_instance, inst, works, ahead), choice), choice.cuda)
+    gaps: dict[str, Any] = {}
+    loop_gaps: dict[str, Any] = {}
     if trace is not None:
         with traced(trace, choice.cuda):
             run_instance(inst, works, ahead)
+        gaps = summarize(load_trace(trace))
+        loop_trace = trace.with_name(trace.name.replace("instance_", "loop_", 1))
+        with traced(loop_trace, choice.cuda):
+            loop()
+            choice.synchronize()
+        loop_gaps = summarize(load_trace(loop_trace))
     n, useful = len(cut), sum(len(q) for seqs in cut for q in seqs)
-    return {"device_s": round(device_s, 4), "loop_s": round(loop_s, 4), "instance_s": round(instance_s, 4),
+    return {"loop_allocator": loop_alloc, "instance_allocator": instance_alloc, "trace_gaps": gaps,
+            "loop_trace_gaps": loop_gaps,
+            "device_s": round(device_s, 4), "loop_s": round(loop_s, 4), "instance_s": round(instance_s, 4),
             "loop_busy": round(device_s / loop_s, 3), "instance_busy": round(device_s / instance_s, 3),
             "loop_idle_ms_per_batch": round(1e3 * max(0.0, loop_s - device_s) / n, 2),
             "instance_idle_ms_per_batch": round(1e3 * max(0.0, instance_s - device_s) / n, 2),
@@ -170,15 +205,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(doc: dict[str, Any]) -> str:
-    rows = []
+    rows, notes = [], []
     for label in ("masked", "unmasked"):
         r = doc[label]
         rows.append([label, f"{r['device_s']:.3f}", f"{r['loop_s']:.3f}", r["loop_busy"], r["loop_idle_ms_per_batch"],
                      f"{r['instance_s']:.3f}", r["instance_busy"], r["instance_idle_ms_per_batch"]])
+        if r.get("instance_allocator"):
+            notes.append(f"{label}: allocator during the plain loop {r['loop_allocator']}, the instance "
+                         f"{r['instance_allocator']}")
+        for kind, key in (("instance", "trace_gaps"), ("loop", "loop_trace_gaps")):
+            if r.get(key):
+                notes.append(trace_report(f"{label} {kind} trace", r[key]))
     return (f"{doc['gpu'] or doc['device']}, {doc['compute_dtype']}: {doc['sequences']} sequences in {doc['batches']} "
             f"length-sorted batches of at most {doc['budget']:,} positions; instance {doc['ahead']} batches ahead\n"
             + format_table(["attention mask", "device s (alone)", "plain loop s", "loop busy", "loop idle ms/batch",
-                            "instance s", "instance busy", "instance idle ms/batch"], rows))
+                            "instance s", "instance busy", "instance idle ms/batch"], rows)
+            + "".join(f"\n{n}" for n in notes))
 
 
 def main(argv: list[str] | None = None) -> int:

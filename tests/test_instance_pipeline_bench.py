@@ -36,8 +36,12 @@ def test_the_instance_pipeline_benchmark_reports_both_masks_and_writes_traces(
         assert r["device_s"] > 0 and r["loop_s"] > 0 and r["instance_s"] > 0
         assert r["instance_busy"] == pytest.approx(r["device_s"] / r["instance_s"], abs=2e-3)
         assert r["instance_useful_tokens_per_s"] > 0
+        assert r["instance_allocator"] == r["loop_allocator"] == {}  # counted on CUDA only
+        # On the CPU the traces have no device timeline; the summary says so instead of inventing one.
+        assert r["trace_gaps"]["device_events"] == 0 and r["loop_trace_gaps"]["device_events"] == 0
     names = sorted(Path(p).name for p in doc["traces"])
-    assert names == ["instance_masked.json.gz", "instance_unmasked.json.gz"]
+    assert names == ["instance_masked.json.gz", "instance_unmasked.json.gz", "loop_masked.json.gz",
+                     "loop_unmasked.json.gz"]
     with gzip.open(tmp_path / "traces" / "instance_unmasked.json.gz", "rt") as f:
         events = json.load(f)["traceEvents"]
     assert any("linear" in str(e.get("name", "")) for e in events), "the trace holds none of the forward pass"
