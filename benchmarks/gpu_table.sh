@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_chunks w6_ahead llm_1inst llm_3inst host_bound pipeline packing serving serving_threads w1 w1_train w7,
+# w6_chunks w6_expandable w6_ahead llm_1inst llm_3inst host_bound pipeline packing serving serving_threads w1 w1_train w7,
 # and next (the stages the README's GPU section names for the next run)
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
@@ -68,6 +68,11 @@ run_stage() {
         --instances 1 --alt-server-arg=--output-chunk-mb=64 --reps "$REPS" --out llm_serving_gpu_chunks
       stage memory_chunks 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k_chunk256 ;;
+    w6_expandable)  # W6's headline layout with the caching allocator's expandable segments, server and
+                    # in-process loop alike (the variable-shaped batches then grow segments instead of
+                    # allocating and freeing new ones): the follow-up if `pipeline` counts device frees
+      shape && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage w6_expandable 240 $PY -m benchmarks.llm_serving \
+        "${LLM[@]}" --sequences 1024 --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_expandable ;;
     w6_ahead)  # A/B at the GPU default of 2 instances: --batches-ahead 2 against the default 3 an instance
       shape && stage w6_ahead 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --instances 2 --alt-server-arg=--batches-ahead=2 --reps "$REPS" --out llm_serving_gpu_ahead ;;
