@@ -165,16 +165,15 @@ class _CountingLoader:
             yield b
 
 
-def _read_ahead(loader: _CountingLoader) -> int:
-    """Batches taken from the loader while the training loop has taken none: once it stops growing."""
-    last, still = -1, 0
-    for _ in range(100):  # at most 10 s
-        time.sleep(0.1)
-        still = still + 1 if loader.taken == last else 0
-        last = loader.taken
-        if still >= 5 and last > 0:
+def _read_ahead(loader: _CountingLoader, want: int) -> int:
+    """Batches taken from the loader while the training loop has taken none: once `want` are
+    (at most 15 s), and half a second later, so that a read-ahead deeper than `want` shows."""
+    for _ in range(150):
+        if loader.taken >= want:
             break
-    return last
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return loader.taken
 
 
 @pytest.mark.parametrize(("model", "prefetch", "want"), [(PADDED, None, 10), (PADDED, 3, 3), (UNPADDED, None, 4)],
@@ -191,7 +190,7 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
                                             router=RouterConfig(max_limit=10), prefetch=prefetch,
                                             timeout=30.0) as reader:
         it = iter(reader)
-        ahead = _read_ahead(loader)
+        ahead = _read_ahead(loader, want)
         assert sum(1 for _ in it) == 30
     assert ahead == want
 
@@ -210,9 +209,9 @@ def test_a_pass_reads_further_ahead_when_another_such_teacher_joins(etcd: LocalE
             loader, registry=etcd.address, service=service, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
             outputs=["LOGITS"], router=RouterConfig(max_limit=5), timeout=30.0) as reader:
         it = iter(reader)
-        one = _read_ahead(loader)
+        one = _read_ahead(loader, 5)
         with teacher_process(args("b"), tmp_path):
-            two = _read_ahead(loader)
+            two = _read_ahead(loader, 10)
             assert sum(1 for _ in it) == 40
     assert (one, two) == (5, 10)
 
@@ -224,14 +223,16 @@ def test_a_teacher_that_batches_by_length_still_sheds_and_the_reader_loses_nothi
     batches = _padded_batches(24)
     server = ServerThread(ServerConfig(
         model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
-        batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000, max_queue_size=3)))
+        # A batch holds one request's 4 rows, whatever arrives before it forms (a loaded machine
+        # delays the batcher): the other requests must queue, and past 3 the teacher sheds.
+        batching=BatchingConfig(max_batch_size=4, max_queue_delay_us=2000, max_queue_size=3)))
     with server as s, DistillReader(batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
                                     outputs=["LOGITS"], router=RouterConfig(max_limit=12),
                                     timeout=30.0) as reader:
         seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
         it = iter(reader)
         overloaded = 0.0
-        for _ in range(100):  # at most 10 s
+        for _ in range(300):  # at most 30 s
             time.sleep(0.1)
             if (overloaded := _stat(reader, s.url, "overloaded")) > 0:
                 break
