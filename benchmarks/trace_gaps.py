@@ -16,6 +16,7 @@ one in no CUDA call at all plain host work.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import itertools
 import json
@@ -68,20 +69,14 @@ def _overlap_by_name(events: Iterable[Mapping[str, Any]], cats: frozenset[str],
     """Microseconds of the gaps that events of `cats` overlap, summed by the events' names."""
     if not found:
         return {}
-    starts = [g.start_us for g in found]
+    ends = [g.start_us + g.dur_us for g in found]
     out: dict[str, float] = defaultdict(float)
     for e in events:
         if e.get("cat") not in cats:
             continue
         s, t = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-        # The gaps are sorted and disjoint: walk from the first that may overlap.
-        lo, hi = 0, len(starts)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if found[mid].start_us + found[mid].dur_us <= s:
-                lo = mid + 1
-            else:
-                hi = mid
+        # The gaps are sorted and disjoint: walk from the first that ends after the event starts.
+        lo = bisect.bisect_right(ends, s)
         for g in found[lo:]:
             if g.start_us >= t:
                 break

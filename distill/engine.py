@@ -188,7 +188,7 @@ class Engine:
         return max([PREFETCH, *(svc.router.by_length_requests() for svc in self._services.values())])
 
     def _deepen(self) -> None:
-        """A teacher's metadata arrived: read further ahead if it batches by length (the pass in
+        """A teacher that batches by length became known: read further ahead for it (the pass in
         progress too; a pass never reads less ahead than it began with)."""
         self._slots.widen(self.read_ahead())
 

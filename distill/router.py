@@ -125,8 +125,9 @@ class Router:
         self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
         self._no_teacher_since: float | None = time.monotonic()
-        # Called when a teacher's metadata becomes known (it joins with it, or it arrives later):
-        # the engine deepens its read-ahead for teachers that batch by length.
+        # Called when a teacher that batches by length becomes known (it joins with its metadata,
+        # or the metadata arrives later): the engine deepens its read-ahead for it. Only for such a
+        # teacher: a pool of thousands that do not would otherwise recount the pool at every join.
         self.on_metadata: Callable[[], None] | None = None
 
     # ---- membership ------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class Router:
         t.limit = max(t.limit, self.floor(t))
         self.teachers[key] = t
         self.notify()
-        if meta is not None and self.on_metadata is not None:
+        if meta is not None and meta.batches_by_length and self.on_metadata is not None:
             self.on_metadata()
         return t
 
@@ -155,7 +156,7 @@ class Router:
         t.limit = max(t.limit, self.floor(t))
         t.checked.clear()
         self.notify()
-        if self.on_metadata is not None:
+        if meta.batches_by_length and self.on_metadata is not None:
             self.on_metadata()
 
     def floor(self, t: TeacherState) -> float:
