@@ -94,7 +94,8 @@ class EmulatedLM(nn.Module):
 def build(fixed_ms: float = 5.0, tokens_per_s: float = 72000.0) -> EmulatedLM:
     """The emulated teacher. Loaded in the teacher-server process, it makes that server treat its
     CPU as it treats a GPU: batches formed and staged ahead of their instance, finished on a thread
-    of their own (what the server chooses on CUDA), at the time the emulated device ends them."""
+    of their own, the padding floor lowered by the batches' measured fixed cost (what the server
+    chooses on CUDA), at the time the emulated device ends them."""
     from teacher_server import batcher, finishing, staging
 
     timeline = _Timeline()
@@ -108,6 +109,7 @@ def build(fixed_ms: float = 5.0, tokens_per_s: float = 72000.0) -> EmulatedLM:
     def init_as_on_cuda(self: batcher.DynamicBatcher, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self._async_outputs = True
+        self._cost_aware = self._config.cost_aware_floor is not False
 
     staging.wanted = lambda device: True  # type: ignore[assignment]
     finishing.Finisher.finish = finish_at_device_time  # type: ignore[method-assign]
@@ -141,7 +143,8 @@ async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients:
     async with grpc.aio.insecure_channel(endpoint) as channel:
         m = await measure_server(service_pb2_grpc.GRPCInferenceServiceStub(channel), requests, lengths,
                                  clients=clients, metrics_port=metrics_port, server_pids=[server_pid])
-    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency}
+    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency,
+            "batch_cost": m.batch_cost}
 
 
 def _student_batches(lengths: Sequence[int], batch: int) -> list[dict[str, torch.Tensor]]:
@@ -170,7 +173,8 @@ async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, serv
     async with grpc.aio.insecure_channel(endpoint) as channel:
         m = await measure_reader(reader, useful, metrics_port=metrics_port,
                                  stub=service_pb2_grpc.GRPCInferenceServiceStub(channel), server_pids=[server_pid])
-    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency}
+    return {"seconds": m.seconds, "batches": m.executions, "padding_efficiency": m.padding_efficiency,
+            "batch_cost": m.batch_cost}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reps.append(served)
             print(f"  rep {rep + 1}: {served['seconds']:.2f} s against {baseline['seconds']:.2f} s sorted: "
                   f"{served['ratio']:.3f}; {served['batches']} batches (sorted: {baseline['batches']}), padding "
-                  f"efficiency {served['padding_efficiency']:.3f} ({baseline['padding_efficiency']:.3f})", flush=True)
+                  f"efficiency {served['padding_efficiency']:.3f} ({baseline['padding_efficiency']:.3f}); "
+                  f"fitted {served['batch_cost']}", flush=True)
     return {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "baseline": baseline, "reps": reps,
             "ratio_median": median([r["ratio"] for r in reps]),
             "batches_median": median([float(r["batches"]) for r in reps]),

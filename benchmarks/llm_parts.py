@@ -113,6 +113,8 @@ class Measurement:
     wire_bytes: int | None = None  # raw output contents of all responses
     executions: int | None = None  # model executions on the server
     threads: list[dict[str, object]] | None = None  # the server's busiest threads (cpu.busiest_threads)
+    # The server's fitted batch cost and padding floor at the end of the pass (scrape_batch_cost)
+    batch_cost: dict[str, float] | None = None
 
     @property
     def padding_efficiency(self) -> float | None:
@@ -282,16 +284,35 @@ def server_args(s: Settings, directory: Path, pad_id: int, vocab: int, buckets: 
     return args if buckets else [*args, "--no-length-buckets"]
 
 
-def scrape_tokens(metrics_port: int) -> tuple[int, int]:
-    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
+def scrape_metrics(metrics_port: int, names: Sequence[str]) -> dict[str, float]:
+    """The named families' values (one series each) from the server's Prometheus metrics (a blocking HTTP GET)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode("utf-8")
-    values: dict[str, int] = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(("teacher_useful_tokens_total", "teacher_padded_tokens_total")):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            values[name] = int(float(line.rsplit(" ", 1)[1]))
-    return values.get("teacher_useful_tokens_total", 0), values.get("teacher_padded_tokens_total", 0)
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def scrape_tokens(metrics_port: int) -> tuple[int, int]:
+    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
+    values = scrape_metrics(metrics_port, ("teacher_useful_tokens_total", "teacher_padded_tokens_total"))
+    return int(values.get("teacher_useful_tokens_total", 0)), int(values.get("teacher_padded_tokens_total", 0))
+
+
+def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
+    """The server's fitted fixed and per-position device time of a batch and the padding floor it
+    forms batches with (`teacher_server.batch_cost`); {} from a server without them."""
+    values = scrape_metrics(metrics_port, ("teacher_batch_fixed_seconds", "teacher_batch_position_seconds",
+                                           "teacher_padding_floor"))
+    if not values:
+        return {}
+    per_position = values.get("teacher_batch_position_seconds", 0.0)
+    return {"fixed_ms": round(values.get("teacher_batch_fixed_seconds", 0.0) * 1e3, 2),
+            "positions_per_s": round(1 / per_position) if per_position > 0 else 0,
+            "padding_floor": round(values.get("teacher_padding_floor", 0.0), 4)}
 
 
 async def executions(stub: Any) -> int:
@@ -336,7 +357,8 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
     if useful1 - useful0 != useful:
         raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
     return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
-                       wire_bytes=wire, executions=await executions(stub) - exec0, threads=threads)
+                       wire_bytes=wire, executions=await executions(stub) - exec0, threads=threads,
+                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None)
 
 
 def print_rep(rep: int, name: str, m: Measurement) -> None:

@@ -62,6 +62,7 @@ from benchmarks.llm_parts import (
     padded_batches,
     prepare,
     print_rep,
+    scrape_batch_cost,
     scrape_tokens,
     server_args,
 )
@@ -116,7 +117,8 @@ async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: A
         raise AssertionError(f"the server counted {useful1 - useful0} useful tokens over {batches} batches, "
                              f"the loader holds {useful}")
     return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
-                       executions=await executions(stub) - exec0)
+                       executions=await executions(stub) - exec0,
+                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None)
 
 
 async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int, *, half: bool = False) -> float:

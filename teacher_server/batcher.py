@@ -44,6 +44,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from teacher_server import staging
+from teacher_server.batch_cost import BatchCost, BatchCostFigures
 from teacher_server.batch_rules import BatchingConfig, BatchRules, compatible
 from teacher_server.instance import BatchResult, ModelInstance
 from teacher_server.outputs import EncodedOutput
@@ -108,6 +109,9 @@ class DynamicBatcher:
         self._async_outputs = config.async_outputs if config.async_outputs is not None else any(
             inst.model.device.type != "cpu" for inst in instances)
         self._rules = BatchRules(config)
+        self._cost = BatchCost()  # padded models: the device's cost of a batch, fitted from those run
+        self._cost_aware = config.cost_aware_floor if config.cost_aware_floor is not None else any(
+            inst.model.device.type != "cpu" for inst in instances)
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
                          if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -134,6 +138,23 @@ class DynamicBatcher:
     def stagers(self) -> list[Stager]:
         """The instances' stagers (none where batches are not staged ahead)."""
         return list(self._stagers.values())
+
+    @property
+    def cost(self) -> BatchCost:
+        """The fit of what a batch costs the device (padded models; empty for others)."""
+        return self._cost
+
+    @property
+    def padding_floor(self) -> float:
+        """The padding-efficiency floor batches are formed with now (padded models, length buckets on)."""
+        if not self._config.length_buckets:
+            return 0.0
+        return self._rules.padding_floor(self._cost.fixed_positions if self._cost_aware else 0.0)
+
+    def cost_figures(self) -> BatchCostFigures:
+        """The batch cost fit and the floor in use, for the metrics (read from the scrape thread)."""
+        fit = self._cost.current
+        return BatchCostFigures(fit.fixed_s if fit else 0.0, fit.per_position_s if fit else 0.0, self.padding_floor)
 
     @property
     def queue_depth(self) -> int:
@@ -242,7 +263,7 @@ class DynamicBatcher:
         buckets = self._config.length_buckets
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
-        floor = self._config.min_padding_efficiency if buckets else 0.0
+        floor = self.padding_floor
         taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)], floor)
         if buckets and first.length is not None and len(pool) > len(taken) and self._rules.oldest_first(batch, pool)[1]:
             closest = self._rules.closest_lengths(batch, pool, floor)
@@ -351,6 +372,7 @@ class DynamicBatcher:
         if batch[0].work.length is not None:
             useful = sum(p.work.tokens for p in batch)
             computed = samples * max(p.work.length or 0 for p in batch)
+            self._cost.observe(computed, result.device_ns / 1e9)
             for token_listener in self._token_listeners:
                 token_listener(useful, computed)
 

@@ -47,6 +47,10 @@ class BatchResult:
 
     per_request: list[list[EncodedOutput]]
     compute_ns: int
+    # The same, counted against every batch of the instances that share the device (`BusyClock`):
+    # with two instances on one GPU, an instance's compute time also holds the other's batches,
+    # this one does not. The batch cost fit (`teacher_server.batch_cost`) reads it.
+    device_ns: int = 0
 
 
 @dataclass
@@ -91,13 +95,30 @@ class Launched:
     start_ns: int
 
 
+class BusyClock:
+    """The end of the last batch finished on one instance, or on one device across its instances;
+    `claim` counts a batch's time from its start or that end, whichever came later, so overlapping
+    batches' times add up to the busy time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_end_ns = 0
+
+    def claim(self, start_ns: int, end_ns: int) -> int:
+        with self._lock:
+            ns = end_ns - max(start_ns, self._last_end_ns)
+            self._last_end_ns = max(end_ns, self._last_end_ns)
+        return max(ns, 0)
+
+
 class Finisher:
     """One instance's finishing stage: its own thread, owned by the instance and shut down with it."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, device: BusyClock | None = None) -> None:
+        """`device`: the clock shared by the instances on this instance's device (None: its own)."""
         self._executor = named_executor(f"finish-{index}")
-        self._lock = threading.Lock()
-        self._last_end_ns = 0
+        self._own = BusyClock()
+        self._device = device
 
     def submit(self, launched: Launched) -> Future[BatchResult]:
         """Finish `launched` on this stage's thread, after the batches submitted before it."""
@@ -111,10 +132,9 @@ class Finisher:
         with torch.inference_mode():
             per_request = [encode_named(named) for named in launched.outputs.split()]
         end = time.perf_counter_ns()
-        with self._lock:
-            compute_ns = end - max(launched.start_ns, self._last_end_ns)
-            self._last_end_ns = max(end, self._last_end_ns)
-        return BatchResult(per_request, max(compute_ns, 0))
+        compute_ns = self._own.claim(launched.start_ns, end)
+        device_ns = self._device.claim(launched.start_ns, end) if self._device is not None else compute_ns
+        return BatchResult(per_request, compute_ns, device_ns)
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from teacher_server.finishing import BatchOutputs, BatchResult, Finisher, Launched
+from teacher_server.finishing import BatchOutputs, BatchResult, BusyClock, Finisher, Launched
 from teacher_server.model import LoadedModel
 from teacher_server.outputs import (
     CHUNK_BYTES,
@@ -62,11 +62,14 @@ def copy_to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelInstance:
     """Launches batches of one LoadedModel on a dedicated thread; a `Finisher` completes them."""
 
-    def __init__(self, model: LoadedModel, index: int, max_batch_size: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, model: LoadedModel, index: int, max_batch_size: int, *, chunk_bytes: int = CHUNK_BYTES,
+                 device_clock: BusyClock | None = None) -> None:
+        """`device_clock`: shared by the instances on one device, so each batch's `device_ns` counts
+        only the device time no other instance's batch already held (None: this instance's own)."""
         self.model = model
         self.index = index
         self._executor = named_executor(f"instance-{index}")
-        self._finisher = Finisher(index)
+        self._finisher = Finisher(index, device_clock)
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self._staging = self._pinned_staging(max_batch_size) if self._stream is not None else None
         self._staging_read: torch.cuda.Event | None = None  # recorded after the last copies out of _staging

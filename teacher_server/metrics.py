@@ -20,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
+from teacher_server.batch_cost import BatchCostFigures
+
 _COUNTERS = {
     "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
     "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
@@ -69,6 +71,7 @@ class ServerMetrics:
         # Read at scrape time (from the HTTP thread): the batcher's queue length.
         self._pending_source: Callable[[], int] = lambda: 0
         self._in_flight_source: Callable[[], int] = lambda: 0
+        self._batch_cost_source: Callable[[], BatchCostFigures] | None = None
 
     def record_success(self, batch_size: int, request_ns: int, queue_ns: int, compute_ns: int) -> None:
         """One request answered: `batch_size` inferences, its whole duration, its time queued and
@@ -108,6 +111,10 @@ class ServerMetrics:
     def watch_in_flight(self, source: Callable[[], int]) -> None:
         """Where the in-flight gauge is read from at scrape time (the request lifecycle)."""
         self._in_flight_source = source
+
+    def watch_batch_cost(self, source: Callable[[], BatchCostFigures]) -> None:
+        """Where a padded model's batch cost and padding floor are read from at scrape time (the batcher)."""
+        self._batch_cost_source = source
 
     def failures(self, reason: str) -> int:
         return self._request_failure[reason]
@@ -150,13 +157,26 @@ class ServerMetrics:
             f"{name}{lab} {float(self._in_flight_source())}",
         ]
         # Not Triton families: padding waste of models with padded sequence inputs.
-        for name, doc, v in (
+        counts: tuple[tuple[str, str, float], ...] = (
             ("teacher_useful_tokens_total", "Sequence positions requests needed (samples x own length)",
              self._useful_tokens),
             ("teacher_padded_tokens_total", "Sequence positions computed, padding included (samples x padded length)",
              self._computed_tokens),
-        ):
+        )
+        for name, doc, v in counts:
             lines += [f"# HELP {name} {doc}.", f"# TYPE {name} counter", f"{name}{lab} {float(v)}"]
+        if self._batch_cost_source is not None:
+            cost = self._batch_cost_source()
+            gauges = (
+                ("teacher_batch_fixed_seconds", "Device time a batch costs whatever its size, fitted from the "
+                 "batches run (0 until known)", cost.fixed_s),
+                ("teacher_batch_position_seconds", "Device time a batch costs per computed position, fitted "
+                 "from the batches run (0 until known)", cost.per_position_s),
+                ("teacher_padding_floor", "Least useful / computed positions of a batch, as batches are formed now",
+                 cost.padding_floor),
+            )
+            for name, doc, v in gauges:
+                lines += [f"# HELP {name} {doc}.", f"# TYPE {name} gauge", f"{name}{lab} {float(v)}"]
         return "\n".join(lines) + "\n"
 
 

@@ -125,6 +125,14 @@ BATCHING = (
     Setting("length_buckets", "models with padded inputs: pad requests of any length together (default: by "
             "length bucket)", "batching", _BATCHING_DEFAULTS["length_buckets"], flag="--no-length-buckets",
             kind="negated"),
+    Setting("min_padding_efficiency", "models with padded inputs, by length bucket: the least useful / computed "
+            "positions a batch may have; a request that would pad more waits for a later batch (default: "
+            "%(default)s)", "batching", _BATCHING_DEFAULTS["min_padding_efficiency"], type=float),
+    Setting("cost_aware_floor", "models with padded inputs: keep --min-padding-efficiency as set (default: on "
+            "a GPU, lower it by the share of a full batch's device time that a batch's fixed cost takes, "
+            "measured from the batches run, so a device that pays much per forward pass runs fewer, fuller "
+            "batches; on CPU, as set)",
+            "batching", _BATCHING_DEFAULTS["cost_aware_floor"], flag="--no-cost-aware-floor", kind="negated"),
     Setting("async_outputs", "finish each batch (wait for its device-to-host copies, cut and encode each "
             "request's outputs) on the instance's thread before it takes the next batch (default: on a GPU, "
             "on a finishing thread of its own, overlapping the next batch's compute; on CPU, on the "

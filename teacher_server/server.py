@@ -31,6 +31,7 @@ from protos import registry_pb2
 from teacher_server import token_budget
 from teacher_server.batcher import DynamicBatcher
 from teacher_server.config import ServerConfig
+from teacher_server.finishing import BusyClock
 from teacher_server.grpc_service import InferenceService, add_inference_service
 from teacher_server.http_service import HTTPFrontEnd, server_ssl_context
 from teacher_server.instance import ModelInstance
@@ -193,14 +194,17 @@ class TeacherServer:
                 model = self._model
                 model.io = await asyncio.to_thread(_probe, model)
             chunk = cfg.output_chunk_mb << 20
-            instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk)
-                         for i in range(cfg.instances)]
+            clock = BusyClock()  # the instances share the model's one device
+            instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk,
+                                       device_clock=clock) for i in range(cfg.instances)]
             batching = token_budget.fit_to_memory(self._model, cfg.batching, cfg.instances, chunk)
             self._batcher = DynamicBatcher(instances, batching)
             self._batcher.on_batch(self._on_batch)
             self._batcher.on_tokens(self.metrics.record_tokens)
             batcher = self._batcher
             self.metrics.watch_pending(lambda: batcher.queue_depth)
+            if self._model.io.padded:
+                self.metrics.watch_batch_cost(batcher.cost_figures)
             self._batcher.start()
         except BaseException:
             await self._close_transport(0)
