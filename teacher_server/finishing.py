@@ -47,9 +47,10 @@ class BatchResult:
 
     per_request: list[list[EncodedOutput]]
     compute_ns: int
-    # The same, counted against every batch of the instances that share the device (`BusyClock`):
-    # with two instances on one GPU, an instance's compute time also holds the other's batches,
-    # this one does not. The batch cost fit (`teacher_server.batch_cost`) reads it.
+    # The device's share: to the batch's outputs being ready (before they are encoded), counted
+    # against every batch of the instances that share the device (`BusyClock`): with two instances
+    # on one GPU, an instance's compute time also holds the other's batches, this does not. The
+    # batch cost fit (`teacher_server.batch_cost`) reads it.
     device_ns: int = 0
 
 
@@ -119,6 +120,7 @@ class Finisher:
         self._executor = named_executor(f"finish-{index}")
         self._own = BusyClock()
         self._device = device
+        self._own_device = BusyClock()  # the device's time when no clock is shared
 
     def submit(self, launched: Launched) -> Future[BatchResult]:
         """Finish `launched` on this stage's thread, after the batches submitted before it."""
@@ -129,12 +131,12 @@ class Finisher:
         the stage's, or the instance's when finishing is not asynchronous)."""
         if launched.event is not None:
             launched.event.synchronize()
+        ready = time.perf_counter_ns()  # the device is done with the batch; the host's encoding follows
         with torch.inference_mode():
             per_request = [encode_named(named) for named in launched.outputs.split()]
-        end = time.perf_counter_ns()
-        compute_ns = self._own.claim(launched.start_ns, end)
-        device_ns = self._device.claim(launched.start_ns, end) if self._device is not None else compute_ns
-        return BatchResult(per_request, compute_ns, device_ns)
+        compute_ns = self._own.claim(launched.start_ns, time.perf_counter_ns())
+        device = self._device if self._device is not None else self._own_device
+        return BatchResult(per_request, compute_ns, device.claim(launched.start_ns, ready))
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""

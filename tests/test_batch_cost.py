@@ -102,6 +102,9 @@ def emulated_teacher(*extra: str) -> Iterator[TeacherProcess]:
     args = ["--model", "benchmarks.batching_sim:build", "--name", MODEL_NAME, "--device", "cpu",
             "--model-arg", f"fixed_ms={FIXED_MS}", "--model-arg", f"tokens_per_s={RATE}",
             "--max-batch-tokens", str(BUDGET), "--max-queue-delay-us", "2000", "--threads", "1",
+            # two instances on the one emulated device: each batch's device time must leave out the
+            # other instance's batches, or the fit reads 50-70 ms instead of 20
+            "--instances", "2",
             "--metrics-port", "0", "--log-level", "WARNING", *extra]
     with TeacherProcess(args, label="batch_cost", stop_grace=10.0) as proc:
         yield proc
