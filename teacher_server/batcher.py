@@ -372,7 +372,12 @@ class DynamicBatcher:
         if batch[0].work.length is not None:
             useful = sum(p.work.tokens for p in batch)
             computed = samples * max(p.work.length or 0 for p in batch)
+            known = self._cost.current is not None
             self._cost.observe(computed, result.device_ns / 1e9)
+            if not known and (fit := self._cost.current) is not None:
+                log.info("a batch costs the device %.1f ms + %.3g s a position (%.0f positions' worth); "
+                         "padding floor %.3f", fit.fixed_s * 1e3, fit.per_position_s, fit.fixed_positions,
+                         self.padding_floor)
             for token_listener in self._token_listeners:
                 token_listener(useful, computed)
 

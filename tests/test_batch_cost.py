@@ -127,12 +127,14 @@ async def _send(endpoint: str, lengths: list[int], clients: int) -> None:
 def test_the_server_measures_its_batches_cost_and_lowers_the_floor() -> None:
     rng = random.Random(1)
     lengths = [rng.randint(8, 1_000) for _ in range(120)]
-    with emulated_teacher() as proc:
+    with emulated_teacher("--log-level", "INFO") as proc:
         port = int(proc.ready["metrics_port"])
         before = scrape_metrics(port, ("teacher_batch_fixed_seconds", "teacher_padding_floor"))
         assert before == {"teacher_batch_fixed_seconds": 0.0, "teacher_padding_floor": 0.85}
         asyncio.run(_send(proc.endpoint, lengths, clients=24))
         cost = scrape_batch_cost(port)
+        logged = [line for line in proc.log_path.read_text().splitlines() if "a batch costs the device" in line]
+    assert len(logged) == 1 and "padding floor 0." in logged[0], logged  # once, when first known
     assert cost["fixed_ms"] == pytest.approx(FIXED_MS, rel=0.25)
     assert cost["positions_per_s"] == pytest.approx(RATE, rel=0.25)
     fixed_positions = cost["fixed_ms"] / 1e3 * cost["positions_per_s"]
