@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 WINDOW = 64
-"""Batches the fit keeps: the last minute or so of a busy teacher, so it follows a changed device
-(another instance started, memory grown tight) without being swayed by one batch."""
+"""Batches the fit keeps (about 15 s of W6 on an H100), so it follows a changed device (another
+instance started, memory grown tight) without being swayed by one batch."""
 
 MIN_BATCHES = 12
 """Batches needed before the fit is used; until then the floor is the configured one."""
@@ -76,8 +76,8 @@ class BatchCost:
         self._fit: CostFit | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
-        """One batch ran: it computed `positions` (padding included) and held its instance for
-        `seconds` that no earlier batch of the instance held (`BatchResult.compute_ns`)."""
+        """One batch ran: it computed `positions` (padding included) and held the device for
+        `seconds` that no earlier batch on the device held (`BatchResult.device_ns`)."""
         if positions <= 0 or seconds <= 0:
             return
         self._positions.append(positions)

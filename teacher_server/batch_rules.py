@@ -27,7 +27,7 @@ class BatchingConfig:
     min_padding_efficiency: float = 0.85  # padded models, with length_buckets: useful / computed per batch
     # Padded models: lower that floor by the share of a full batch's device time that the batches'
     # measured fixed cost takes (`teacher_server.batch_cost`); None: for models on an accelerator.
-    # On an emulated GPU with the H100's 45 ms a forward pass, W6 reached 0.880 of length-sorted
+    # On an emulated GPU with the H100's 45 ms a forward pass, W6 reached 0.873 of length-sorted
     # batches instead of 0.852, and with 5 ms it was unchanged. Not on CPU, where the instances share
     # the cores with the server's own per-request work: W6 on 2 cores 0.98 of the floor as set, padding 0.83.
     cost_aware_floor: bool | None = None

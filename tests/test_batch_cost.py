@@ -201,3 +201,16 @@ def test_a_cpu_teacher_keeps_the_floor_as_set_unless_told() -> None:
     fixed, per_position = told["teacher_batch_fixed_seconds"], told["teacher_batch_position_seconds"]
     assert per_position > 0, "40 batches of lengths 4..60 are enough to fit"
     assert told["teacher_padding_floor"] == pytest.approx(0.85 * budget / (budget + fixed / per_position))
+
+
+def test_the_flags_set_the_floor_and_its_cost_awareness() -> None:
+    from teacher_server.cli import build_parser, config_from_args
+    from teacher_server.spec import SpecError
+
+    default = config_from_args(build_parser().parse_args(["--model", "x"])).batching
+    assert default.cost_aware_floor is None and default.min_padding_efficiency == 0.85  # None: on a GPU
+    given = config_from_args(build_parser().parse_args(
+        ["--model", "x", "--no-cost-aware-floor", "--min-padding-efficiency", "0.7"])).batching
+    assert given.cost_aware_floor is False and given.min_padding_efficiency == 0.7
+    with pytest.raises(SpecError, match="--min-padding-efficiency: min_padding_efficiency must be in 0..1"):
+        config_from_args(build_parser().parse_args(["--model", "x", "--min-padding-efficiency", "1.5"]))
