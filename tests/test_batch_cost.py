@@ -212,5 +212,5 @@ def test_the_flags_set_the_floor_and_its_cost_awareness() -> None:
     given = config_from_args(build_parser().parse_args(
         ["--model", "x", "--no-cost-aware-floor", "--min-padding-efficiency", "0.7"])).batching
     assert given.cost_aware_floor is False and given.min_padding_efficiency == 0.7
-    with pytest.raises(SpecError, match="--min-padding-efficiency: min_padding_efficiency must be in 0..1"):
+    with pytest.raises(SpecError, match=r"--min-padding-efficiency: min_padding_efficiency must be in 0\.\.1"):
         config_from_args(build_parser().parse_args(["--model", "x", "--min-padding-efficiency", "1.5"]))
