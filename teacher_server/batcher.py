@@ -264,9 +264,11 @@ class DynamicBatcher:
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
         floor = self.padding_floor
-        taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)], floor)
+        fixed = self._cost.fixed_positions if self._cost_aware else 0.0
+        taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)],
+                                               floor, fixed)
         if buckets and first.length is not None and len(pool) > len(taken) and self._rules.oldest_first(batch, pool)[1]:
-            closest = self._rules.closest_lengths(batch, pool, floor)
+            closest = self._rules.closest_lengths(batch, pool, floor, fixed)
             if closest:
                 taken, full = closest, True
         chosen = set(map(id, taken))

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ from benchmarks.llm_parts import MODEL_NAME, make_request, scrape_batch_cost, sc
 from teacher_server.batch_cost import BatchCost, fit
 from teacher_server.batch_rules import BatchingConfig, BatchRules
 from teacher_server.launch import TeacherProcess
+from teacher_server.work import Work
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,6 +94,39 @@ def test_the_floor_falls_by_the_fixed_costs_share_of_a_full_batch() -> None:
     assert rules.padding_floor() == 0.85 and rules.padding_floor(-5.0) == 0.85
     assert rules.padding_floor(16_384) == pytest.approx(0.425)
     assert rules.padding_floor(0.045 * 85_000) == pytest.approx(0.85 * 16_384 / (16_384 + 3_825))
+
+
+@dataclass
+class _Queued:
+    work: Work
+
+
+def _q(*lengths: int) -> list[_Queued]:
+    return [_Queued(Work([], 1, [], (), n)) for n in lengths]
+
+
+def test_a_small_batch_admits_a_request_that_raises_its_useful_share_of_device_time() -> None:
+    admits = BatchRules.admits
+    assert admits(10, 10, 22, 24, floor=0.85)  # 22 / 24 keeps the floor
+    assert not admits(10, 10, 50, 80, floor=0.85)  # 50 / 80 does not, and no fixed cost is known
+    # 10 positions cost the device 10 + 200 positions' worth; with a 40 joining, 50 of 280
+    assert admits(10, 10, 50, 80, floor=0.85, fixed=200)
+    assert not admits(300, 300, 900, 1_200, floor=0.85, fixed=200)  # a batch past its fixed cost: the floor
+    assert not admits(100, 150, 110, 400, floor=0.85, fixed=200)  # 110 / 600 is less than 100 / 350
+
+
+def test_the_batch_rules_take_the_fixed_cost_into_account() -> None:
+    rules = BatchRules(BatchingConfig(max_batch_tokens=10_000))
+    assert rules.oldest_first(_q(10), _q(40), floor=0.85) == ([], False)
+    grown, _ = rules.oldest_first(_q(10), _q(40), floor=0.85, fixed=200)
+    assert [p.work.length for p in grown] == [40]
+    # In length order 12 keeps the floor; 30 and 60 join while the batch is smaller than the fixed
+    # cost (10 + 12 + 30 = 3 x 30 = 90, then 4 x 60 = 240 >= 200 positions), and 100 would pad it
+    # to 0.42: the run stops there.
+    candidates = _q(100, 12, 60, 30)
+    assert [p.work.length for p in rules.closest_lengths(_q(10), candidates, floor=0.85)] == [12]
+    run = rules.closest_lengths(_q(10), candidates, floor=0.85, fixed=200)
+    assert [p.work.length for p in run] == [12, 60, 30]  # queue order
 
 
 FIXED_MS, RATE, BUDGET = 20.0, 100_000.0, 4096
