@@ -8,8 +8,10 @@ emulated device with 45 ms a pass reproduces the H100's W6 figure (`benchmarks/b
 the server made 60-65 forward passes where length-sorted batches make 35, because too few short
 sequences are queued at once to fill the token budget at the floor, and each small batch paid the
 45 ms. `BatchCost` measures the two parts, and the batcher lowers the floor by the share of a full
-batch's time the fixed part takes (`BatchRules.padding_floor`), so a device with a large fixed cost
-runs fewer, fuller batches, and one without keeps the floor as set.
+batch's time the fixed part takes (`BatchRules.padding_floor`) and lets a batch still smaller than
+its fixed cost is worth take any request that raises its useful share of device time
+(`BatchRules.admits`), so a device with a large fixed cost runs fewer, fuller batches, and one
+without keeps the floor as set.
 
 The fit is robust, not least squares: a warm-up batch (cuDNN/cuBLAS set-up, a first allocation)
 or a pause of the host would otherwise tilt it for a whole window. Theil-Sen: the slope is the
