@@ -19,7 +19,9 @@ default `max_batch_size` x `TYPICAL_LENGTH` = 64 positions), so a batch of short
 more of them than `max_batch_size` and one of long sequences fewer; the model's cost (and its
 memory) follows tokens. And a request joins a batch only if the batch's padding efficiency
 (useful / computed positions) stays at least `min_padding_efficiency` (0.85): with few requests
-queued, a batch waits out the delay or runs smaller rather than pad a wide spread of lengths.
+queued, a batch waits out the delay or runs smaller rather than pad a wide spread of lengths. On a
+GPU, where a forward pass costs tens of milliseconds whatever its size, the batcher fits that cost
+from the batches run and pads more where it pays (`teacher_server.batch_cost`, `BatchRules.admits`).
 `length_buckets=False` turns these length rules off (any lengths, oldest first): the baseline
 that shows what they save. Every batch starts with the oldest request, so none waits behind
 younger ones for more than the batches ahead of it.
