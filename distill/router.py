@@ -133,11 +133,8 @@ class Router:
     # ---- membership ------------------------------------------------------------------------
     def add(self, key: str, endpoint: str, client: InferenceClient, meta: TeacherMetadata | None) -> TeacherState:
         t = TeacherState(key, endpoint, client, self.config.initial_limit, meta)
-        t.limit = max(t.limit, self.floor(t))
         self.teachers[key] = t
-        self.notify()
-        if meta is not None and meta.batches_by_length and self.on_metadata is not None:
-            self.on_metadata()
+        self._met(t)
         return t
 
     def remove(self, key: str) -> TeacherState | None:
@@ -153,10 +150,15 @@ class Router:
                      self.service)
             t.incompatible = None
         t.meta = meta
-        t.limit = max(t.limit, self.floor(t))
         t.checked.clear()
+        self._met(t)
+
+    def _met(self, t: TeacherState) -> None:
+        """`t` joined or its metadata arrived: raise its limit to its floor, wake the choosers, and
+        tell the engine when it batches by length."""
+        t.limit = max(t.limit, self.floor(t))
         self.notify()
-        if meta.batches_by_length and self.on_metadata is not None:
+        if t.meta is not None and t.meta.batches_by_length and self.on_metadata is not None:
             self.on_metadata()
 
     def floor(self, t: TeacherState) -> float:

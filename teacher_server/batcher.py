@@ -107,13 +107,12 @@ class DynamicBatcher:
             raise ValueError("the batcher needs at least one model instance")
         self._instances = instances
         self._config = config
+        accelerated = any(inst.model.device.type != "cpu" for inst in instances)
         # asynchronous outputs where they overlap device work (BatchingConfig.async_outputs None)
-        self._async_outputs = config.async_outputs if config.async_outputs is not None else any(
-            inst.model.device.type != "cpu" for inst in instances)
+        self._async_outputs = config.async_outputs if config.async_outputs is not None else accelerated
         self._rules = BatchRules(config)
         self._cost = BatchCost()  # padded models: the device's cost of a batch, fitted from those run
-        self._cost_aware = config.cost_aware_floor if config.cost_aware_floor is not None else any(
-            inst.model.device.type != "cpu" for inst in instances)
+        self._cost_aware = config.cost_aware_floor if config.cost_aware_floor is not None else accelerated
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
                          if (staging.wanted(inst.model.device) if stage_ahead is None else stage_ahead)}
         self._queue: collections.deque[_Pending] = collections.deque()
@@ -151,7 +150,12 @@ class DynamicBatcher:
         """The padding-efficiency floor batches are formed with now (padded models, length buckets on)."""
         if not self._config.length_buckets:
             return 0.0
-        return self._rules.padding_floor(self._cost.fixed_positions if self._cost_aware else 0.0)
+        return self._rules.padding_floor(self._fixed_positions())
+
+    def _fixed_positions(self) -> float:
+        """What one more batch costs the device, in positions, as the batch rules count it (0 when
+        the rules are as set)."""
+        return self._cost.fixed_positions if self._cost_aware else 0.0
 
     def cost_figures(self) -> BatchCostFigures:
         """The batch cost fit and the floor in use, for the metrics (read from the scrape thread)."""
@@ -266,7 +270,7 @@ class DynamicBatcher:
         live = collections.deque(p for p in self._queue if not p.future.done())
         pool = [p for p in live if p.work.shape_key == first.shape_key]
         floor = self.padding_floor
-        fixed = self._cost.fixed_positions if self._cost_aware else 0.0
+        fixed = self._fixed_positions()
         taken, full = self._rules.oldest_first(batch, [p for p in pool if compatible(first, p.work, buckets)],
                                                floor, fixed)
         if buckets and first.length is not None and len(pool) > len(taken) and self._rules.oldest_first(batch, pool)[1]:
