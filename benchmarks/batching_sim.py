@@ -130,7 +130,7 @@ def sorted_baseline(lengths: Sequence[int], budget: int, fixed_s: float, per_tok
             "padding_efficiency": sum(lengths) / sum(positions)}
 
 
-async def _served(endpoint: str, metrics_port: int, lengths: list[int], clients: int,
+async def serve_once(endpoint: str, metrics_port: int, lengths: list[int], clients: int,
                   server_pid: int) -> dict[str, Any]:
     """One pass of `lengths`, one sequence a request, through W6's own client (`measure_server`)."""
     import grpc
@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         proc = stack.enter_context(TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0))
         endpoint, port, pid = proc.endpoint, int(proc.ready["metrics_port"]), proc.pid
-        asyncio.run(_served(endpoint, port, lengths[: 2 * args.clients], args.clients, pid))  # warm-up
-        pass_once = functools.partial(_served, endpoint, port, lengths, args.clients, pid)
+        asyncio.run(serve_once(endpoint, port, lengths[: 2 * args.clients], args.clients, pid))  # warm-up
+        pass_once = functools.partial(serve_once, endpoint, port, lengths, args.clients, pid)
         if args.student_batch:
             from distill import DistillReader
 

@@ -11,12 +11,11 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2_grpc
 
-from benchmarks.llm_parts import MODEL_NAME, make_request, scrape_batch_cost, scrape_metrics
+from benchmarks.batching_sim import serve_once
+from benchmarks.llm_parts import MODEL_NAME, scrape_metrics
 from teacher_server.batch_cost import BatchCost, fit
 from teacher_server.batch_rules import BatchingConfig, BatchRules
 from teacher_server.launch import TeacherProcess
@@ -145,20 +144,6 @@ def emulated_teacher(*extra: str) -> Iterator[TeacherProcess]:
         yield proc
 
 
-async def _send(endpoint: str, lengths: list[int], clients: int) -> None:
-    requests = [make_request(list(range(1, n + 1)), top_k=0, logprobs=False, dtype="FP32", tail=False)
-                for n in lengths]
-    todo = iter(requests)
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-        async def client() -> None:
-            for request in todo:
-                await stub.ModelInfer(request, timeout=30)
-
-        await asyncio.gather(*(client() for _ in range(clients)))
-
-
 def test_the_server_measures_its_batches_cost_and_lowers_the_floor() -> None:
     rng = random.Random(1)
     lengths = [rng.randint(8, 1_000) for _ in range(120)]
@@ -166,8 +151,7 @@ def test_the_server_measures_its_batches_cost_and_lowers_the_floor() -> None:
         port = int(proc.ready["metrics_port"])
         before = scrape_metrics(port, ("teacher_batch_fixed_seconds", "teacher_padding_floor"))
         assert before == {"teacher_batch_fixed_seconds": 0.0, "teacher_padding_floor": 0.85}
-        asyncio.run(_send(proc.endpoint, lengths, clients=24))
-        cost = scrape_batch_cost(port)
+        cost = asyncio.run(serve_once(proc.endpoint, port, lengths, 24, proc.pid))["batch_cost"]
         logged = [line for line in proc.log_path.read_text().splitlines() if "a batch costs the device" in line]
     assert len(logged) == 1 and "padding floor 0." in logged[0], logged  # once, when first known
     assert cost["fixed_ms"] == pytest.approx(FIXED_MS, rel=0.25)
@@ -182,8 +166,7 @@ def test_without_the_cost_aware_floor_the_floor_stays_as_set() -> None:
     lengths = [rng.randint(8, 1_000) for _ in range(80)]
     with emulated_teacher("--no-cost-aware-floor", "--min-padding-efficiency", "0.8") as proc:
         port = int(proc.ready["metrics_port"])
-        asyncio.run(_send(proc.endpoint, lengths, clients=24))
-        cost = scrape_batch_cost(port)
+        cost = asyncio.run(serve_once(proc.endpoint, port, lengths, 24, proc.pid))["batch_cost"]
     assert cost["fixed_ms"] == pytest.approx(FIXED_MS, rel=0.25)  # still measured, for the operator
     assert cost["padding_floor"] == 0.8
 
