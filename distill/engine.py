@@ -96,7 +96,7 @@ class Engine:
         self._loader = LoaderThread()
         self.epoch = 0
         self._epoch_task: asyncio.Task[None] | None = None
-        self._slots = ReadAhead(0, options.prefetch or PREFETCH)
+        self._slots = ReadAhead(0, self.read_ahead())  # no teachers known yet: prefetch, or PREFETCH
         self._submitted = 0  # batches taken by submit(), their sequence numbers
         self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
