@@ -19,9 +19,10 @@ sequences (W6's lengths, uniform over 8-1,021), one per request from `--clients`
 `--student-batch N` measures the reader path instead: `DistillReader` over a student's padded
 batches of N sequences in loader order, one `[N, L_max]` request each, `--clients` rows read ahead,
 the router pinned to keep them all in flight (`--router pinned`, `RouterConfig.min_limit`) or left
-to its defaults (`--router default`: the teacher says it batches by length, so the router keeps up to
-`max_limit` requests in flight to it); `--router defaults` leaves the read-ahead to the reader too
-(`prefetch` unset: `--clients` does not apply). One reader kept across repetitions, as a training
+to its defaults (`--router default`: the teacher says it batches by length, so the router keeps
+`RouterConfig.by_length_rows` rows in flight to it, as far as `--clients` rows read ahead allow);
+`--router defaults` leaves the read-ahead to the reader too (`prefetch` unset: `--clients` does not
+apply; the reader reads those rows ahead). One reader kept across repetitions, as a training
 job keeps it across epochs.
 """
 

@@ -11,9 +11,9 @@ interleaved, each variant processes the same sequences once, against one teacher
     batches read ahead and as many requests allowed in flight to the teacher (`RouterConfig`
     initial_limit), so the teacher holds the same sequences as from the one-per-request clients;
     top-k log-probs in fp16 with the tail, hedging off (a hedged chunk would be computed twice);
-  * reader, default router: the same with the router's own adaptive in-flight limit (it starts at
-    2 requests per teacher and grows while latency stays near the best seen): what a student gets
-    without tuning;
+  * reader, defaults: the same with every reader default (no `prefetch`, no router settings): the
+    teacher says it batches by length, so the reader keeps `RouterConfig.by_length_rows` rows (512)
+    in flight to it and reads that far ahead: what a student gets without tuning;
   * one per request: the same sequences, one `[1, L]` request each, from --clients concurrent
     clients over raw gRPC (the W6 server variant);
   * in-process: the model on the loader's padded batches in loader order (for scale).
@@ -69,7 +69,7 @@ from benchmarks.llm_parts import (
 from teacher_server.launch import TeacherProcess
 
 READER_GOAL = 0.95
-VARIANTS = ("reader", "reader_default_router", "one_per_request", "inprocess")
+VARIANTS = ("reader", "reader_defaults", "one_per_request", "inprocess")
 
 
 class Loader:
@@ -92,13 +92,13 @@ def pinned_router(ahead: int) -> Any:
 
 
 def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str, Any]:
-    """`matched`: the router keeps all read-ahead batches in flight (`pinned_router`), else its
-    default limit."""
-    router = {"router": pinned_router(s.reader_ahead)} if matched else {}
-    return {**router, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
+    """`matched`: --clients rows read ahead and kept in flight (`pinned_router`), else every
+    reader default (the read-ahead and the router's limits its own)."""
+    tuned = {"router": pinned_router(s.reader_ahead), "prefetch": s.reader_ahead} if matched else {}
+    return {**tuned, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
                                                                    "ATTENTION_MASK": "attention_mask"},
             "outputs": ["LOGITS"], "top_k": s.top_k, "logprobs": True, "output_dtype": "FP16", "topk_tail": True,
-            "timeout": 60.0, "prefetch": s.reader_ahead, "hedge_after": None}
+            "timeout": 60.0, "hedge_after": None}
 
 
 async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: Any,
@@ -184,8 +184,8 @@ async def run(s: Settings) -> dict[str, Any]:
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {
                 "reader": lambda: measure_reader(reader, useful, metrics_port=port, stub=stub, server_pids=pids),
-                "reader_default_router": lambda: measure_reader(plain, useful, metrics_port=port, stub=stub,
-                                                                server_pids=pids),
+                "reader_defaults": lambda: measure_reader(plain, useful, metrics_port=port, stub=stub,
+                                                          server_pids=pids),
                 "one_per_request": lambda: measure_server(stub, requests, lengths, clients=s.concurrency,
                                                           metrics_port=port, server_pids=pids),
                 "inprocess": inprocess}
@@ -249,8 +249,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
                      "reader_prefetch": max(1, s.concurrency // s.reader_batch)},
         "medians_tokens_per_s": {k: round(median([m.tokens_per_s for m in v]), 1) for k, v in per_rep.items()},
         "ratios": {"reader_over_one_per_request": ratio_of("reader", "one_per_request", READER_GOAL),
-                   "reader_default_router_over_one_per_request": ratio_of("reader_default_router",
-                                                                          "one_per_request", 0.0),
+                   "reader_defaults_over_one_per_request": ratio_of("reader_defaults", "one_per_request", 0.0),
                    "one_per_request_over_inprocess": ratio_of("one_per_request", "inprocess", 0.0),
                    "reader_over_inprocess": ratio_of("reader", "inprocess", 0.0)},
         "tokens_per_server_core_s": {k: round(median(per_core(k)), 1) for k in served if per_core(k)}
@@ -264,7 +263,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]]) -> dict[str, A
 def report(doc: dict[str, Any]) -> str:
     med, pad = doc["medians_tokens_per_s"], doc["padding_efficiency"]
     labels = {"reader": "DistillReader, padded batches in loader order",
-              "reader_default_router": "the same, the router's default in-flight limit",
+              "reader_defaults": "the same, every reader default (512 rows in flight)",
               "one_per_request": "server, one per request",
               "inprocess": "in-process, padded batches in loader order"}
     rows = [[label, med[k], pad[k], ", ".join(f"{m['tokens_per_s']:,.0f}{'' if m['quiet'] else '*'}"

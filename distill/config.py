@@ -23,14 +23,20 @@ class RouterConfig:
     `min_limit` is the floor of the latency gradient (overload answers still halve below it, and
     successes bring the limit back one request each): the requests each teacher should always be
     allowed to hold, whatever its latency does. A teacher that batches padded rows by length says
-    so, and its floor is `max_limit` instead: it needs many rows queued to fill its batches, so
-    `max_limit` is then the requests a student keeps in flight to it (raise it when a student's
-    prefetch holds more).
+    so, and its limit counts rows instead of calls: a student keeps `by_length_rows` rows in flight
+    to it, however they are cut into calls, whatever their latency (overload answers aside): it
+    fills its batches from the rows queued, so the more it holds, the fewer and fuller its batches.
+    On an emulated GPU with the H100's 45 ms a forward pass, the reader path with every default
+    reached 0.910 of length-sorted batches with 512 rows in flight against 0.821 with 16 calls of
+    16 rows (`benchmarks.batching_sim`), and on the H100 itself 1.08 of one request per row against
+    0.73. The teacher's queue holds 512 rows by default (`--max-queue-size`): past it, it sheds, and
+    the router halves the limit; raise both together for several students on one teacher.
     """
 
     initial_limit: float = 2.0
     max_limit: int = 16
     min_limit: float = 1.0
+    by_length_rows: int = 512
     backoff_base_s: float = 0.25
     backoff_max_s: float = 30.0
     probe_timeout_s: float = 1.0
@@ -44,6 +50,8 @@ class RouterConfig:
         if not 1.0 <= self.min_limit <= self.max_limit:
             raise ValueError(f"RouterConfig: min_limit {self.min_limit} must be between 1 and max_limit "
                              f"{self.max_limit}")
+        if self.by_length_rows < 1:
+            raise ValueError(f"RouterConfig: by_length_rows must be at least 1, got {self.by_length_rows}")
         if not 1.0 <= self.initial_limit <= self.max_limit:
             raise ValueError(f"RouterConfig: initial_limit {self.initial_limit} must be between 1 and "
                              f"max_limit {self.max_limit}")

@@ -237,13 +237,14 @@ class Dispatcher:
         """One call to `t` carrying `chunks` (one, or a bundle of several)."""
         # Counted now, not when the call task first runs: the dispatcher hands out every queued chunk
         # without yielding, and would otherwise see the teacher's slots free for all of them.
-        svc.router.started(t)
+        rows = sum(c.size for c in chunks)
+        svc.router.started(t, rows)
         task = self._spawn(self._call(svc, chunks, t), "chunk")
         if len(chunks) > 1:
             self._bundles[task] = chunks
             self.bundled += len(chunks)
         self.watch.track(t, task)
-        task.add_done_callback(functools.partial(self._call_done, svc, chunks, t))
+        task.add_done_callback(functools.partial(self._call_done, svc, chunks, t, rows))
         # The late check and the hedge are entries of one timeline, not a loop timer each per chunk.
         self.timeline.call_later(svc.router.late_delay(self.opts.timeout), self.watch.late, svc.pool, t, task)
         first_sends = []
@@ -297,14 +298,16 @@ class Dispatcher:
             pieces=pieces,
         )
 
-    def _call_done(self, svc: Service, chunks: list[Chunk], t: TeacherState, task: asyncio.Task[None]) -> None:
+    def _call_done(self, svc: Service, chunks: list[Chunk], t: TeacherState, rows: int,
+                   task: asyncio.Task[None]) -> None:
         """A call ended (one done-callback does all of it): it is no longer one of its chunks' sends
-        nor in flight at `t`; a call cancelled before or while it ran is accounted (it lost a hedge
+        nor in flight at `t` (its `rows` too); a call cancelled before or while it ran is accounted (it lost a hedge
         race, or we gave up on it)."""
         for chunk in chunks:
             chunk.sends.discard(task)
         self._bundles.pop(task, None)
         self.watch.untrack(t, task)
+        svc.router.ended(t, rows)
         if not task.cancelled():
             return
         if self.watch.was_abandoned(task):  # its teacher hung: re-send the chunks now

@@ -90,7 +90,8 @@ class Engine:
         connect = connect or grpc_connector(options.client_tls, options.headers)
         self._services = {s: Service(TeacherPool(s, options, connect, self._spawn_aux)) for s in options.services}
         for svc in self._services.values():
-            svc.router.on_metadata = self._deepen
+            svc.router.on_by_length = self._resize
+        self._batch_rows = 0  # the most rows a batch of the loader's (or a submitted one) had
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
         self._loader = LoaderThread()
@@ -180,17 +181,23 @@ class Engine:
 
     def read_ahead(self) -> int:
         """Batches to read ahead: `prefetch` when set; else `PREFETCH`, or more where a service's
-        teachers batch padded rows by length: each may hold the router's `max_limit` requests, and
-        needs many rows queued to fill its batches (on an emulated GPU, 4 batches of 16 rows in
-        flight gave 0.840 of length-sorted batches, 16 gave 0.928)."""
+        teachers batch padded rows by length: the router keeps `RouterConfig.by_length_rows` rows in
+        flight to each (they fill their batches from the rows queued: on an emulated GPU, 4 batches
+        of 16 rows in flight gave 0.840 of length-sorted batches, 16 gave 0.928), so the reader reads
+        that many rows ahead for each, in batches of the most rows one has had (until the first
+        batch shows its rows, `PREFETCH`: a loader's batches are not taken back once read)."""
         if self.opts.prefetch is not None:
             return self.opts.prefetch
-        return max([PREFETCH, *(svc.router.by_length_requests() for svc in self._services.values())])
+        if self._batch_rows == 0:
+            return PREFETCH
+        rows = max((svc.router.by_length_teachers() * svc.router.config.by_length_rows
+                    for svc in self._services.values()), default=0)
+        return max(PREFETCH, -(-rows // self._batch_rows))
 
-    def _deepen(self) -> None:
-        """A teacher that batches by length became known: read further ahead for it (the pass in
-        progress too; a pass never reads less ahead than it began with)."""
-        self._slots.widen(self.read_ahead())
+    def _resize(self) -> None:
+        """The teachers that batch by length changed, or the batches grew: the pass in progress
+        reads as far ahead as they want now (less, once such a teacher leaves)."""
+        self._slots.resize(self.read_ahead())
 
     def begin_submissions(self) -> None:
         """Take batches from `submit` instead of a loader (called once, on the loop thread): one
@@ -208,6 +215,10 @@ class Engine:
 
     def _offer(self, jobs: list[Job]) -> None:
         """New batches (in order) to every service's dispatcher, all of a service's at once."""
+        if jobs and (rows := max(job.sent for job in jobs)) > self._batch_rows:
+            self._batch_rows = rows
+            if self.opts.prefetch is None:
+                self._resize()
         for svc in self._services.values():
             for job in jobs:
                 job.remaining[svc.name] = job.sent

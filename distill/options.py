@@ -149,8 +149,8 @@ class ReaderOptions:
         "pool; 0 = all", check=non_negative_int, flag=Flag(metavar="N", required=True))
     prefetch: int | None = option(
         None, help="loader batches in flight to teachers ahead of the training loop; with no loader, the most "
-        "submitted batches unsettled at once (distill.submit). Default: 4, and as many more as fill every teacher "
-        "that batches padded rows by length up to the router's max_limit (it needs many rows queued)",
+        "submitted batches unsettled at once (distill.submit). Default: 4, or as many as hold the router's "
+        "by_length_rows rows (512) for every teacher that batches padded rows by length (it needs many rows queued)",
         check=positive_int, flag=Flag(metavar="N", required=True))
     teacher_batch_size: int = option(
         0, help="split batches into chunks of at most N samples per request; 0 = the teacher's max batch size",

@@ -117,10 +117,10 @@ class TeacherPool:
     async def close(self) -> None:
         """Close every member's client (the engine has cancelled their calls already), then drop the
         references that would keep the clients and their gRPC channels alive past close: the members,
-        and `_spawn` and the router's `on_metadata`, the engine's own methods (reference cycles through
+        and `_spawn` and the router's `on_by_length`, the engine's own methods (reference cycles through
         the engine)."""
         self._spawn = spawn_closed
-        self.router.on_metadata = None  # the engine's method, like `_spawn`
+        self.router.on_by_length = None  # the engine's method, like `_spawn`
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
                 await bounded(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)

@@ -124,16 +124,17 @@ class ReadAhead:
                 self._waiting = False
                 self._wakeup.release()
 
-    def widen(self, size: int) -> None:
-        """Grow to `size` slots (never shrinks: a pass keeps what it was given), waking a waiting
-        loader for the new ones (any thread)."""
+    def resize(self, size: int) -> None:
+        """Hold `size` slots from now on (any thread). Growing frees the new slots at once and wakes a
+        waiting loader; shrinking takes slots back as the training loop returns them (the batches
+        already read stay), so the loader reads again only once fewer than `size` are out."""
         with self._lock:
-            if size <= self.size:
+            if size == self.size:
                 return
             self._free += size - self.size
             self.size = size
             self._wake_at = max(1, size // 4)
-            if self._waiting:
+            if self._waiting and self._free > 0:
                 self._waiting = False
                 self._wakeup.release()
 

@@ -11,9 +11,11 @@ and shrinks when latency climbs (requests only queue there). EDL kept one reques
 teacher; a dynamic-batching teacher needs several to stay busy across network round trips. A
 teacher that batches padded rows by length is the exception: it needs many rows queued to fill its
 batches, and a padded request waits for its slowest row, which the gradient would read as
-overload. Such a teacher says so (`TeacherMetadata.batches_by_length`), and its floor is
-`max_limit`: latency never shrinks its limit; only overload answers do, and successes then bring it
-back one request each. Other teachers' floor is `RouterConfig.min_limit`. (Measuring latency against
+overload. Such a teacher says so (`TeacherMetadata.batches_by_length`), and its limit counts rows,
+not requests: the router keeps `RouterConfig.by_length_rows` rows in flight to it, however they are
+cut into calls (a student's batches of 16 rows, or bundles of several), and latency never moves it;
+only overload answers do (halving it), and successes then bring it back by their rows. Other
+teachers' floor is `RouterConfig.min_limit`. (Measuring latency against
 its usual level instead of the best seen would serve both without the declaration, but it costs
 W4's students 1% of their samples while the pool scales up, 0.946 against 0.955: a saturated CV
 teacher's deeper queue is backlog when new teachers arrive.)
@@ -75,6 +77,7 @@ class TeacherState:
     limit: float
     meta: TeacherMetadata | None = None
     in_flight: int = 0
+    rows_in_flight: int = 0  # the rows of the calls in flight; a by-length teacher's limit counts these
     ewma_s: float = 0.0
     best_s: float = math.inf
     last_result: float = 0.0
@@ -101,8 +104,14 @@ class TeacherState:
         return (not self.removed and self.meta is not None and self.incompatible is None and not self.needs_probe
                 and now >= self.ejected_until)
 
+    @property
+    def by_length(self) -> bool:
+        """Whether it batches padded rows by length: then `limit` counts rows in flight, not calls."""
+        return self.meta is not None and self.meta.batches_by_length
+
     def has_slot(self) -> bool:
-        return self.in_flight < max(1, int(self.limit)) and time.monotonic() >= self.cool_until
+        held = self.rows_in_flight if self.by_length else self.in_flight
+        return held < max(1, int(self.limit)) and time.monotonic() >= self.cool_until
 
     def describe(self) -> str:
         state = (
@@ -125,10 +134,11 @@ class Router:
         self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
         self._no_teacher_since: float | None = time.monotonic()
-        # Called when a teacher that batches by length becomes known (it joins with its metadata,
-        # or the metadata arrives later): the engine deepens its read-ahead for it. Only for such a
-        # teacher: a pool of thousands that do not would otherwise recount the pool at every join.
-        self.on_metadata: Callable[[], None] | None = None
+        # Called when the teachers that batch by length change (one joins with its metadata, its
+        # metadata arrives later, or it leaves or turns incompatible): the engine reads as far ahead as
+        # they want. Only for such a teacher: a pool of thousands that do not would otherwise recount
+        # the pool at every join.
+        self.on_by_length: Callable[[], None] | None = None
 
     # ---- membership ------------------------------------------------------------------------
     def add(self, key: str, endpoint: str, client: InferenceClient, meta: TeacherMetadata | None) -> TeacherState:
@@ -140,39 +150,60 @@ class Router:
     def remove(self, key: str) -> TeacherState | None:
         t = self.teachers.pop(key, None)
         if t is not None:
+            counted = self._by_length(t)
             t.removed = True
             self.notify()
+            if counted:
+                self._by_length_changed()
         return t
 
     def set_metadata(self, t: TeacherState, meta: TeacherMetadata) -> None:
+        counted = self._by_length(t)
         if t.meta is not None and t.meta != meta and t.incompatible is not None:
             log.info("teacher %s of service %r registered new metadata; checking it again", t.endpoint,
                      self.service)
             t.incompatible = None
         t.meta = meta
         t.checked.clear()
-        self._met(t)
+        self._met(t, counted)
 
-    def _met(self, t: TeacherState) -> None:
-        """`t` joined or its metadata arrived: raise its limit to its floor, wake the choosers, and
-        tell the engine when it batches by length."""
-        t.limit = max(t.limit, self.floor(t))
+    def _met(self, t: TeacherState, counted: bool = False) -> None:
+        """`t` joined or its metadata arrived: bring its limit within its floor and ceiling (rows
+        or calls, as it batches), wake the choosers, and tell the engine when it batches by length,
+        or did (`counted`)."""
+        t.limit = min(max(t.limit, self.floor(t)), self.ceiling(t))
         self.notify()
-        if t.meta is not None and t.meta.batches_by_length and self.on_metadata is not None:
-            self.on_metadata()
+        if counted or self._by_length(t):
+            self._by_length_changed()
+
+    def _by_length_changed(self) -> None:
+        if self.on_by_length is not None:
+            self.on_by_length()
+
+    @staticmethod
+    def _by_length(t: TeacherState) -> bool:
+        """Whether `t` counts as a member that batches padded rows by length."""
+        return not t.removed and t.incompatible is None and t.by_length
 
     def floor(self, t: TeacherState) -> float:
-        """The least limit the latency gradient leaves `t`: `max_limit` for a teacher that batches
-        padded rows by length (its queueing is how it fills batches), `min_limit` for any other."""
-        if t.meta is not None and t.meta.batches_by_length:
-            return float(self.config.max_limit)
-        return self.config.min_limit
+        """The least limit the latency gradient leaves `t`: `by_length_rows` rows for a teacher
+        that batches padded rows by length (its queueing is how it fills batches), `min_limit`
+        calls for any other."""
+        return float(self.config.by_length_rows) if t.by_length else self.config.min_limit
+
+    def ceiling(self, t: TeacherState) -> float:
+        """The most the gradient grows `t`'s limit to: `by_length_rows` rows for a teacher that
+        batches by length (rows, not latency, set its limit), `max_limit` calls for any other."""
+        return float(self.config.by_length_rows if t.by_length else self.config.max_limit)
 
     def mark_incompatible(self, t: TeacherState, reason: str) -> None:
         if t.incompatible is None:
             log.error("teacher %s of service %r ejected: %s", t.endpoint, self.service, reason)
+        counted = self._by_length(t)
         t.incompatible = reason
         self.notify()
+        if counted:
+            self._by_length_changed()
 
     def misfit(self, t: TeacherState, signature: Signature) -> str | None:
         """Why teacher `t`'s declared inputs do not take a batch of this signature; None if they do."""
@@ -199,12 +230,10 @@ class Router:
         return any(o is not t and o.meta is not None and o.incompatible is None and not o.removed
                    and self.misfit(o, signature) is None for o in self.teachers.values())
 
-    def by_length_requests(self) -> int:
-        """Requests this student may keep in flight to its teachers that batch by length (`max_limit`
-        each): what the reader reads ahead for them when `prefetch` is not set."""
-        return self.config.max_limit * sum(
-            1 for t in self.teachers.values()
-            if not t.removed and t.incompatible is None and t.meta is not None and t.meta.batches_by_length)
+    def by_length_teachers(self) -> int:
+        """Members that batch padded rows by length (usable or not: an ejected one comes back): the
+        reader reads `by_length_rows` rows ahead for each when `prefetch` is not set."""
+        return sum(1 for t in self.teachers.values() if self._by_length(t))
 
     # ---- choosing ---------------------------------------------------------------------------
     def notify(self) -> None:
@@ -259,8 +288,16 @@ class Router:
             pass
 
     # ---- outcomes ---------------------------------------------------------------------------
-    def started(self, t: TeacherState) -> None:
+    def started(self, t: TeacherState, rows: int = 1) -> None:
+        """A call of `rows` rows was sent to `t` (`ended` gives them back, whatever its outcome)."""
         t.in_flight += 1
+        t.rows_in_flight += rows
+
+    def ended(self, t: TeacherState, rows: int) -> None:
+        """A call of `rows` rows to `t` is over (after its outcome was accounted, or cancelled)."""
+        t.rows_in_flight -= rows
+        if t.by_length:
+            self._changed.set()  # rows are its slots
 
     def succeeded(self, t: TeacherState, latency_s: float, samples: int) -> None:
         was_full = t.in_flight >= max(1, int(t.limit))
@@ -276,11 +313,11 @@ class Router:
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
         t.best_s = min(t.best_s * 1.002, latency_s)
         floor = self.floor(t)
-        if t.limit < floor:  # an overload answer or an ejection took it below: one request back an answer
-            t.limit = min(floor, t.limit + 1.0)
+        if t.limit < floor:  # an overload answer or an ejection took it below: one call back an answer
+            t.limit = min(floor, t.limit + (samples if t.by_length else 1.0))
         elif latency_s <= 1.5 * t.best_s:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
-                t.limit = min(float(self.config.max_limit), t.limit + 1.0 / max(t.limit, 1.0))
+                t.limit = min(self.ceiling(t), t.limit + 1.0 / max(t.limit, 1.0))
         elif latency_s > 2.5 * t.best_s:
             t.limit = max(floor, t.limit * 0.9)
         self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
@@ -418,7 +455,8 @@ class Router:
         now = time.monotonic()
         return {
             t.endpoint: {
-                "in_flight": t.in_flight, "limit": round(t.limit, 2), "latency_ms": round(t.ewma_s * 1000, 2),
+                "in_flight": t.in_flight, "rows_in_flight": t.rows_in_flight, "limit": round(t.limit, 2),
+                "latency_ms": round(t.ewma_s * 1000, 2),
                 "ok": t.ok, "errors": t.errors, "samples": t.samples, "usable": t.usable(now),
                 "last_error": t.last_error, "state": t.describe(), "ejections": t.ejections,
                 "overloaded": t.overloaded_count,

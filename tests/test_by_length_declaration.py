@@ -107,15 +107,15 @@ def _stat(reader: DistillReader, endpoint: str, key: str = "limit") -> float:
     return value
 
 
-def test_a_student_keeps_max_limit_requests_in_flight_to_a_registered_teacher_that_batches_by_length(
+def test_a_student_keeps_by_length_rows_in_flight_to_a_registered_teacher_that_batches_by_length(
         etcd: LocalEtcd, tmp_path: Path) -> None:
-    """From the registry record alone: the reader's router starts the padded teacher at max_limit
-    and its limit is still there after a pass, whatever the answers' latency did; an unpadded
-    teacher in a service of its own starts at the initial limit."""
+    """From the registry record alone: the reader's router holds `by_length_rows` rows in flight to
+    the padded teacher (its limit counts rows), and the limit is still there after a pass, whatever
+    the answers' latency did."""
     service = unique_service("bylen")
     args = ["--model", PADDED, "--name", "seq", "--device", "cpu", "--max-batch-size", "64",
             "--registry", etcd.address, "--service", service, "--instance-id", "padded-1", "--ttl", "3"]
-    config = RouterConfig(initial_limit=2.0, max_limit=6)
+    config = RouterConfig(initial_limit=2.0, max_limit=6, by_length_rows=40)
     with teacher_process(args, tmp_path) as (_, info):
         async def recorded() -> bool:
             async with open_registry(etcd.address) as reg:
@@ -130,13 +130,14 @@ def test_a_student_keeps_max_limit_requests_in_flight_to_a_registered_teacher_th
             limit = _stat(reader, info["endpoint"])
     assert len(got) == len(batches)
     assert all(g.shape == (4, 12, seq_models.VOCAB) for g in got)
-    assert limit == 6.0, f"the by-length teacher's limit left max_limit: {limit}"
+    assert limit == 40.0, f"the by-length teacher's limit left by_length_rows: {limit}"
 
 
 def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> None:
-    """No registry: the student reads ModelConfig, and the padded teacher starts at max_limit
-    while the unpadded one starts at the initial limit."""
-    config = RouterConfig(initial_limit=2.0, max_limit=6)
+    """No registry: the student reads ModelConfig, and the router holds `by_length_rows` rows in
+    flight to the padded teacher, while the unpadded one follows the gradient from the initial
+    limit, in calls."""
+    config = RouterConfig(initial_limit=2.0, max_limit=6, by_length_rows=40)
     with _server(PADDED) as padded, DistillReader(_padded_batches(4), teachers=padded.url, model="seq",
                        inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], router=config,
                        timeout=30.0) as reader:
@@ -148,15 +149,15 @@ def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> 
                            outputs=["LOGITS"], router=config, timeout=30.0) as reader:
             assert sum(1 for _ in reader) == 4
             plain_limit = _stat(reader, plain.url)
-    assert padded_limit == 6.0
+    assert padded_limit == 40.0
     assert plain_limit < 6.0
 
 
 class _CountingLoader:
     """Padded batches; counts how many the reader has taken from it."""
 
-    def __init__(self, n: int) -> None:
-        self.batches = _padded_batches(n)
+    def __init__(self, n: int, rows: int = 4) -> None:
+        self.batches = _padded_batches(n, rows)
         self.taken = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -176,18 +177,20 @@ def _read_ahead(loader: _CountingLoader, want: int) -> int:
     return loader.taken
 
 
-@pytest.mark.parametrize(("model", "prefetch", "want"), [(PADDED, None, 10), (PADDED, 3, 3), (UNPADDED, None, 4)],
-                         ids=["by-length-default", "by-length-explicit", "plain-default"])
+@pytest.mark.parametrize(("model", "rows", "prefetch", "want"),
+                         [(PADDED, 4, None, 10), (PADDED, 8, None, 5), (PADDED, 4, 3, 3), (UNPADDED, 4, None, 4)],
+                         ids=["by-length-default", "by-length-larger-batches", "by-length-explicit", "plain-default"])
 def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
-        model: str, prefetch: int | None, want: int) -> None:
-    """`prefetch` unset: 4 batches, or `max_limit` for each teacher that batches by length (its
-    metadata arrives after the pass began: the pass deepens); set, it is what it says."""
-    loader = _CountingLoader(30)
+        model: str, rows: int, prefetch: int | None, want: int) -> None:
+    """`prefetch` unset: 4 batches, or `by_length_rows` rows (40: 10 batches of 4 rows, 5 of 8) for
+    each teacher that batches by length (its metadata may arrive after the pass began: the pass
+    deepens); set, it is what it says."""
+    loader = _CountingLoader(30, rows)
     if model == UNPADDED:
         loader.batches = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in loader.batches]
     inputs = {"TOKENS": "tokens", "MASK": "mask"} if model == PADDED else {"TOKENS": "tokens"}
     with _server(model) as s, DistillReader(loader, teachers=s.url, model="seq", inputs=inputs, outputs=["LOGITS"],
-                                            router=RouterConfig(max_limit=10), prefetch=prefetch,
+                                            router=RouterConfig(max_limit=8, by_length_rows=40), prefetch=prefetch,
                                             timeout=30.0) as reader:
         it = iter(reader)
         ahead = _read_ahead(loader, want)
@@ -195,9 +198,15 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
     assert ahead == want
 
 
-def test_a_pass_reads_further_ahead_when_another_such_teacher_joins(etcd: LocalEtcd, tmp_path: Path) -> None:
+def _teachers(reader: DistillReader) -> int:
+    return sum(len(ts) for ts in reader.stats().teachers.values())
+
+
+def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: LocalEtcd, tmp_path: Path) -> None:
     """Two teachers that batch by length, the second registered while the pass waits on the
-    training loop: the pass deepens from one teacher's `max_limit` to two."""
+    training loop: the pass deepens from one teacher's 20 rows (5 batches of 4) to two teachers'
+    (10). When the second leaves, it narrows back: the training loop takes 6 batches, and the
+    loader reads only the one that brings the batches out to 5 again (11 read, not 16)."""
     service = unique_service("deepen")
 
     def args(iid: str) -> list[str]:
@@ -207,19 +216,27 @@ def test_a_pass_reads_further_ahead_when_another_such_teacher_joins(etcd: LocalE
     loader = _CountingLoader(40)
     with teacher_process(args("a"), tmp_path), DistillReader(
             loader, registry=etcd.address, service=service, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
-            outputs=["LOGITS"], router=RouterConfig(max_limit=5), timeout=30.0) as reader:
+            outputs=["LOGITS"], router=RouterConfig(max_limit=4, by_length_rows=20), timeout=30.0) as reader:
         it = iter(reader)
         one = _read_ahead(loader, 5)
         with teacher_process(args("b"), tmp_path):
             two = _read_ahead(loader, 10)
-            assert sum(1 for _ in it) == 40
-    assert (one, two) == (5, 10)
+        for _ in range(150):  # b deregistered on its way out: at most 15 s for the reader to see it
+            if _teachers(reader) == 1:
+                break
+            time.sleep(0.1)
+        assert _teachers(reader) == 1, "the second teacher never left the reader's pool"
+        first = [next(it) for _ in range(6)]
+        after = _read_ahead(loader, 11)
+        rest = sum(1 for _ in it)
+    assert (one, two, after) == (5, 10, 11)
+    assert len(first) + rest == 40
 
 
 def test_a_teacher_that_batches_by_length_still_sheds_and_the_reader_loses_nothing() -> None:
-    """`max_limit` in flight is more than this teacher's queue takes while its one instance is held:
-    it sheds (RESOURCE_EXHAUSTED), the router halves its limit, and every batch still arrives,
-    answered, in order."""
+    """48 rows in flight (12 batches of 4) are more than this teacher's queue takes while its one
+    instance is held: it sheds (RESOURCE_EXHAUSTED), the router halves its limit, and every batch
+    still arrives, answered, in order."""
     batches = _padded_batches(24)
     server = ServerThread(ServerConfig(
         model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
@@ -227,7 +244,7 @@ def test_a_teacher_that_batches_by_length_still_sheds_and_the_reader_loses_nothi
         # delays the batcher): the other requests must queue, and past 3 the teacher sheds.
         batching=BatchingConfig(max_batch_size=4, max_queue_delay_us=2000, max_queue_size=3)))
     with server as s, DistillReader(batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
-                                    outputs=["LOGITS"], router=RouterConfig(max_limit=12),
+                                    outputs=["LOGITS"], router=RouterConfig(by_length_rows=48),
                                     timeout=30.0) as reader:
         seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
         it = iter(reader)

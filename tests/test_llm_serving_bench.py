@@ -103,10 +103,10 @@ def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     # the student's batches (--student-batch) apart from the server's batch bound (--batch)
     assert doc["sequences"]["count"] == 24 and doc["sequences"]["student_batch"] == 3
     assert doc["settings"]["batch"] == 4
-    assert set(doc["medians_tokens_per_s"]) == {"reader", "reader_default_router", "one_per_request", "inprocess"}
+    assert set(doc["medians_tokens_per_s"]) == {"reader", "reader_defaults", "one_per_request", "inprocess"}
     assert all(v > 0 for v in doc["medians_tokens_per_s"].values())
     pad = doc["padding_efficiency"]
-    for k in ("reader", "reader_default_router", "one_per_request", "inprocess"):
+    for k in ("reader", "reader_defaults", "one_per_request", "inprocess"):
         assert 0 < pad[k] <= 1
     assert doc["check"]["max_abs_diff_rows_vs_one_per_request"] <= 2e-2
     assert doc["ratios"]["reader_over_one_per_request"]["headline"] > 0

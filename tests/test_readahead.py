@@ -52,6 +52,33 @@ def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
     assert slots.take() == 0
 
 
+def test_resizing_frees_new_slots_at_once_and_takes_slots_back_as_batches_return() -> None:
+    """Grown, a waiting loader takes the new slots at once; shrunk, it reads again only once fewer
+    than the new size are out (the batches already read stay)."""
+    slots = ReadAhead(1, 4)
+    taken: list[int] = []
+
+    def loader() -> None:
+        while (n := slots.take()) > 0:
+            taken.append(n)
+
+    thread = threading.Thread(target=loader, daemon=True)
+    thread.start()
+    _wait_until(lambda: taken == [4], "the first take of every slot")
+    slots.resize(8)
+    _wait_until(lambda: taken == [4, 4], "the loader to take the four new slots")
+    slots.resize(2)  # 8 out, 2 wanted: six must come back before one more is read
+    for _ in range(6):
+        slots.give_back()
+    time.sleep(0.05)
+    assert taken == [4, 4]
+    slots.give_back()
+    _wait_until(lambda: taken == [4, 4, 1], "the loader to read one batch: 1 free of 2")
+    slots.close()
+    thread.join(LIMIT_S)
+    assert not thread.is_alive()
+
+
 def test_pump_pushes_each_batch_then_the_end_and_stops() -> None:
     async def scenario() -> list[Any]:
         loop = asyncio.get_running_loop()

@@ -199,49 +199,90 @@ def test_router_config_refuses_limits_out_of_order() -> None:
     for kwargs in ({"min_limit": 0.5}, {"min_limit": 20.0}, {"initial_limit": 0.0}, {"initial_limit": 17.0}):
         with pytest.raises(ValueError, match="max_limit"):
             RouterConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="by_length_rows"):
+        RouterConfig(by_length_rows=0)
 
 
 BY_LENGTH = TeacherMetadata("llm", "1", 8, {}, {}, batches_by_length=True)
-
-
-def test_a_teacher_that_batches_by_length_keeps_max_limit_whatever_its_latency() -> None:
-    """Its queueing is how it fills batches: slow answers never shrink its limit; an overload
-    answer halves it, and successes bring it back one request each. A plain teacher beside it
-    follows the gradient down."""
-
-    async def main() -> None:
-        router, (plain,) = _router(RouterConfig(initial_limit=8.0, max_limit=12), 1)
-        llm = router.add("llm", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), BY_LENGTH)
-        assert llm.limit == 12.0 and plain.limit == 8.0
-        for t in (plain, llm):
-            for _ in range(20):
-                _serve(router, t, 0.010)
-            for _ in range(20):
-                _serve(router, t, 0.100)
-        assert plain.limit == 1.0, plain.limit
-        assert llm.limit == 12.0, llm.limit
-        router.started(llm)
-        router.overloaded(llm, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
-        assert llm.limit == 6.0
-        recovered = []
-        for _ in range(8):
-            _serve(router, llm, 0.100)
-            recovered.append(llm.limit)
-        assert recovered == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 12.0, 12.0]
-        await _close([plain, llm])
-
-    asyncio.run(main())
 
 
 def test_a_declaration_that_arrives_with_later_metadata_raises_the_limit() -> None:
     """A static teacher's metadata comes after it joins (ModelConfig is asked then)."""
 
     async def main() -> None:
-        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=10))
+        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=10, by_length_rows=40))
         t = router.add("k", "127.0.0.1:1", TeacherClient("127.0.0.1:1"), None)
         assert t.limit == 2.0
         router.set_metadata(t, BY_LENGTH)
+        assert t.limit == 40.0  # rows
+        router.set_metadata(t, META)  # no longer batching by length: calls again, within max_limit
         assert t.limit == 10.0
         await _close([t])
+
+    asyncio.run(main())
+
+
+def test_a_teacher_that_batches_by_length_holds_by_length_rows_in_flight() -> None:
+    """Its limit counts rows, however they are cut into calls: 40 rows take two calls of 16 and a
+    third that goes past them, then nothing until one ends. Slow answers never shrink it; an
+    overload answer halves it, and successes bring it back by their rows. A plain teacher beside
+    it counts calls, whatever their rows, and follows the gradient down."""
+
+    async def main() -> None:
+        router, (plain,) = _router(RouterConfig(initial_limit=2.0, max_limit=12, by_length_rows=40), 1)
+        llm = router.add("llm", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), BY_LENGTH)
+        assert (llm.limit, plain.limit) == (40.0, 2.0)
+        slots = []
+        for _ in range(3):
+            router.started(llm, rows=16)
+            slots.append(llm.has_slot())
+        assert slots == [True, True, False]  # 16, 32 (< 40), 48
+        router.succeeded(llm, 0.010, samples=16)
+        assert not llm.has_slot(), "the rows are its slots: they come back when the call ends"
+        router.ended(llm, 16)
+        assert llm.has_slot()
+        router.overloaded(llm, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        router.ended(llm, 16)
+        llm.cool_until = 0.0
+        assert (llm.limit, llm.rows_in_flight, llm.has_slot()) == (20.0, 16, True)
+        recovered = []
+        for _ in range(4):
+            router.started(llm, rows=8)
+            router.succeeded(llm, 0.200, samples=8)  # slow: a plain teacher's limit would shrink
+            router.ended(llm, 8)
+            recovered.append(llm.limit)
+        assert recovered == [28.0, 36.0, 40.0, 40.0]
+        router.started(plain, rows=100)
+        assert plain.has_slot(), "a plain teacher counts calls: one of two"
+        router.succeeded(plain, 0.010, samples=100)
+        router.ended(plain, 100)
+        for _ in range(20):
+            _serve(router, plain, 0.100)
+        assert plain.limit == 1.0
+        await _close([plain, llm])
+
+    asyncio.run(main())
+
+
+def test_the_engine_hears_when_teachers_that_batch_by_length_come_and_go() -> None:
+    """Joining, leaving, turning incompatible and re-described: each change of the members that
+    batch by length is told once (the reader's read-ahead follows it); other teachers never."""
+
+    async def main() -> None:
+        router, (plain,) = _router(RouterConfig(), 1)
+        told: list[int] = []
+        router.on_by_length = lambda: told.append(router.by_length_teachers())
+        a = router.add("a", "127.0.0.1:98", TeacherClient("127.0.0.1:98"), BY_LENGTH)
+        b = router.add("b", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), None)
+        router.set_metadata(b, BY_LENGTH)
+        router.mark_incompatible(a, "wrong model")
+        router.mark_incompatible(a, "still the wrong model")
+        router.set_metadata(b, META)  # b no longer batches by length
+        router.remove("b")
+        router.remove(plain.key)
+        router.set_metadata(a, TeacherMetadata("llm", "2", 8, {}, {}, batches_by_length=True))  # a is back
+        router.remove("a")
+        assert told == [1, 2, 1, 0, 1, 0]
+        await _close([plain, a, b])
 
     asyncio.run(main())
