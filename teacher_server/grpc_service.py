@@ -19,11 +19,12 @@ from typing import Any
 
 import grpc
 
-from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2, service_pb2, service_pb2_grpc
+from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server.errors import InferError
 from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, grpc_status
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
+from teacher_server.model_description import config_message
 from teacher_server.spec import ModelIO
 
 log = logging.getLogger(__name__)
@@ -113,27 +114,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._require_model(request.name, request.version, context)
         model = self._lifecycle.model
         io = await self._io(context)
-        batching = model.batching
-        cfg = model_config_pb2.ModelConfig(
-            name=model.name, platform="pytorch_libtorch", backend="pytorch", max_batch_size=batching.max_batch_size,
-        )
-        for s in io.inputs:
-            cfg.input.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
-        for s in io.outputs:
-            cfg.output.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
-        if batching.enabled:
-            cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
-            cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
-        if batching.by_length(io.padded):
-            cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
-        gpu = model.device.type == "cuda"
-        group = cfg.instance_group.add(
-            name=f"{model.name}_0", count=model.instances,
-            kind=model_config_pb2.ModelInstanceGroup.KIND_GPU if gpu else model_config_pb2.ModelInstanceGroup.KIND_CPU,
-        )
-        if gpu:
-            group.gpus.append(model.device.index or 0)
-        return service_pb2.ModelConfigResponse(config=cfg)
+        return service_pb2.ModelConfigResponse(config=config_message(model, io))
 
     async def ModelStatistics(self, request: Any, context: Any) -> service_pb2.ModelStatisticsResponse:
         if request.name:

@@ -23,11 +23,9 @@ import json
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
-from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2
 from teacher_server.config import HTTPLimits
 from teacher_server.errors import InferError
 from teacher_server.http_body import BodyReader, BodyRefused
@@ -42,6 +40,7 @@ from teacher_server.http_codec import (
 )
 from teacher_server.http_conn import listen
 from teacher_server.lifecycle import RequestLifecycle, ServingState
+from teacher_server.model_description import config_json, config_message
 from teacher_server.outputs import EncodedOutput
 from teacher_server.vllm_routes import add_vllm_routes
 
@@ -160,31 +159,7 @@ class HTTPService:
             io = self._lifecycle.io
         except InferError as e:
             return _error(http_status(e), e.message)
-
-        def tensor(s: Any) -> dict[str, Any]:
-            kind = model_config_pb2.DataType.Name(DATATYPES[s.datatype].config_type)
-            return {"name": s.name, "data_type": kind, "dims": list(s.shape)}
-
-        batching = model.batching
-        gpu = model.device.type == "cuda"
-        group: dict[str, Any] = {"name": f"{model.name}_0", "count": model.instances,
-                                 "kind": "KIND_GPU" if gpu else "KIND_CPU"}
-        if gpu:
-            group["gpus"] = [model.device.index or 0]
-        config: dict[str, Any] = {
-            "name": model.name, "platform": "pytorch_libtorch", "backend": "pytorch",
-            "max_batch_size": batching.max_batch_size,
-            "input": [tensor(s) for s in io.inputs], "output": [tensor(s) for s in io.outputs],
-            "instance_group": [group],
-        }
-        if batching.enabled:
-            config["dynamic_batching"] = {
-                "max_queue_delay_microseconds": batching.max_queue_delay_us,
-                "default_queue_policy": {"max_queue_size": batching.max_queue_size},
-            }
-        if batching.by_length(io.padded):
-            config["parameters"] = {BY_LENGTH_PARAMETER: {"string_value": "true"}}
-        return _json(config)
+        return _json(config_json(config_message(model, io)))
 
     async def model_stats(self, request: web.Request) -> web.Response:
         if (refused := self._model(request)) is not None:

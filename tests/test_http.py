@@ -20,9 +20,11 @@ import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
 import tritonclient.http.aio as tha
+from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from examples.refteacher import build as build_ref
+from protos.kserve import model_config_pb2
 from teacher_server import (
     BatchingConfig,
     InferError,
@@ -37,6 +39,7 @@ from teacher_server import (
 )
 from teacher_server.cli import build_parser, config_from_args
 from teacher_server.http_codec import decode_infer, http_status
+from teacher_server.model_description import config_json
 from tests.certs import make_certs
 from tests.models import Affine, TwoHeads
 from tests.servers import ServerThread, teacher_process
@@ -118,13 +121,44 @@ def test_health_metadata_config_and_stats(client: th.InferenceServerClient) -> N
     assert client.get_model_metadata("ref_teacher", "1") == meta
     cfg = client.get_model_config("ref_teacher")
     assert cfg["max_batch_size"] == 64 and cfg["platform"] == "pytorch_libtorch"
-    assert cfg["input"] == [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": [3, 32, 32]}]
+    assert [{k: i[k] for k in ("name", "data_type", "dims")} for i in cfg["input"]] == [
+        {"name": "INPUT", "data_type": "TYPE_FP32", "dims": [3, 32, 32]}]
     assert cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
     assert cfg["instance_group"][0]["kind"] == "KIND_CPU"
     stats = client.get_inference_statistics("ref_teacher")["model_stats"][0]
     assert stats["name"] == "ref_teacher" and "success" in stats["inference_stats"]
     index = client.get_model_repository_index()
     assert index == [{"name": "ref_teacher", "version": "1", "state": "READY"}]
+
+
+def test_the_http_config_is_the_grpc_config_in_tritons_json(ref_server: ServerThread) -> None:
+    """One message answers both protocols: HTTP's JSON parses back into exactly the gRPC answer,
+    with Triton's numbers for 64-bit integers (protobuf's mapping would write strings) and every
+    field shown, empty lists included."""
+    with th.InferenceServerClient(_http_url(ref_server), network_timeout=60.0) as h, \
+            tg.InferenceServerClient(ref_server.url) as g:
+        http_cfg = h.get_model_config("ref_teacher")
+        grpc_cfg = g.get_model_config("ref_teacher").config
+    assert json_format.ParseDict(http_cfg, model_config_pb2.ModelConfig()) == grpc_cfg
+    assert http_cfg["output"][0]["dims"] == [100]
+    assert http_cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert http_cfg["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 512
+    assert http_cfg["input"][0]["is_shape_tensor"] is False  # a field at its default, shown as Triton shows it
+
+
+def test_tritons_json_form_has_numbers_at_every_depth() -> None:
+    """64-bit integers in nested messages and in maps of messages come out as numbers; an empty
+    repeated field is shown; the JSON parses back into the same message."""
+    cfg = model_config_pb2.ModelConfig(name="m", max_batch_size=4)
+    cfg.input.add(name="X", data_type=model_config_pb2.TYPE_FP32, dims=[])
+    cfg.parameters["k"].string_value = "v"
+    cfg.dynamic_batching.priority_queue_policy[2].default_timeout_microseconds = 7
+    doc = config_json(cfg)
+    assert doc["input"][0]["dims"] == []
+    assert doc["parameters"] == {"k": {"string_value": "v"}}
+    assert doc["dynamic_batching"]["priority_queue_policy"]["2"]["default_timeout_microseconds"] == 7
+    assert doc["dynamic_batching"]["max_queue_delay_microseconds"] == 0
+    assert json_format.ParseDict(doc, model_config_pb2.ModelConfig()) == cfg
 
 
 def test_unknown_model_is_not_found(client: th.InferenceServerClient) -> None:

@@ -1,0 +1,80 @@
+"""What the server says about its model in Triton's terms: the ModelConfig message.
+
+Built in one place and answered two ways, so the two protocols can never disagree: over gRPC as
+the message itself, over HTTP as Triton's JSON form of it. That form is protobuf's JSON mapping
+with the .proto's field names and every field shown (empty lists included: a tensor of per-sample
+shape ``[]`` still has ``"dims": []``), except that 64-bit integers are JSON numbers, as Triton
+writes them, where protobuf's mapping writes strings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2
+from teacher_server.spec import ModelIO
+
+if TYPE_CHECKING:
+    from teacher_server.lifecycle import ServedModel
+
+__all__ = ["config_json", "config_message"]
+
+_INT64 = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+                    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64})
+
+
+def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelConfig:
+    """The model's configuration as Triton reports one: tensors, batching, instances, and whether
+    it batches padded rows by length (`BY_LENGTH_PARAMETER`, which students read)."""
+    batching = model.batching
+    cfg = model_config_pb2.ModelConfig(
+        name=model.name, platform="pytorch_libtorch", backend="pytorch", max_batch_size=batching.max_batch_size,
+    )
+    for s in io.inputs:
+        cfg.input.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
+    for s in io.outputs:
+        cfg.output.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
+    if batching.enabled:
+        cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+        cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+    if batching.by_length(io.padded):
+        cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
+    gpu = model.device.type == "cuda"
+    group = cfg.instance_group.add(
+        name=f"{model.name}_0", count=model.instances,
+        kind=model_config_pb2.ModelInstanceGroup.KIND_GPU if gpu else model_config_pb2.ModelInstanceGroup.KIND_CPU,
+    )
+    if gpu:
+        group.gpus.append(model.device.index or 0)
+    return cfg
+
+
+def config_json(cfg: model_config_pb2.ModelConfig) -> dict[str, Any]:
+    """Triton's JSON form of `cfg` (its HTTP ``/v2/models/NAME/config`` answer)."""
+    doc = json_format.MessageToDict(cfg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _numbers(doc, cfg.DESCRIPTOR)
+    return doc
+
+
+def _numbers(doc: dict[str, Any], descriptor: Descriptor) -> None:
+    """Turn the strings protobuf's JSON mapping gives 64-bit integers back into numbers, in place."""
+    for name, value in doc.items():
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.type in _INT64:
+            doc[name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+        elif field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                entry = field.message_type.fields_by_name["value"]
+                if entry.type in _INT64:
+                    doc[name] = {k: int(v) for k, v in value.items()}
+                elif entry.message_type is not None:
+                    for v in value.values():
+                        _numbers(v, entry.message_type)
+            else:
+                for item in value if isinstance(value, list) else [value]:
+                    _numbers(item, field.message_type)
