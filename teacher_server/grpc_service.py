@@ -24,7 +24,7 @@ from teacher_server.errors import InferError
 from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, grpc_status
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
-from teacher_server.model_description import config_message
+from teacher_server.model_description import config_message, metadata_message
 from teacher_server.spec import ModelIO
 
 log = logging.getLogger(__name__)
@@ -101,20 +101,11 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Any) -> service_pb2.ModelMetadataResponse:
         await self._require_model(request.name, request.version, context)
-        model = self._lifecycle.model
-        io = await self._io(context)
-        resp = service_pb2.ModelMetadataResponse(name=model.name, versions=[model.version], platform="pytorch_libtorch")
-        for s in io.inputs:
-            resp.inputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
-        for s in io.outputs:
-            resp.outputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
-        return resp
+        return metadata_message(self._lifecycle.model, await self._io(context))
 
     async def ModelConfig(self, request: Any, context: Any) -> service_pb2.ModelConfigResponse:
         await self._require_model(request.name, request.version, context)
-        model = self._lifecycle.model
-        io = await self._io(context)
-        return service_pb2.ModelConfigResponse(config=config_message(model, io))
+        return service_pb2.ModelConfigResponse(config=config_message(self._lifecycle.model, await self._io(context)))
 
     async def ModelStatistics(self, request: Any, context: Any) -> service_pb2.ModelStatisticsResponse:
         if request.name:

@@ -40,7 +40,7 @@ from teacher_server.http_codec import (
 )
 from teacher_server.http_conn import listen
 from teacher_server.lifecycle import RequestLifecycle, ServingState
-from teacher_server.model_description import config_json, config_message
+from teacher_server.model_description import as_json, config_message, metadata_message
 from teacher_server.outputs import EncodedOutput
 from teacher_server.vllm_routes import add_vllm_routes
 
@@ -144,11 +144,7 @@ class HTTPService:
             io = self._lifecycle.io
         except InferError as e:
             return _error(http_status(e), e.message)
-        return _json({
-            "name": model.name, "versions": [model.version], "platform": "pytorch_libtorch",
-            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]} for s in io.inputs],
-            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]} for s in io.outputs],
-        })
+        return _json(as_json(metadata_message(model, io)))
 
     async def model_config(self, request: web.Request) -> web.Response:
         """Triton's JSON model configuration, the same facts as the gRPC ModelConfig answer."""
@@ -159,7 +155,7 @@ class HTTPService:
             io = self._lifecycle.io
         except InferError as e:
             return _error(http_status(e), e.message)
-        return _json(config_json(config_message(model, io)))
+        return _json(as_json(config_message(model, io)))
 
     async def model_stats(self, request: web.Request) -> web.Response:
         if (refused := self._model(request)) is not None:

@@ -1,10 +1,11 @@
-"""What the server says about its model in Triton's terms: the ModelConfig message.
+"""What the server says about its model in KServe v2 / Triton terms: its metadata and its
+ModelConfig.
 
-Built in one place and answered two ways, so the two protocols can never disagree: over gRPC as
-the message itself, over HTTP as Triton's JSON form of it. That form is protobuf's JSON mapping
-with the .proto's field names and every field shown (empty lists included: a tensor of per-sample
-shape ``[]`` still has ``"dims": []``), except that 64-bit integers are JSON numbers, as Triton
-writes them, where protobuf's mapping writes strings.
+Each is built in one place and answered two ways, so the two protocols can never disagree: over
+gRPC as the message itself, over HTTP as the JSON form of it (`as_json`). That form is protobuf's
+JSON mapping with the .proto's field names and every field shown (empty lists included: a tensor
+of per-sample shape ``[]`` still has ``"dims": []``), except that 64-bit integers are JSON numbers,
+as Triton writes them, where protobuf's mapping writes strings.
 """
 
 from __future__ import annotations
@@ -13,17 +14,28 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
-from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2
+from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2, service_pb2
 from teacher_server.spec import ModelIO
 
 if TYPE_CHECKING:
     from teacher_server.lifecycle import ServedModel
 
-__all__ = ["config_json", "config_message"]
+__all__ = ["as_json", "config_message", "metadata_message"]
 
 _INT64 = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
                     FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64})
+
+
+def metadata_message(model: ServedModel, io: ModelIO) -> service_pb2.ModelMetadataResponse:
+    """The model's KServe v2 metadata: its tensors, batch dimension first (-1)."""
+    resp = service_pb2.ModelMetadataResponse(name=model.name, versions=[model.version], platform="pytorch_libtorch")
+    for s in io.inputs:
+        resp.inputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
+    for s in io.outputs:
+        resp.outputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
+    return resp
 
 
 def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelConfig:
@@ -52,10 +64,12 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
     return cfg
 
 
-def config_json(cfg: model_config_pb2.ModelConfig) -> dict[str, Any]:
-    """Triton's JSON form of `cfg` (its HTTP ``/v2/models/NAME/config`` answer)."""
-    doc = json_format.MessageToDict(cfg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    _numbers(doc, cfg.DESCRIPTOR)
+def as_json(message: Message) -> dict[str, Any]:
+    """The JSON form of `message` that Triton's HTTP front end answers with (``/v2/models/NAME``,
+    ``/v2/models/NAME/config``)."""
+    doc = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True)
+    _numbers(doc, message.DESCRIPTOR)
     return doc
 
 

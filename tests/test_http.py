@@ -24,7 +24,7 @@ from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
 from examples.refteacher import build as build_ref
-from protos.kserve import model_config_pb2
+from protos.kserve import model_config_pb2, service_pb2
 from teacher_server import (
     BatchingConfig,
     InferError,
@@ -39,7 +39,7 @@ from teacher_server import (
 )
 from teacher_server.cli import build_parser, config_from_args
 from teacher_server.http_codec import decode_infer, http_status
-from teacher_server.model_description import config_json
+from teacher_server.model_description import as_json
 from tests.certs import make_certs
 from tests.models import Affine, TwoHeads
 from tests.servers import ServerThread, teacher_process
@@ -131,7 +131,7 @@ def test_health_metadata_config_and_stats(client: th.InferenceServerClient) -> N
     assert index == [{"name": "ref_teacher", "version": "1", "state": "READY"}]
 
 
-def test_the_http_config_is_the_grpc_config_in_tritons_json(ref_server: ServerThread) -> None:
+def test_the_http_config_and_metadata_are_the_grpc_answers_in_json(ref_server: ServerThread) -> None:
     """One message answers both protocols: HTTP's JSON parses back into exactly the gRPC answer,
     with Triton's numbers for 64-bit integers (protobuf's mapping would write strings) and every
     field shown, empty lists included."""
@@ -139,7 +139,10 @@ def test_the_http_config_is_the_grpc_config_in_tritons_json(ref_server: ServerTh
             tg.InferenceServerClient(ref_server.url) as g:
         http_cfg = h.get_model_config("ref_teacher")
         grpc_cfg = g.get_model_config("ref_teacher").config
+        http_meta, grpc_meta = h.get_model_metadata("ref_teacher"), g.get_model_metadata("ref_teacher")
     assert json_format.ParseDict(http_cfg, model_config_pb2.ModelConfig()) == grpc_cfg
+    assert json_format.ParseDict(http_meta, service_pb2.ModelMetadataResponse()) == grpc_meta
+    assert http_meta["inputs"][0]["shape"] == [-1, 3, 32, 32]
     assert http_cfg["output"][0]["dims"] == [100]
     assert http_cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
     assert http_cfg["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 512
@@ -153,7 +156,7 @@ def test_tritons_json_form_has_numbers_at_every_depth() -> None:
     cfg.input.add(name="X", data_type=model_config_pb2.TYPE_FP32, dims=[])
     cfg.parameters["k"].string_value = "v"
     cfg.dynamic_batching.priority_queue_policy[2].default_timeout_microseconds = 7
-    doc = config_json(cfg)
+    doc = as_json(cfg)
     assert doc["input"][0]["dims"] == []
     assert doc["parameters"] == {"k": {"string_value": "v"}}
     assert doc["dynamic_batching"]["priority_queue_policy"]["2"]["default_timeout_microseconds"] == 7
