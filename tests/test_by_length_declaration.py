@@ -11,7 +11,9 @@ padded input, or `--no-length-buckets`) say nothing, and keep the latency gradie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -233,31 +235,46 @@ def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: Lo
     assert len(first) + rest == 40
 
 
-def test_a_teacher_that_batches_by_length_still_sheds_and_the_reader_loses_nothing() -> None:
-    """48 rows in flight (12 batches of 4) are more than this teacher's queue takes while its one
-    instance is held: it sheds (RESOURCE_EXHAUSTED), the router halves its limit, and every batch
-    still arrives, answered, in order."""
+@pytest.mark.parametrize("students", [1, 2])
+def test_a_teacher_that_batches_by_length_still_sheds_and_no_reader_loses_anything(students: int) -> None:
+    """48 rows in flight (12 batches of 4) from each student are more than this teacher's queue takes
+    while its one instance is held: it sheds (RESOURCE_EXHAUSTED), the routers halve their limits,
+    and every batch still arrives at its own student, answered, in order; two students sharing the
+    teacher get the same answers for the same rows (to float summation order)."""
     batches = _padded_batches(24)
     server = ServerThread(ServerConfig(
         model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
         # A batch holds one request's 4 rows, whatever arrives before it forms (a loaded machine
         # delays the batcher): the other requests must queue, and past 3 the teacher sheds.
         batching=BatchingConfig(max_batch_size=4, max_queue_delay_us=2000, max_queue_size=3)))
-    with server as s, DistillReader(batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
-                                    outputs=["LOGITS"], router=RouterConfig(by_length_rows=48),
-                                    timeout=30.0) as reader:
+    got: list[list[torch.Tensor]] = [[] for _ in range(students)]
+    with server as s, contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(DistillReader(
+            batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"],
+            router=RouterConfig(by_length_rows=48), timeout=30.0)) for _ in range(students)]
         seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
-        it = iter(reader)
+
+        def train(i: int) -> None:
+            got[i].extend(out["LOGITS"] for _, out in readers[i])
+
+        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(students)]
+        for t in threads:
+            t.start()
         overloaded = 0.0
         for _ in range(300):  # at most 30 s
             time.sleep(0.1)
-            if (overloaded := _stat(reader, s.url, "overloaded")) > 0:
+            if (overloaded := sum(_stat(r, s.url, "overloaded") for r in readers)) > 0:
                 break
         seq_models.GATE.set()
-        got = [out["LOGITS"] for _, out in it]
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a student never got all its batches"
     assert overloaded > 0, "the teacher never shed: the test checked nothing"
-    assert len(got) == len(batches)
-    for b, logits in zip(batches, got, strict=True):
-        assert logits.shape == (4, 12, seq_models.VOCAB)
-        assert not logits[b["mask"] == 0].any(), "padding must come back as zeros"
-        assert logits[b["mask"] == 1].abs().sum() > 0
+    for answers in got:
+        assert len(answers) == len(batches)
+        for b, logits, first in zip(batches, answers, got[0], strict=True):
+            assert logits.shape == (4, 12, seq_models.VOCAB)
+            assert not logits[b["mask"] == 0].any(), "padding must come back as zeros"
+            assert logits[b["mask"] == 1].abs().sum() > 0
+            # the same rows batched with others of other widths: equal up to float summation order
+            torch.testing.assert_close(logits, first, atol=1e-6, rtol=1e-5)
