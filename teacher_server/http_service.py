@@ -25,6 +25,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from google.protobuf.message import Message
 
 from teacher_server.config import HTTPLimits
 from teacher_server.errors import InferError
@@ -39,9 +40,10 @@ from teacher_server.http_codec import (
     http_status,
 )
 from teacher_server.http_conn import listen
-from teacher_server.lifecycle import RequestLifecycle, ServingState
+from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.model_description import as_json, config_message, metadata_message
 from teacher_server.outputs import EncodedOutput
+from teacher_server.spec import ModelIO
 from teacher_server.vllm_routes import add_vllm_routes
 
 log = logging.getLogger(__name__)
@@ -137,25 +139,22 @@ class HTTPService:
         return _json({"name": self._lifecycle.model.name, "ready": ready}, 200 if ready else 503)
 
     async def model_metadata(self, request: web.Request) -> web.Response:
-        if (refused := self._model(request)) is not None:
-            return refused
-        model = self._lifecycle.model
-        try:
-            io = self._lifecycle.io
-        except InferError as e:
-            return _error(http_status(e), e.message)
-        return _json(as_json(metadata_message(model, io)))
+        return self._describe(request, metadata_message)
 
     async def model_config(self, request: web.Request) -> web.Response:
         """Triton's JSON model configuration, the same facts as the gRPC ModelConfig answer."""
+        return self._describe(request, config_message)
+
+    def _describe(self, request: web.Request, build: Callable[[ServedModel, ModelIO], Message]) -> web.Response:
+        """The model's description `build` makes, as JSON; the refusal instead for another model,
+        or while the model's tensors are not known yet."""
         if (refused := self._model(request)) is not None:
             return refused
-        model = self._lifecycle.model
         try:
             io = self._lifecycle.io
         except InferError as e:
             return _error(http_status(e), e.message)
-        return _json(as_json(config_message(model, io)))
+        return _json(as_json(build(self._lifecycle.model, io)))
 
     async def model_stats(self, request: web.Request) -> web.Response:
         if (refused := self._model(request)) is not None:
