@@ -301,8 +301,8 @@ class Dispatcher:
     def _call_done(self, svc: Service, chunks: list[Chunk], t: TeacherState, rows: int,
                    task: asyncio.Task[None]) -> None:
         """A call ended (one done-callback does all of it): it is no longer one of its chunks' sends
-        nor in flight at `t` (its `rows` too); a call cancelled before or while it ran is accounted (it lost a hedge
-        race, or we gave up on it)."""
+        nor in flight at `t`, nor are its `rows`; a call cancelled before or while it ran is
+        accounted (it lost a hedge race, or we gave up on it)."""
         for chunk in chunks:
             chunk.sends.discard(task)
         self._bundles.pop(task, None)
