@@ -178,6 +178,29 @@ async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, serv
             "batch_cost": m.batch_cost}
 
 
+async def _read_together(readers: Sequence[Any], useful: int, endpoint: str, metrics_port: int) -> dict[str, Any]:
+    """One pass of several readers at once, each over its own loader (students sharing the teacher),
+    from the first batch asked to the last one answered."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from benchmarks.llm_parts import executions, scrape_batch_cost, scrape_tokens
+
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+        exec0 = await executions(stub)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(asyncio.to_thread(lambda r=r: sum(1 for _ in r)) for r in readers))
+        seconds = time.perf_counter() - t0
+        useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
+        batches = await executions(stub) - exec0
+    if useful1 - useful0 != useful:
+        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the loaders hold {useful}")
+    return {"seconds": seconds, "batches": batches, "padding_efficiency": useful / (computed1 - computed0),
+            "batch_cost": await asyncio.to_thread(scrape_batch_cost, metrics_port) or None}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.llm_parts import MODEL_NAME
     from teacher_server.launch import TeacherProcess
@@ -188,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = ["--model", "benchmarks.batching_sim:build", "--name", MODEL_NAME, "--device", "cpu",
               "--model-arg", f"fixed_ms={args.fixed_ms}", "--model-arg", f"tokens_per_s={args.tokens_per_s}",
               "--max-batch-size", "256", "--max-batch-tokens", str(args.budget),
-              "--max-queue-delay-us", str(args.delay_us), "--max-queue-size", str(max(512, 2 * args.clients)),
+              "--max-queue-delay-us", str(args.delay_us),
               "--instances", str(args.instances), "--threads", "1", "--metrics-port", "0",
               "--log-level", "WARNING", *args.server_arg]
     reps = []
@@ -201,13 +224,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             from distill import DistillReader
 
             ahead = max(1, args.clients // args.student_batch)
-            reader = stack.enter_context(DistillReader(
-                _student_batches(lengths, args.student_batch), teachers=endpoint, model=MODEL_NAME,
+            batches = _student_batches(lengths, args.student_batch)
+            readers = [stack.enter_context(DistillReader(
+                batches[i::args.students], teachers=endpoint, model=MODEL_NAME,
                 inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
-                output_dtype="FP16", timeout=60.0, prefetch=None if args.router == "defaults" else ahead,
+                output_dtype="FP16", timeout=args.timeout, prefetch=None if args.router == "defaults" else ahead,
                 hedge_after=None,
-                router=reader_router(args.router, ahead)))
-            pass_once = functools.partial(_read, reader, sum(lengths), endpoint, port, pid)
+                router=reader_router(args.router, ahead))) for i in range(args.students)]
+            pass_once = (functools.partial(_read, readers[0], sum(lengths), endpoint, port, pid) if args.students == 1
+                         else functools.partial(_read_together, readers, sum(lengths), endpoint, port))
         for rep in range(args.reps):
             served = asyncio.run(pass_once())
             served["ratio"] = baseline["seconds"] / served["seconds"]
@@ -228,7 +253,8 @@ def report(doc: dict[str, Any]) -> str:
     rows: list[list[object]] = [
         ["in process: length-sorted batches at the budget", f"{b['seconds']:.2f}", b["batches"],
          f"{b['padding_efficiency']:.3f}", ""],
-        [(f"served: DistillReader, batches of {s['student_batch']} in loader order, {s['router']} router"
+        [(f"served: {s.get('students', 1)} x DistillReader, batches of {s['student_batch']} in loader order, "
+          f"{s['router']} router"
           if s["student_batch"] else f"served: {s['clients']} clients, one sequence a request")
          + f" (median of {len(doc['reps'])})",
          f"{median([r['seconds'] for r in doc['reps']]):.2f}", f"{doc['batches_median']:.0f}",
@@ -253,15 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="an extra teacher-server flag (repeatable)")
     p.add_argument("--student-batch", type=int, default=0,
                    help="measure DistillReader with padded batches of this many sequences instead (0: off)")
+    p.add_argument("--timeout", type=float, default=60.0, help="--student-batch: the reader's deadline for a chunk")
+    p.add_argument("--students", type=int, default=1,
+                   help="--student-batch: this many readers share the teacher, each over every N-th batch")
     p.add_argument("--router", choices=("pinned", "default", "defaults"), default="pinned",
                    help="--student-batch: the reader keeps --clients rows in flight, or its router decides "
                    "(default), or the reader decides its read-ahead as well (defaults)")
     p.add_argument("--out", default="batching_sim", help="results file: benchmarks/results/<OUT>.json")
     args = p.parse_args(argv)
-    if min(args.sequences, args.clients, args.budget, args.reps, args.instances) < 1 or args.tokens_per_s <= 0 \
+    if min(args.sequences, args.clients, args.budget, args.reps, args.instances, args.students) < 1 \
+            or min(args.tokens_per_s, args.timeout) <= 0 \
             or args.student_batch < 0:
-        p.error("--sequences, --clients, --budget, --reps, --instances and --tokens-per-s must be positive, "
-                "--student-batch at least 0")
+        p.error("--sequences, --clients, --budget, --reps, --instances, --students, --tokens-per-s and --timeout must be "
+                "positive, --student-batch at least 0")
     return run_and_report(lambda: run(args), args.out, report)
 
 

@@ -23,14 +23,16 @@ class RouterConfig:
     `min_limit` is the floor of the latency gradient (overload answers still halve below it, and
     successes bring the limit back one request each): the requests each teacher should always be
     allowed to hold, whatever its latency does. A teacher that batches padded rows by length says
-    so, and its limit counts rows instead of calls: a student keeps `by_length_rows` rows in flight
-    to it, however they are cut into calls, whatever their latency (overload answers aside): it
-    fills its batches from the rows queued, so the more it holds, the fewer and fuller its batches.
-    On an emulated GPU with the H100's 45 ms a forward pass, the reader path with every default
-    reached 0.910 of length-sorted batches with 512 rows in flight against 0.821 with 16 calls of
-    16 rows (`benchmarks.batching_sim`), and on the H100 itself 1.08 of one request per row against
-    0.73. The teacher's queue holds 512 rows by default (`--max-queue-size`): past it, it sheds, and
-    the router halves the limit; raise both together for several students on one teacher.
+    so, and its limit counts rows instead of calls, however they are cut into calls: it fills its
+    batches from the rows queued, so the more it holds, the fewer and fuller its batches. A student
+    keeps up to `by_length_rows` rows in flight to it: from a quarter of them, each answer within
+    half the reader's timeout adds its rows, and each slower one takes a tenth off (the deadline
+    is the only latency that counts), overload answers halve it. On an emulated GPU with the H100's
+    45 ms a forward pass, the reader path with every default reached 0.908 of length-sorted batches
+    with 512 rows against 0.821 with 16 calls of 16 rows (`benchmarks.batching_sim`), and on the
+    H100 itself 512 rows gave 1.08 of one request per row against 0.73 with 256. Such a teacher's
+    queue holds 2,048 rows by default (`--max-queue-size`), four students' worth: past it, it
+    sheds.
     """
 
     initial_limit: float = 2.0

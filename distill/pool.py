@@ -59,7 +59,7 @@ class TeacherPool:
     def __init__(self, service: str, options: ReaderOptions, connect: Connect, spawn: Spawn) -> None:
         self.service = service
         self.opts = options
-        self.router = Router(service, options.router, options.routing)
+        self.router = Router(service, options.router, options.routing, deadline_s=options.timeout)
         self._connect = connect
         self._spawn = spawn
         # Teachers that refused this student access: key -> "RPC answered CODE: server's message".

@@ -12,9 +12,11 @@ teacher; a dynamic-batching teacher needs several to stay busy across network ro
 teacher that batches padded rows by length is the exception: it needs many rows queued to fill its
 batches, and a padded request waits for its slowest row, which the gradient would read as
 overload. Such a teacher says so (`TeacherMetadata.batches_by_length`), and its limit counts rows,
-not requests: the router keeps `RouterConfig.by_length_rows` rows in flight to it, however they are
-cut into calls (a student's batches of 16 rows, or bundles of several), and latency never moves it;
-only overload answers do (halving it), and successes then bring it back by their rows. Other
+not requests, however they are cut into calls (a student's batches of 16 rows, or bundles of
+several): from a quarter of `RouterConfig.by_length_rows`, each answer within half the reader's
+`timeout` adds its own rows (twice the rows a round trip) up to all of them, however long the
+answer took within that, and each slower one takes a tenth off (a CPU teacher draining 512 long
+rows would take longer than the 10 s default); overload answers halve it. Other
 teachers' floor is `RouterConfig.min_limit`. (Measuring latency against
 its usual level instead of the best seen would serve both without the declaration, but it costs
 W4's students 1% of their samples while the pool scales up, 0.946 against 0.955: a saturated CV
@@ -127,9 +129,13 @@ class TeacherState:
 class Router:
     """Teachers of one service; lives on the engine's event loop."""
 
-    def __init__(self, service: str, config: RouterConfig | None = None, policy: PolicySpec = "power_of_two") -> None:
+    def __init__(self, service: str, config: RouterConfig | None = None, policy: PolicySpec = "power_of_two",
+                 deadline_s: float | None = None) -> None:
         self.service = service
         self.config = config or RouterConfig()
+        # A chunk's deadline at one teacher (the reader's `timeout`): a teacher that batches by length
+        # holds its rows in flight only while its answers come within half of it.
+        self.deadline_s = deadline_s
         self.policy: RoutingPolicy = make_policy(policy, self.config.stale_after_s)
         self.teachers: dict[str, TeacherState] = {}
         self._changed = asyncio.Event()
@@ -171,6 +177,8 @@ class Router:
         """`t` joined or its metadata arrived: bring its limit within its floor and ceiling (rows
         or calls, as it batches), wake the choosers, and tell the engine when it batches by length,
         or did (`counted`)."""
+        if self._by_length(t) and not counted:  # its limit counts rows from now: a quarter of them to start
+            t.limit = max(t.limit, self.config.by_length_rows / 4)
         t.limit = min(max(t.limit, self.floor(t)), self.ceiling(t))
         self.notify()
         if counted or self._by_length(t):
@@ -186,10 +194,9 @@ class Router:
         return not t.removed and t.incompatible is None and t.by_length
 
     def floor(self, t: TeacherState) -> float:
-        """The least limit the latency gradient leaves `t`: `by_length_rows` rows for a teacher
-        that batches padded rows by length (its queueing is how it fills batches), `min_limit`
-        calls for any other."""
-        return float(self.config.by_length_rows) if t.by_length else self.config.min_limit
+        """The least limit the latency gradient leaves `t`: `min_limit` calls (a teacher that batches
+        by length has no gradient: its rows grow with every answer in time, see `succeeded`)."""
+        return 1.0 if t.by_length else self.config.min_limit
 
     def ceiling(self, t: TeacherState) -> float:
         """The most the gradient grows `t`'s limit to: `by_length_rows` rows for a teacher that
@@ -313,8 +320,15 @@ class Router:
         # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
         t.best_s = min(t.best_s * 1.002, latency_s)
         floor = self.floor(t)
-        if t.limit < floor:  # an overload answer or an ejection took it below: one call back an answer
-            t.limit = min(floor, t.limit + (samples if t.by_length else 1.0))
+        if t.by_length:
+            if self.deadline_s is not None and latency_s > 0.5 * self.deadline_s:
+                # Its queue is deeper than the deadline allows (a slow device, or several students):
+                # fewer rows, before the requests at the back of it miss the deadline.
+                t.limit = max(1.0, t.limit * 0.9)
+            else:  # an answer in time: its rows again and as many more (twice the rows a round trip)
+                t.limit = min(self.ceiling(t), t.limit + samples)
+        elif t.limit < floor:  # an overload answer or an ejection took it below: one call back an answer
+            t.limit = min(floor, t.limit + 1.0)
         elif latency_s <= 1.5 * t.best_s:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
                 t.limit = min(self.ceiling(t), t.limit + 1.0 / max(t.limit, 1.0))

@@ -11,6 +11,15 @@ from typing import Protocol, TypeVar
 
 from teacher_server.work import Work
 
+QUEUE_SIZE = 512
+"""Requests allowed to wait by default (`BatchingConfig.queue_bound`)."""
+
+BY_LENGTH_QUEUE_ROWS = 2048
+"""Rows allowed to wait by default where a model batches padded rows by length: four students'
+512 (`distill.RouterConfig.by_length_rows`). On an emulated GPU with the H100's 45 ms a forward
+pass, two students sharing the teacher reached 0.952 of length-sorted batches with 1,024 and 0.847
+with 512, where it shed their rows (`benchmarks.batching_sim --students 2`)."""
+
 TYPICAL_LENGTH = 64
 """Positions per sequence the default token budget of a padded model assumes: max_batch_size 256
 gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on an H100 (issue 26)."""
@@ -20,7 +29,7 @@ gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on
 class BatchingConfig:
     max_batch_size: int = 256  # largest request; the batch bound of models without padded inputs
     max_queue_delay_us: int = 500
-    max_queue_size: int = 512
+    max_queue_size: int | None = None  # requests (rows, once a padded request is split) allowed to wait; `queue_bound`
     enabled: bool = True
     max_batch_tokens: int = 0  # padded models: samples x padded length per batch; 0: max_batch_size x 64
     length_buckets: bool = True  # padded models: batch only requests of one length bucket
@@ -50,7 +59,7 @@ class BatchingConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
-        if self.max_queue_size < 1:
+        if self.max_queue_size is not None and self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
         if not 0 <= self.min_padding_efficiency <= 1:
             raise ValueError(f"min_padding_efficiency must be in 0..1, got {self.min_padding_efficiency}")
@@ -64,6 +73,14 @@ class BatchingConfig:
         """Positions (samples x padded length) a batch of a padded model may compute; a single
         request larger than this still runs, alone."""
         return self.max_batch_tokens or self.max_batch_size * TYPICAL_LENGTH
+
+    def queue_bound(self, padded: bool) -> int:
+        """Requests allowed to wait before the batcher sheds: `max_queue_size`, by default
+        `QUEUE_SIZE`, or `BY_LENGTH_QUEUE_ROWS` rows for a model (`padded`: it has padded inputs)
+        that batches them by length, whose students keep many rows queued on purpose."""
+        if self.max_queue_size is not None:
+            return self.max_queue_size
+        return BY_LENGTH_QUEUE_ROWS if self.by_length(padded) else QUEUE_SIZE
 
     def by_length(self, padded: bool) -> bool:
         """Whether a model (`padded`: it has padded inputs) has its rows batched by length. Such a

@@ -5,7 +5,8 @@ whole requests while they fit in `max_batch_size`, waiting for more at most
 `max_queue_delay_us` counted from the oldest request's arrival (so a request that already
 waited for a busy instance is not delayed again). Requests are never split across batches.
 A request whose caller went away (deadline, cancel) before it was scheduled is dropped
-unexecuted. The queue is bounded: past `max_queue_size` waiting requests, submit() refuses.
+unexecuted. The queue is bounded: past `BatchingConfig.queue_bound` waiting requests (rows, where a
+padded request is split), submit() refuses.
 
 Only compatible requests share a batch (Triton's default): their client-sized (-1) dimensions
 agree, so concatenation cannot fail because of another client's request. A model that declares
@@ -111,6 +112,7 @@ class DynamicBatcher:
         # asynchronous outputs where they overlap device work (BatchingConfig.async_outputs None)
         self._async_outputs = config.async_outputs if config.async_outputs is not None else accelerated
         self._rules = BatchRules(config)
+        self._queue_bound = config.queue_bound(instances[0].model.io.padded)
         self._cost = BatchCost()  # padded models: the device's cost of a batch, fitted from those run
         self._cost_aware = config.cost_aware_floor if config.cost_aware_floor is not None else accelerated
         self._stagers = {inst.index: Stager(inst.model.device, inst.index) for inst in instances
@@ -190,10 +192,8 @@ class DynamicBatcher:
         If one row fails, or the caller goes away, the rows not yet run are dropped unexecuted."""
         if self._closed:
             raise BatcherClosedError("the batcher is closed")
-        if len(self._queue) >= self._config.max_queue_size:
-            raise QueueFullError(
-                f"queue is full ({self._config.max_queue_size} requests waiting); retry on another teacher"
-            )
+        if len(self._queue) >= self._queue_bound:
+            raise QueueFullError(f"queue is full ({self._queue_bound} requests waiting); retry on another teacher")
         loop = asyncio.get_running_loop()
         pending = [_Pending(w, loop.create_future()) for w in works]
         self._queue.extend(pending)

@@ -51,7 +51,7 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
         cfg.output.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
     if batching.enabled:
         cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
-        cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+        cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.queue_bound(io.padded)
     if batching.by_length(io.padded):
         cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
     gpu = model.device.type == "cuda"

@@ -114,7 +114,8 @@ BATCHING = (
     Setting("max_batch_size", "largest batch a model instance runs (default 256)", "batching", type=int),
     Setting("max_queue_delay_us", "longest wait for more requests to fill a batch (default: %(default)s)",
             "batching", _BATCHING_DEFAULTS["max_queue_delay_us"], type=int),
-    Setting("max_queue_size", "requests allowed to wait; beyond it: RESOURCE_EXHAUSTED (default: %(default)s)",
+    Setting("max_queue_size", "requests allowed to wait (rows, once a padded request is split); beyond it: "
+            "RESOURCE_EXHAUSTED (default: 512, or 2,048 rows for a model that batches padded rows by length)",
             "batching", _BATCHING_DEFAULTS["max_queue_size"], type=int),
     Setting("dynamic_batching", "run every request as its own batch", "batching", _BATCHING_DEFAULTS["enabled"],
             flag="--no-dynamic-batching", kind="negated"),

@@ -241,7 +241,7 @@ async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[En
     at a time (a body of more prompts than the queue holds is still answered, not refused as
     overload); the first refusal cancels the rest and answers for all (as does the caller going
     away)."""
-    window = asyncio.Semaphore(max(1, lifecycle.model.batching.max_queue_size // 2))
+    window = asyncio.Semaphore(max(1, lifecycle.model.batching.queue_bound(lifecycle.io.padded) // 2))
 
     async def one(request: Any) -> Any:
         async with window:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import tritonclient.grpc as tg
+from tritonclient.utils import InferenceServerException
 
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
@@ -59,7 +60,10 @@ def _declared(s: ServerThread) -> tuple[dict[str, object], dict[str, object], bo
     student's client reads from it."""
     assert s.server is not None
     with tg.InferenceServerClient(s.url) as c:
-        grpc_params = c.get_model_config("seq", as_json=True)["config"].get("parameters", {})
+        config = c.get_model_config("seq", as_json=True)["config"]
+        grpc_params = config.get("parameters", {})
+        queue = int(config["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
+        assert queue == (2048 if grpc_params else 512), f"it says it queues {queue} requests"
     url = f"http://127.0.0.1:{s.server.http_port}/v2/models/seq/config"
     http_params = json.loads(urllib.request.urlopen(url, timeout=10).read()).get("parameters", {})
 
@@ -88,6 +92,45 @@ def test_other_teachers_say_nothing(model: str, buckets: bool) -> None:
         grpc_params, http_params, recorded, fetched = _declared(s)
     assert grpc_params == {} and http_params == {}
     assert not recorded and not fetched
+
+
+def test_a_teacher_that_batches_by_length_queues_four_students_rows() -> None:
+    """By default it takes 2,048 queued rows before it sheds (four students' 512), where any other
+    teacher takes 512 requests: requests of 64 rows queue past 512 while its one instance is held,
+    and the first refused one comes once 2,048 wait."""
+    with _server(PADDED) as s:
+        assert s.server is not None
+        batcher = s.server.batcher
+        mask = (torch.arange(12) < torch.arange(64)[:, None] % 12 + 1).long()  # rows of 1..12 tokens
+        tokens, mask = mask.numpy(), mask.numpy()  # padded: its rows are queued one by one
+        outcomes: list[str] = []
+
+        def done(result: object, error: InferenceServerException | None) -> None:
+            outcomes.append("ok" if error is None else error.status())
+
+        seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
+        with tg.InferenceServerClient(s.url) as c:
+            depths = []
+            for _ in range(40):  # 2,560 rows: past the bound
+                inputs = [tg.InferInput("TOKENS", [64, 12], "INT64"), tg.InferInput("MASK", [64, 12], "INT64")]
+                inputs[0].set_data_from_numpy(tokens)
+                inputs[1].set_data_from_numpy(mask)
+                before = len(outcomes)
+                c.async_infer("seq", inputs, done, outputs=[tg.InferRequestedOutput("POOLED")], client_timeout=60)
+                for _ in range(500):  # at most 10 s for it to be queued or refused
+                    if batcher.queue_depth > (depths[-1] if depths else 0) or len(outcomes) > before:
+                        break
+                    time.sleep(0.02)
+                depths.append(batcher.queue_depth)
+            seq_models.GATE.set()
+            for _ in range(1500):  # at most 30 s for every answer
+                if len(outcomes) == 40:
+                    break
+                time.sleep(0.02)
+    assert 2048 - 64 <= max(depths) < 2048 + 64, f"the queue held at most {max(depths)} rows"
+    assert len(outcomes) == 40, "a request was never answered"
+    assert outcomes.count("StatusCode.RESOURCE_EXHAUSTED") >= 1 and set(outcomes) == {
+        "ok", "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
 
 
 def _padded_batches(n: int, rows: int = 4, width: int = 12) -> list[dict[str, torch.Tensor]]:
@@ -140,10 +183,10 @@ def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> 
     flight to the padded teacher, while the unpadded one follows the gradient from the initial
     limit, in calls."""
     config = RouterConfig(initial_limit=2.0, max_limit=6, by_length_rows=40)
-    with _server(PADDED) as padded, DistillReader(_padded_batches(4), teachers=padded.url, model="seq",
+    with _server(PADDED) as padded, DistillReader(_padded_batches(12), teachers=padded.url, model="seq",
                        inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"], router=config,
                        timeout=30.0) as reader:
-        assert sum(1 for _ in reader) == 4
+        assert sum(1 for _ in reader) == 12  # the rows answered in time grow the limit: 2 + 48, at most 40
         padded_limit = _stat(reader, padded.url)
     with _server(UNPADDED) as plain:
         tokens = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in _padded_batches(4)]
@@ -237,11 +280,11 @@ def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: Lo
 
 @pytest.mark.parametrize("students", [1, 2])
 def test_a_teacher_that_batches_by_length_still_sheds_and_no_reader_loses_anything(students: int) -> None:
-    """48 rows in flight (12 batches of 4) from each student are more than this teacher's queue takes
-    while its one instance is held: it sheds (RESOURCE_EXHAUSTED), the routers halve their limits,
-    and every batch still arrives at its own student, answered, in order; two students sharing the
-    teacher get the same answers for the same rows (to float summation order)."""
-    batches = _padded_batches(24)
+    """Each student's rows in flight (grown over its first 8 batches) are more than this teacher's
+    queue of 3 rows takes while its one instance is held: it sheds (RESOURCE_EXHAUSTED), the routers
+    halve their limits, and every batch still arrives at its own student, answered, in order; two
+    students sharing the teacher get the same answers for the same rows (to float summation order)."""
+    batches = _padded_batches(32)
     server = ServerThread(ServerConfig(
         model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
         # A batch holds one request's 4 rows, whatever arrives before it forms (a loaded machine
@@ -252,10 +295,14 @@ def test_a_teacher_that_batches_by_length_still_sheds_and_no_reader_loses_anythi
         readers = [stack.enter_context(DistillReader(
             batches, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"}, outputs=["LOGITS"],
             router=RouterConfig(by_length_rows=48), timeout=30.0)) for _ in range(students)]
-        seq_models.GATE.clear()  # the one instance holds its first batch; the autouse fixture reopens it
+        its = [iter(r) for r in readers]
+        for i, it in enumerate(its):
+            got[i].extend(next(it)[1]["LOGITS"] for _ in range(8))
+        before = sum(_stat(r, s.url, "overloaded") for r in readers)
+        seq_models.GATE.clear()  # the one instance holds its next batch; the autouse fixture reopens it
 
         def train(i: int) -> None:
-            got[i].extend(out["LOGITS"] for _, out in readers[i])
+            got[i].extend(out["LOGITS"] for _, out in its[i])
 
         threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(students)]
         for t in threads:
@@ -263,7 +310,7 @@ def test_a_teacher_that_batches_by_length_still_sheds_and_no_reader_loses_anythi
         overloaded = 0.0
         for _ in range(300):  # at most 30 s
             time.sleep(0.1)
-            if (overloaded := sum(_stat(r, s.url, "overloaded") for r in readers)) > 0:
+            if (overloaded := sum(_stat(r, s.url, "overloaded") for r in readers) - before) > 0:
                 break
         seq_models.GATE.set()
         for t in threads:

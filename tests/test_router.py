@@ -206,32 +206,48 @@ def test_router_config_refuses_limits_out_of_order() -> None:
 BY_LENGTH = TeacherMetadata("llm", "1", 8, {}, {}, batches_by_length=True)
 
 
-def test_a_declaration_that_arrives_with_later_metadata_raises_the_limit() -> None:
-    """A static teacher's metadata comes after it joins (ModelConfig is asked then)."""
+def test_a_declaration_that_arrives_with_later_metadata_counts_the_limit_in_rows() -> None:
+    """A static teacher's metadata comes after it joins (ModelConfig is asked then): from then its
+    limit counts rows and grows by the rows answered; re-described as a plain teacher, it counts
+    calls again, within max_limit."""
 
     async def main() -> None:
-        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=10, by_length_rows=40))
+        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=6, by_length_rows=40))
         t = router.add("k", "127.0.0.1:1", TeacherClient("127.0.0.1:1"), None)
         assert t.limit == 2.0
         router.set_metadata(t, BY_LENGTH)
-        assert t.limit == 40.0  # rows
-        router.set_metadata(t, META)  # no longer batching by length: calls again, within max_limit
-        assert t.limit == 10.0
+        assert t.limit == 10.0  # a quarter of its 40 rows
+        router.started(t, rows=12)
+        assert not t.has_slot()  # 12 rows against 10
+        router.succeeded(t, 0.010, samples=12)
+        router.ended(t, 12)
+        assert t.limit == 22.0
+        router.set_metadata(t, META)
+        assert t.limit == 6.0
         await _close([t])
 
     asyncio.run(main())
 
 
 def test_a_teacher_that_batches_by_length_holds_by_length_rows_in_flight() -> None:
-    """Its limit counts rows, however they are cut into calls: 40 rows take two calls of 16 and a
-    third that goes past them, then nothing until one ends. Slow answers never shrink it; an
-    overload answer halves it, and successes bring it back by their rows. A plain teacher beside
-    it counts calls, whatever their rows, and follows the gradient down."""
+    """Its limit counts rows, however they are cut into calls. From a quarter of `by_length_rows` (40)
+    each answer in time adds its rows, up to all of them, whatever the latency within the deadline; then
+    40 rows take two calls of 16 and a third that goes past them, and nothing until one ends. An
+    overload answer halves it, and answers bring it back by their rows. A plain teacher beside it
+    counts calls, whatever their rows, and follows the gradient down."""
 
     async def main() -> None:
-        router, (plain,) = _router(RouterConfig(initial_limit=2.0, max_limit=12, by_length_rows=40), 1)
+        router = Router("svc", RouterConfig(initial_limit=2.0, max_limit=12, by_length_rows=40), deadline_s=10.0)
+        plain = router.add("plain", "127.0.0.1:98", TeacherClient("127.0.0.1:98"), META)
         llm = router.add("llm", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), BY_LENGTH)
-        assert (llm.limit, plain.limit) == (40.0, 2.0)
+        assert (llm.limit, plain.limit) == (10.0, 2.0)  # a quarter of its rows to start
+        grown = []
+        for _ in range(3):
+            router.started(llm, rows=16)
+            router.succeeded(llm, 4.0, samples=16)  # slow, but within half the deadline
+            router.ended(llm, 16)
+            grown.append(llm.limit)
+        assert grown == [26.0, 40.0, 40.0]
         slots = []
         for _ in range(3):
             router.started(llm, rows=16)
@@ -245,13 +261,9 @@ def test_a_teacher_that_batches_by_length_holds_by_length_rows_in_flight() -> No
         router.ended(llm, 16)
         llm.cool_until = 0.0
         assert (llm.limit, llm.rows_in_flight, llm.has_slot()) == (20.0, 16, True)
-        recovered = []
-        for _ in range(4):
-            router.started(llm, rows=8)
-            router.succeeded(llm, 0.200, samples=8)  # slow: a plain teacher's limit would shrink
-            router.ended(llm, 8)
-            recovered.append(llm.limit)
-        assert recovered == [28.0, 36.0, 40.0, 40.0]
+        router.succeeded(llm, 0.010, samples=16)
+        router.ended(llm, 16)
+        assert llm.limit == 36.0
         router.started(plain, rows=100)
         assert plain.has_slot(), "a plain teacher counts calls: one of two"
         router.succeeded(plain, 0.010, samples=100)
@@ -260,6 +272,33 @@ def test_a_teacher_that_batches_by_length_holds_by_length_rows_in_flight() -> No
             _serve(router, plain, 0.100)
         assert plain.limit == 1.0
         await _close([plain, llm])
+
+    asyncio.run(main())
+
+
+def test_a_teacher_that_batches_by_length_holds_fewer_rows_when_answers_near_the_deadline() -> None:
+    """A slow device (or several students) makes its queue deeper than the reader's deadline allows:
+    each answer slower than half the deadline takes a tenth off its rows; answers within it bring
+    the rows back by their own. Without a deadline (a router on its own) latency never moves it."""
+
+    async def main() -> None:
+        router = Router("svc", RouterConfig(initial_limit=16.0, max_limit=16, by_length_rows=40), deadline_s=1.0)
+        llm = router.add("llm", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), BY_LENGTH)
+        limits = []
+        for latency_s in (0.2, 0.2, 0.2, 0.6, 0.6, 0.6, 0.2, 0.2):
+            router.started(llm, rows=8)
+            router.succeeded(llm, latency_s, samples=8)
+            router.ended(llm, 8)
+            limits.append(round(llm.limit, 2))
+        assert limits == [24.0, 32.0, 40.0, 36.0, 32.4, 29.16, 37.16, 40.0]
+        free = Router("svc", RouterConfig(by_length_rows=40))
+        other = free.add("llm", "127.0.0.1:98", TeacherClient("127.0.0.1:98"), BY_LENGTH)
+        for _ in range(8):
+            free.started(other, rows=8)
+            free.succeeded(other, 5.0, samples=8)
+            free.ended(other, 8)
+        assert other.limit == 40.0
+        await _close([llm, other])
 
     asyncio.run(main())
 
