@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.sequences, args.clients, args.budget, args.reps, args.instances, args.students) < 1 \
             or min(args.tokens_per_s, args.timeout) <= 0 \
             or args.student_batch < 0:
-        p.error("--sequences, --clients, --budget, --reps, --instances, --students, --tokens-per-s and --timeout must be "
-                "positive, --student-batch at least 0")
+        p.error("--sequences, --clients, --budget, --reps, --instances, --students, --tokens-per-s and --timeout "
+                "must be positive, --student-batch at least 0")
     return run_and_report(lambda: run(args), args.out, report)
 
 
