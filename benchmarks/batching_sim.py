@@ -23,7 +23,9 @@ to its defaults (`--router default`: the teacher says it batches by length, so t
 `RouterConfig.by_length_rows` rows in flight to it, as far as `--clients` rows read ahead allow);
 `--router defaults` leaves the read-ahead to the reader too (`prefetch` unset: `--clients` does not
 apply; the reader reads those rows ahead). One reader kept across repetitions, as a training
-job keeps it across epochs.
+job keeps it across epochs. `--students N`: N readers share the teacher, each over every N-th
+batch, at once; `--timeout`: the readers' deadline for a chunk (60 s; the reader's own default is
+10 s, which a slow emulated device shows the router keeping to).
 """
 
 from __future__ import annotations
