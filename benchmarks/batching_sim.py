@@ -24,8 +24,10 @@ to its defaults (`--router default`: the teacher says it batches by length, so t
 `--router defaults` leaves the read-ahead to the reader too (`prefetch` unset: `--clients` does not
 apply; the reader reads those rows ahead). One reader kept across repetitions, as a training
 job keeps it across epochs. `--students N`: N readers share the teacher, each over every N-th
-batch, at once; `--timeout`: the readers' deadline for a chunk (60 s; the reader's own default is
-10 s, which a slow emulated device shows the router keeping to).
+batch, at once; `--teachers N`: N teacher processes, each its own emulated device (the ratio then
+against 1/N of the sorted time; positions computed twice are counted); `--hedge`: the reader's
+adaptive hedging on; `--timeout`: the readers' deadline for a chunk (60 s; the reader's own default
+is 10 s, which a slow emulated device shows the router keeping to).
 """
 
 from __future__ import annotations
@@ -180,27 +182,36 @@ async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, serv
             "batch_cost": m.batch_cost}
 
 
-async def _read_together(readers: Sequence[Any], useful: int, endpoint: str, metrics_port: int) -> dict[str, Any]:
-    """One pass of several readers at once, each over its own loader (students sharing the teacher),
-    from the first batch asked to the last one answered."""
+async def _read_together(readers: Sequence[Any], useful: int, endpoints: Sequence[str],
+                         metrics_ports: Sequence[int]) -> dict[str, Any]:
+    """One pass of several readers at once, each over its own loader (students sharing the
+    teachers), from the first batch asked to the last one answered, counted over every teacher.
+    Positions computed more than once (a chunk sent again after its deadline, or raced by a hedge)
+    show as `duplicated`, their share of the pass's useful positions."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
     from benchmarks.llm_parts import executions, scrape_batch_cost, scrape_tokens
 
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
-        exec0 = await executions(stub)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(asyncio.to_thread(lambda r=r: sum(1 for _ in r)) for r in readers))
-        seconds = time.perf_counter() - t0
-        useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
-        batches = await executions(stub) - exec0
-    if useful1 - useful0 != useful:
-        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the loaders hold {useful}")
-    return {"seconds": seconds, "batches": batches, "padding_efficiency": useful / (computed1 - computed0),
-            "batch_cost": await asyncio.to_thread(scrape_batch_cost, metrics_port) or None}
+    async def counts() -> tuple[int, int, int]:
+        tokens = [await asyncio.to_thread(scrape_tokens, port) for port in metrics_ports]
+        runs = 0
+        for endpoint in endpoints:
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                runs += await executions(service_pb2_grpc.GRPCInferenceServiceStub(channel))
+        return sum(u for u, _ in tokens), sum(c for _, c in tokens), runs
+
+    useful0, computed0, exec0 = await counts()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(asyncio.to_thread(lambda r=r: sum(1 for _ in r)) for r in readers))
+    seconds = time.perf_counter() - t0
+    useful1, computed1, exec1 = await counts()
+    if useful1 - useful0 < useful:
+        raise AssertionError(f"the teachers counted {useful1 - useful0} useful tokens, the loaders hold {useful}")
+    counted = useful1 - useful0
+    return {"seconds": seconds, "batches": exec1 - exec0, "padding_efficiency": counted / (computed1 - computed0),
+            "duplicated": (counted - useful) / useful,
+            "batch_cost": await asyncio.to_thread(scrape_batch_cost, metrics_ports[0]) or None}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,8 +229,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "--log-level", "WARNING", *args.server_arg]
     reps = []
     with contextlib.ExitStack() as stack:
-        proc = stack.enter_context(TeacherProcess(server, label="batching_sim", cwd=REPO_ROOT, stop_grace=10.0))
-        endpoint, port, pid = proc.endpoint, int(proc.ready["metrics_port"]), proc.pid
+        procs = [stack.enter_context(TeacherProcess(server, label=f"batching_sim-{i}", cwd=REPO_ROOT, stop_grace=10.0))
+                 for i in range(args.teachers)]
+        endpoints, ports = [p.endpoint for p in procs], [int(p.ready["metrics_port"]) for p in procs]
+        endpoint, port, pid = endpoints[0], ports[0], procs[0].pid
         asyncio.run(serve_once(endpoint, port, lengths[: 2 * args.clients], args.clients, pid))  # warm-up
         pass_once = functools.partial(serve_once, endpoint, port, lengths, args.clients, pid)
         if args.student_batch:
@@ -228,21 +241,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ahead = max(1, args.clients // args.student_batch)
             batches = _student_batches(lengths, args.student_batch)
             readers = [stack.enter_context(DistillReader(
-                batches[i::args.students], teachers=endpoint, model=MODEL_NAME,
+                batches[i::args.students], teachers=",".join(endpoints), model=MODEL_NAME,
                 inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
                 output_dtype="FP16", timeout=args.timeout, prefetch=None if args.router == "defaults" else ahead,
-                hedge_after=None,
+                hedge_after="auto" if args.hedge else None,
                 router=reader_router(args.router, ahead))) for i in range(args.students)]
-            pass_once = (functools.partial(_read, readers[0], sum(lengths), endpoint, port, pid) if args.students == 1
-                         else functools.partial(_read_together, readers, sum(lengths), endpoint, port))
+            pass_once = (functools.partial(_read, readers[0], sum(lengths), endpoint, port, pid)
+                         if args.students == 1 and args.teachers == 1
+                         else functools.partial(_read_together, readers, sum(lengths), endpoints, ports))
+        elif args.teachers > 1:
+            raise SystemExit("--teachers N > 1 measures the reader path: give --student-batch")
         for rep in range(args.reps):
             served = asyncio.run(pass_once())
-            served["ratio"] = baseline["seconds"] / served["seconds"]
+            served["ratio"] = baseline["seconds"] / (served["seconds"] * args.teachers)  # N devices: 1/N the time
             reps.append(served)
             print(f"  rep {rep + 1}: {served['seconds']:.2f} s against {baseline['seconds']:.2f} s sorted: "
                   f"{served['ratio']:.3f}; {served['batches']} batches (sorted: {baseline['batches']}), padding "
                   f"efficiency {served['padding_efficiency']:.3f} ({baseline['padding_efficiency']:.3f}); "
-                  f"fitted {served['batch_cost']}", flush=True)
+                  f"fitted {served['batch_cost']}"
+                  + (f"; computed twice: {served['duplicated']:.3f}" if "duplicated" in served else ""), flush=True)
     return {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "baseline": baseline, "reps": reps,
             "ratio_median": median([r["ratio"] for r in reps]),
             "batches_median": median([float(r["batches"]) for r in reps]),
@@ -282,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--student-batch", type=int, default=0,
                    help="measure DistillReader with padded batches of this many sequences instead (0: off)")
     p.add_argument("--timeout", type=float, default=60.0, help="--student-batch: the reader's deadline for a chunk")
+    p.add_argument("--teachers", type=int, default=1,
+                   help="--student-batch: this many teacher processes, each its own emulated device")
+    p.add_argument("--hedge", action="store_true",
+                   help="--student-batch: the reader's adaptive hedging on (its default; off otherwise here)")
     p.add_argument("--students", type=int, default=1,
                    help="--student-batch: this many readers share the teacher, each over every N-th batch")
     p.add_argument("--router", choices=("pinned", "default", "defaults"), default="pinned",
@@ -289,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(default), or the reader decides its read-ahead as well (defaults)")
     p.add_argument("--out", default="batching_sim", help="results file: benchmarks/results/<OUT>.json")
     args = p.parse_args(argv)
-    if min(args.sequences, args.clients, args.budget, args.reps, args.instances, args.students) < 1 \
+    if min(args.sequences, args.clients, args.budget, args.reps, args.instances, args.students, args.teachers) < 1 \
             or min(args.tokens_per_s, args.timeout) <= 0 \
             or args.student_batch < 0:
-        p.error("--sequences, --clients, --budget, --reps, --instances, --students, --tokens-per-s and --timeout "
-                "must be positive, --student-batch at least 0")
+        p.error("--sequences, --clients, --budget, --reps, --instances, --students, --teachers, --tokens-per-s and "
+                "--timeout must be positive, --student-batch at least 0")
     return run_and_report(lambda: run(args), args.out, report)
 
 
