@@ -66,6 +66,26 @@ def test_the_reader_path_runs_on_the_emulated_device(tmp_path: Path) -> None:
     assert "DistillReader, batches of 8 in loader order, pinned router" in proc.stdout
 
 
+def test_students_and_teachers_share_the_emulated_devices(tmp_path: Path) -> None:
+    """--students 2 --teachers 2: two readers over every other batch, two teacher processes each
+    with its own emulated device; every real token is counted (some perhaps twice, reported)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
+    fixed_ms, rate = 2.0, 400_000.0
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--budget", "4096",
+         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "1", "--student-batch", "8",
+         "--router", "defaults", "--students", "2", "--teachers", "2", "--hedge", "--out", "simst"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "simst.json").read_text())
+    (rep,) = doc["reps"]
+    lengths = draw_lengths(96, 0)
+    # Two devices: each runs its batches' fixed costs and real positions one after another.
+    assert rep["seconds"] >= (rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate) / 2
+    assert rep["duplicated"] >= 0 and 0.3 < rep["padding_efficiency"] <= 1.0
+    assert "2 x DistillReader, batches of 8 in loader order, defaults router" in proc.stdout
+
+
 def test_reader_router_pins_or_leaves_the_limit() -> None:
     from benchmarks.batching_sim import reader_router
     from distill import RouterConfig
