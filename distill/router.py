@@ -470,6 +470,7 @@ class Router:
         return {
             t.endpoint: {
                 "in_flight": t.in_flight, "rows_in_flight": t.rows_in_flight, "limit": round(t.limit, 2),
+                "limit_counts": "rows" if t.by_length else "calls",
                 "latency_ms": round(t.ewma_s * 1000, 2),
                 "ok": t.ok, "errors": t.errors, "samples": t.samples, "usable": t.usable(now),
                 "last_error": t.last_error, "state": t.describe(), "ejections": t.ejections,

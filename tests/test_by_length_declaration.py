@@ -173,9 +173,11 @@ def test_a_student_keeps_by_length_rows_in_flight_to_a_registered_teacher_that_b
                            router=config, timeout=30.0) as reader:
             got = [out["LOGITS"] for _, out in reader]
             limit = _stat(reader, info["endpoint"])
+            (unit,) = [t["limit_counts"] for ts in reader.stats().teachers.values() for t in ts.values()]
     assert len(got) == len(batches)
     assert all(g.shape == (4, 12, seq_models.VOCAB) for g in got)
     assert limit == 40.0, f"the by-length teacher's limit left by_length_rows: {limit}"
+    assert unit == "rows"
 
 
 def test_a_static_teacher_list_reads_the_declaration_from_the_model_config() -> None:
