@@ -160,12 +160,13 @@ def _student_batches(lengths: Sequence[int], batch: int) -> list[dict[str, torch
     return [{"input_ids": ids, "attention_mask": mask} for ids, mask, _ in padded_batches(seqs, batch, 0)]
 
 
-def reader_router(kind: str, ahead: int) -> Any:
-    """The reader's router: `pinned` keeps `ahead` requests in flight; `default(s)` is RouterConfig()."""
+def reader_router(kind: str, ahead: int, rows: int = 1) -> Any:
+    """The reader's router: `pinned` keeps `ahead` requests of `rows` rows in flight; `default(s)` is
+    RouterConfig()."""
     from benchmarks.llm_reader import pinned_router
     from distill import RouterConfig
 
-    return pinned_router(ahead) if kind == "pinned" else RouterConfig()
+    return pinned_router(ahead, rows) if kind == "pinned" else RouterConfig()
 
 
 async def _read(reader: Any, useful: int, endpoint: str, metrics_port: int, server_pid: int) -> dict[str, Any]:
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
                 output_dtype="FP16", timeout=args.timeout, prefetch=None if args.router == "defaults" else ahead,
                 hedge_after="auto" if args.hedge else None,
-                router=reader_router(args.router, ahead))) for i in range(args.students)]
+                router=reader_router(args.router, ahead, args.student_batch))) for i in range(args.students)]
             pass_once = (functools.partial(_read, readers[0], sum(lengths), endpoint, port, pid)
                          if args.students == 1 and args.teachers == 1
                          else functools.partial(_read_together, readers, sum(lengths), endpoints, ports))

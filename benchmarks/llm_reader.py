@@ -84,19 +84,23 @@ class Loader:
         return iter(self.batches)
 
 
-def pinned_router(ahead: int) -> Any:
-    """A router that keeps `ahead` requests in flight to each teacher, `min_limit` so that its
-    latency gradient cannot shrink them (on a GPU the gradient took the reader from 34 forward
-    passes a pass to 168 over two repetitions of one run)."""
+def pinned_router(ahead: int, rows: int = 1) -> Any:
+    """A router that keeps `ahead` requests of `rows` rows in flight to each teacher from the first:
+    `min_limit` so that the latency gradient cannot shrink them (on a GPU the gradient took the
+    reader from 34 forward passes a pass to 168 over two repetitions of one run), and, for a teacher
+    that batches by length, whose limit counts rows and starts at a quarter of `by_length_rows`,
+    four times those rows (the read-ahead, `prefetch=ahead`, holds them to `ahead` requests)."""
     from distill.router import RouterConfig
 
-    return RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(ahead, 16))
+    return RouterConfig(initial_limit=float(ahead), min_limit=float(ahead), max_limit=max(ahead, 16),
+                        by_length_rows=max(RouterConfig.by_length_rows, 4 * ahead * rows))
 
 
 def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str, Any]:
     """`matched`: --clients rows read ahead and kept in flight (`pinned_router`), else every
     reader default (the read-ahead and the router's limits its own)."""
-    tuned = {"router": pinned_router(s.reader_ahead), "prefetch": s.reader_ahead} if matched else {}
+    tuned = ({"router": pinned_router(s.reader_ahead, s.reader_batch), "prefetch": s.reader_ahead}
+             if matched else {})
     return {**tuned, "teachers": endpoint, "model": MODEL_NAME, "inputs": {"INPUT_IDS": "input_ids",
                                                                    "ATTENTION_MASK": "attention_mask"},
             "outputs": ["LOGITS"], "top_k": s.top_k, "logprobs": True, "output_dtype": "FP16", "topk_tail": True,

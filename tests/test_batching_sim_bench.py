@@ -92,4 +92,5 @@ def test_reader_router_pins_or_leaves_the_limit() -> None:
 
     pinned = reader_router("pinned", 20)
     assert pinned.initial_limit == pinned.min_limit == 20.0 and pinned.max_limit == 20
+    assert reader_router("pinned", 40, 16).by_length_rows == 4 * 40 * 16  # a quarter covers 40 requests
     assert reader_router("default", 20) == reader_router("defaults", 20) == RouterConfig()
