@@ -16,11 +16,11 @@ not requests, however they are cut into calls (a student's batches of 16 rows, o
 several): from a quarter of `RouterConfig.by_length_rows`, each answer within half the reader's
 `timeout` adds its own rows (twice the rows a round trip) up to all of them, however long the
 answer took within that, and each slower one takes a tenth off (a CPU teacher draining 512 long
-rows would take longer than the 10 s default); overload answers halve it. Other
-teachers' floor is `RouterConfig.min_limit`. (Measuring latency against
-its usual level instead of the best seen would serve both without the declaration, but it costs
-W4's students 1% of their samples while the pool scales up, 0.946 against 0.955: a saturated CV
-teacher's deeper queue is backlog when new teachers arrive.)
+rows would take longer than the 10 s default); overload answers halve it. Other teachers' floor is
+`RouterConfig.min_limit`. (Measuring latency against its usual level instead of the best seen would
+serve both without the declaration, but it costs W4's students 1% of their samples while the pool
+scales up, 0.946 against 0.955: a saturated CV teacher's deeper queue is backlog when new teachers
+arrive.)
 
 Failures eject a teacher with exponential backoff (connection and deadline errors), or mark it
 incompatible (wrong model, an answer that contradicts its own metadata, or refusing inputs that
@@ -177,7 +177,7 @@ class Router:
         """`t` joined or its metadata arrived: bring its limit within its floor and ceiling (rows
         or calls, as it batches), wake the choosers, and tell the engine when it batches by length,
         or did (`counted`)."""
-        if self._by_length(t) and not counted:  # its limit counts rows from now: a quarter of them to start
+        if self._by_length(t) and not counted:  # its limit counts rows from now: a quarter to start
             t.limit = max(t.limit, self.config.by_length_rows / 4)
         t.limit = min(max(t.limit, self.floor(t)), self.ceiling(t))
         self.notify()
