@@ -143,41 +143,32 @@ class ServerMetrics:
         for name, doc in _COUNTERS.items():
             lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
             lines += [f"{name}{labels} {float(v)}" for labels, v in values[name]]
-        name = "nv_inference_pending_request_count"
-        lines += [
-            f"# HELP {name} Instantaneous number of pending requests awaiting execution per-model.",
-            f"# TYPE {name} gauge",
-            f"{name}{lab} {float(self._pending_source())}",
-        ]
+        lines += _family("nv_inference_pending_request_count", "gauge", lab, self._pending_source(),
+                         "Instantaneous number of pending requests awaiting execution per-model.")
         # Not a Triton family: what a drain waits for, so operators (and tests) can watch it.
-        name = "teacher_in_flight_request_count"
-        lines += [
-            f"# HELP {name} Requests admitted and not yet answered (queued, executing or being validated).",
-            f"# TYPE {name} gauge",
-            f"{name}{lab} {float(self._in_flight_source())}",
-        ]
+        lines += _family("teacher_in_flight_request_count", "gauge", lab, self._in_flight_source(),
+                         "Requests admitted and not yet answered (queued, executing or being validated).")
         # Not Triton families: padding waste of models with padded sequence inputs.
-        counts: tuple[tuple[str, str, float], ...] = (
-            ("teacher_useful_tokens_total", "Sequence positions requests needed (samples x own length)",
-             self._useful_tokens),
-            ("teacher_padded_tokens_total", "Sequence positions computed, padding included (samples x padded length)",
-             self._computed_tokens),
-        )
-        for name, doc, v in counts:
-            lines += [f"# HELP {name} {doc}.", f"# TYPE {name} counter", f"{name}{lab} {float(v)}"]
+        lines += _family("teacher_useful_tokens_total", "counter", lab, self._useful_tokens,
+                         "Sequence positions requests needed (samples x own length).")
+        lines += _family("teacher_padded_tokens_total", "counter", lab, self._computed_tokens,
+                         "Sequence positions computed, padding included (samples x padded length).")
         if self._batch_cost_source is not None:
             cost = self._batch_cost_source()
-            gauges = (
-                ("teacher_batch_fixed_seconds", "Device time a batch costs whatever its size, fitted from the "
-                 "batches run (0 until known)", cost.fixed_s),
-                ("teacher_batch_position_seconds", "Device time a batch costs per computed position, fitted "
-                 "from the batches run (0 until known)", cost.per_position_s),
-                ("teacher_padding_floor", "Least useful / computed positions of a batch, as batches are formed now",
-                 cost.padding_floor),
-            )
-            for name, doc, v in gauges:
-                lines += [f"# HELP {name} {doc}.", f"# TYPE {name} gauge", f"{name}{lab} {float(v)}"]
+            lines += _family("teacher_batch_fixed_seconds", "gauge", lab, cost.fixed_s,
+                             "Device time a batch costs whatever its size, fitted from the batches run (0 until "
+                             "known).")
+            lines += _family("teacher_batch_position_seconds", "gauge", lab, cost.per_position_s,
+                             "Device time a batch costs per computed position, fitted from the batches run (0 "
+                             "until known).")
+            lines += _family("teacher_padding_floor", "gauge", lab, cost.padding_floor,
+                             "Least useful / computed positions of a batch, as batches are formed now.")
         return "\n".join(lines) + "\n"
+
+
+def _family(name: str, kind: str, labels: str, value: float, doc: str) -> list[str]:
+    """One metric family of a single sample, in Prometheus' text format."""
+    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
 
 
 @dataclass(frozen=True)
