@@ -119,8 +119,7 @@ class Finisher:
         """`device`: the clock shared by the instances on this instance's device (None: its own)."""
         self._executor = named_executor(f"finish-{index}")
         self._own = BusyClock()
-        self._device = device
-        self._own_device = BusyClock()  # the device's time when no clock is shared
+        self._device = device if device is not None else BusyClock()
 
     def submit(self, launched: Launched) -> Future[BatchResult]:
         """Finish `launched` on this stage's thread, after the batches submitted before it."""
@@ -135,8 +134,7 @@ class Finisher:
         with torch.inference_mode():
             per_request = [encode_named(named) for named in launched.outputs.split()]
         compute_ns = self._own.claim(launched.start_ns, time.perf_counter_ns())
-        device = self._device if self._device is not None else self._own_device
-        return BatchResult(per_request, compute_ns, device.claim(launched.start_ns, ready))
+        return BatchResult(per_request, compute_ns, self._device.claim(launched.start_ns, ready))
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""
