@@ -190,8 +190,7 @@ class Engine:
             return self.opts.prefetch
         if self._batch_rows == 0:
             return PREFETCH
-        rows = max((svc.router.by_length_teachers() * svc.router.config.by_length_rows
-                    for svc in self._services.values()), default=0)
+        rows = max((svc.router.by_length_rows() for svc in self._services.values()), default=0)
         return max(PREFETCH, -(-rows // self._batch_rows))
 
     def _resize(self) -> None:

@@ -237,10 +237,11 @@ class Router:
         return any(o is not t and o.meta is not None and o.incompatible is None and not o.removed
                    and self.misfit(o, signature) is None for o in self.teachers.values())
 
-    def by_length_teachers(self) -> int:
-        """Members that batch padded rows by length (usable or not: an ejected one comes back): the
-        reader reads `by_length_rows` rows ahead for each when `prefetch` is not set."""
-        return sum(1 for t in self.teachers.values() if self._by_length(t))
+    def by_length_rows(self) -> int:
+        """Rows this student keeps in flight to its members that batch padded rows by length,
+        `RouterConfig.by_length_rows` each (usable or not: an ejected one comes back): what the
+        reader reads ahead for them when `prefetch` is not set."""
+        return self.config.by_length_rows * sum(1 for t in self.teachers.values() if self._by_length(t))
 
     # ---- choosing ---------------------------------------------------------------------------
     def notify(self) -> None:

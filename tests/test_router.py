@@ -308,9 +308,9 @@ def test_the_engine_hears_when_teachers_that_batch_by_length_come_and_go() -> No
     batch by length is told once (the reader's read-ahead follows it); other teachers never."""
 
     async def main() -> None:
-        router, (plain,) = _router(RouterConfig(), 1)
+        router, (plain,) = _router(RouterConfig(by_length_rows=1), 1)  # rows wanted = teachers counted
         told: list[int] = []
-        router.on_by_length = lambda: told.append(router.by_length_teachers())
+        router.on_by_length = lambda: told.append(router.by_length_rows())
         a = router.add("a", "127.0.0.1:98", TeacherClient("127.0.0.1:98"), BY_LENGTH)
         b = router.add("b", "127.0.0.1:99", TeacherClient("127.0.0.1:99"), None)
         router.set_metadata(b, BY_LENGTH)
