@@ -32,7 +32,6 @@ from distill.bundles import bundle_pieces, fits_with, split_outputs
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Spawn, spawn_closed
-from distill.router import TeacherState
 from distill.service import Service
 from distill.teacher_client import (
     ChunkRequest,
@@ -42,6 +41,7 @@ from distill.teacher_client import (
     TeacherGoneError,
     TeacherOverloadedError,
 )
+from distill.teacher_state import TeacherState
 from distill.timeline import Timeline
 
 __all__ = ["Dispatcher"]

@@ -14,8 +14,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from distill.pool import TeacherPool, spawn_closed
-from distill.router import TeacherState
 from distill.teacher_client import TeacherCallError, TeacherGoneError
+from distill.teacher_state import TeacherState
 
 SpawnAux = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 

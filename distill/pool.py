@@ -23,7 +23,7 @@ from discovery.aio import bounded
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.options import ReaderOptions
 from distill.outputs import AUX_INPUTS
-from distill.router import Router, TeacherState
+from distill.router import Router
 from distill.teacher_client import (
     InferenceClient,
     TeacherCallError,
@@ -32,6 +32,7 @@ from distill.teacher_client import (
     TeacherRefusedError,
     access_refused,
 )
+from distill.teacher_state import TeacherState
 
 log = logging.getLogger("distill.reader")
 

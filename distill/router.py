@@ -43,7 +43,6 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -51,9 +50,10 @@ from discovery.aio import deadline
 from distill.config import RouterConfig
 from distill.routing import PolicySpec, RouteRequest, RoutingPolicy, make_policy
 from distill.teacher_client import InferenceClient
+from distill.teacher_state import TeacherState
 from distill.types import Signature, TeacherMetadata
 
-__all__ = ["Router", "RouterConfig", "Signature", "TeacherState"]
+__all__ = ["Router", "RouterConfig", "Signature"]
 
 log = logging.getLogger(__name__)
 
@@ -67,64 +67,6 @@ _MISMATCH_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
 _OVERLOAD_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-
-@dataclass(eq=False)
-class TeacherState:
-    """The router's record of one teacher instance: its client, limit, latency, health and counters.
-    (Named apart from the losses' teacher outputs: this is a connection's state, not a tensor.)"""
-
-    key: str
-    endpoint: str
-    client: InferenceClient
-    limit: float
-    meta: TeacherMetadata | None = None
-    in_flight: int = 0
-    rows_in_flight: int = 0  # the rows of the calls in flight; a by-length teacher's limit counts these
-    ewma_s: float = 0.0
-    best_s: float = math.inf
-    last_result: float = 0.0
-    streak: int = 0
-    ejected_until: float = 0.0
-    incompatible: str | None = None
-    needs_probe: bool = False
-    probing: bool = False
-    outpaced: int = 0
-    cool_until: float = 0.0  # overloaded: no new chunk before this (still usable)
-    overloads: int = 0  # overload answers in a row
-    strikes: int = 0  # inputs refused in a row that another teacher then accepted
-    checking: bool = False  # a liveness check (a late chunk) is running
-    ejections: int = 0
-    overloaded_count: int = 0
-    removed: bool = False
-    ok: int = 0
-    errors: int = 0
-    samples: int = 0
-    last_error: str = ""
-    checked: set[tuple[object, ...]] = field(default_factory=set)
-
-    def usable(self, now: float) -> bool:
-        return (not self.removed and self.meta is not None and self.incompatible is None and not self.needs_probe
-                and now >= self.ejected_until)
-
-    @property
-    def by_length(self) -> bool:
-        """Whether it batches padded rows by length: then `limit` counts rows in flight, not calls."""
-        return self.meta is not None and self.meta.batches_by_length
-
-    def has_slot(self) -> bool:
-        held = self.rows_in_flight if self.by_length else self.in_flight
-        return held < max(1, int(self.limit)) and time.monotonic() >= self.cool_until
-
-    def describe(self) -> str:
-        state = (
-            "removed" if self.removed else f"incompatible: {self.incompatible}" if self.incompatible
-            else f"waiting for metadata ({self.last_error})" if self.meta is None and self.last_error
-            else "waiting for metadata" if self.meta is None
-            else f"ejected ({self.last_error})" if self.needs_probe or time.monotonic() < self.ejected_until
-            else "ok"
-        )
-        return f"{self.endpoint} [{state}]"
-
 
 class Router:
     """Teachers of one service; lives on the engine's event loop."""

@@ -9,8 +9,9 @@ import collections
 import grpc
 import pytest
 
-from distill.router import Router, RouterConfig, TeacherState
+from distill.router import Router, RouterConfig
 from distill.teacher_client import TeacherClient, TeacherMetadata
+from distill.teacher_state import TeacherState
 
 META = TeacherMetadata("affine", "1", 8, {}, {})
 PICKS = 400
