@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -203,6 +203,8 @@ class Delivery:
         self.ready: dict[int, Job] = {}
         self.next_seq = 0
         self.end_seq: int | None = None
+        self.row_bytes = 0.0  # the most bytes a row has held: its teacher inputs, and its outputs once answered
+        self.on_row_bytes: Callable[[], None] | None = None  # called when row_bytes grows (the read-ahead's bound)
 
     def reset(self, epoch: int) -> None:
         self.epoch = epoch
@@ -327,9 +329,21 @@ class Delivery:
         self.maybe_complete(job)
         return settled
 
+    def measure(self, job: Job) -> None:
+        """Count what a row of `job` holds (inputs; outputs too once answered) towards `row_bytes`."""
+        if not job.size or job.error is not None:
+            return
+        held = sum(f.array.nbytes for f in job.fields.values())
+        held += sum(t.nbytes for outs in job.outputs.values() if outs for t in outs.values())
+        if held / job.size > self.row_bytes:
+            self.row_bytes = held / job.size
+            if self.on_row_bytes is not None:
+                self.on_row_bytes()
+
     def maybe_complete(self, job: Job) -> None:
         if job.delivered or any(job.remaining.values()):
             return
+        self.measure(job)
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
         self._write_back(job)
         if self.ordered:

@@ -91,6 +91,8 @@ class Engine:
         self._services = {s: Service(TeacherPool(s, options, connect, self._spawn_aux)) for s in options.services}
         for svc in self._services.values():
             svc.router.on_by_length = self._resize
+        if options.prefetch is None:
+            self._delivery.on_row_bytes = self._resize
         self._batch_rows = 0  # the most rows a batch of the loader's (or a submitted one) had
         self._registries: list[Registry] = []
         self._closing: list[contextlib.AbstractAsyncContextManager[Any]] = []
@@ -185,13 +187,20 @@ class Engine:
         flight to each (they fill their batches from the rows queued: on an emulated GPU, 4 batches
         of 16 rows in flight gave 0.840 of length-sorted batches, 16 gave 0.928), so the reader reads
         that many rows ahead for each, in batches of the most rows one has had (until the first
-        batch shows its rows, `PREFETCH`: a loader's batches are not taken back once read)."""
+        batch shows its rows, `PREFETCH`: a loader's batches are not taken back once read).
+        A large pool of such teachers would have the reader hold thousands of batches, answered ones
+        waiting for a slower training loop among them; `read_ahead_mb` bounds what they hold, counted
+        at the most bytes a row has held (inputs, and outputs once a batch is answered)."""
         if self.opts.prefetch is not None:
             return self.opts.prefetch
         if self._batch_rows == 0:
             return PREFETCH
         rows = max((svc.router.by_length_rows() for svc in self._services.values()), default=0)
-        return max(PREFETCH, -(-rows // self._batch_rows))
+        want = -(-rows // self._batch_rows)
+        batch_bytes = self._delivery.row_bytes * self._batch_rows
+        if batch_bytes > 0:
+            want = min(want, int(self.opts.read_ahead_mb * 2**20 // batch_bytes))
+        return max(PREFETCH, want)
 
     def _resize(self) -> None:
         """The teachers that batch by length changed, or the batches grew: the pass in progress
@@ -214,6 +223,8 @@ class Engine:
 
     def _offer(self, jobs: list[Job]) -> None:
         """New batches (in order) to every service's dispatcher, all of a service's at once."""
+        for job in jobs:
+            self._delivery.measure(job)  # its inputs; the outputs count once it is answered
         if jobs and (rows := max(job.sent for job in jobs)) > self._batch_rows:
             self._batch_rows = rows
             if self.opts.prefetch is None:
@@ -387,6 +398,7 @@ class Engine:
         # the engine: a cycle through `_epoch_task` unless it is dropped too.
         self._tasks.clear()
         self._epoch_task = None
+        self._delivery.on_row_bytes = None  # the engine's method: a cycle through the engine
         for cm in reversed(self._closing):
             with contextlib.suppress(Exception):
                 await cm.__aexit__(None, None, None)
