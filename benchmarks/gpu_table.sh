@@ -13,34 +13,74 @@
 # The LLM rows use a Qwen2.5-1.5B-shaped causal LM with random weights (benchmarks/shapes.py) and
 # the LLM example's smoke tokenizer and held-out corpus (`--tiny`): the cost of a real forward pass
 # and a 152k vocabulary, not a trained model's outputs.
+#
+# Device time is scarce, so try a list on the CPU first: SMOKE=1 runs every stage's own command on
+# the tiny shape with a few sequences and one repetition (the sizes in smoke_args), results and logs
+# under a temporary directory, and says which stages failed:
+#
+#   SMOKE=1 bash benchmarks/gpu_table.sh next
 set -u
 PY=${PY:-python}
+SMOKE=${SMOKE:-0}
+if [ "$SMOKE" = 1 ]; then
+  SMOKE_DIR=${SMOKE_DIR:-$(mktemp -d /tmp/gpu-table-smoke.XXXXXX)}
+  export DISTILL_BENCH_RESULTS=$SMOKE_DIR/results
+  LOGS=${LOGS:-$SMOKE_DIR/logs}
+  DEVICE=${DEVICE:-cpu}
+  SHAPE=${SHAPE:-qwen2.5-tiny}
+  DTYPE=${DTYPE:-FP32}
+  echo "smoke run: $DEVICE, $SHAPE, $DTYPE; results and logs under $SMOKE_DIR"
+fi
 LOGS=${LOGS:-benchmarks/results/gpu-logs}
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-qwen2.5-1.5b}  # benchmarks/shapes.py
 SHAPES=${SHAPES:-/tmp/distill-shapes}
-Q15=$SHAPES/qwen2.5-1.5b
+Q15=$SHAPES/$SHAPE
 DTYPE=${DTYPE:-BF16}
 REPS=${REPS:-3}  # repetitions of the LLM rows and the instance counts
+FAILED=()
 mkdir -p "$LOGS"
+
+smoke_args() {  # smoke_args PYTHON -m MODULE ...: the small sizes SMOKE=1 appends (argparse: the last one wins)
+  [ "$SMOKE" = 1 ] || return 0
+  case $3 in
+    benchmarks.llm_serving) echo --sequences 24 --batch 8 --clients 8 --student-batch 4 --reader-rows 8 --reps 1 \
+                              --compute-dtype "$DTYPE" ;;
+    benchmarks.host_bound) echo --shapes 2x64,4x128 --reps 1 --compute-dtype "$DTYPE" ;;
+    benchmarks.instance_pipeline) echo --sequences 24 --budget 512 --compute-dtype "$DTYPE" ;;
+    benchmarks.packing) echo --hidden 64 --layers 2 --heads 4 --vocab 4096 --row 128 --budget 512 --sequences 24 \
+                          --reps 1 --compute-dtype "$DTYPE" ;;
+    benchmarks.teacher_memory) echo --seq 256 --compute-dtype "$DTYPE" ;;
+    benchmarks.serving) echo --reps 1 --warmup 0.2 --duration 0.5 --compute-dtype "$DTYPE" ;;
+    benchmarks.mesh|benchmarks.w1_train|benchmarks.onpolicy|benchmarks.instances) echo --reps 1 --compute-dtype "$DTYPE" ;;
+  esac
+}
 
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local start; start=$(date +%s)
+  local extra; extra=$(smoke_args "$@")
+  # shellcheck disable=SC2086 # the smoke sizes are words
+  set -- "$@" $extra
   echo "== $name (at most ${limit} s): $*"
   timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $(( $(date +%s) - start )) s"
+  [ "$rc" = 0 ] || FAILED+=("$name")
   tail -n "${TAIL:-18}" "$LOGS/$name.log"
   eval "${AFTER:-true}"
 }
 
-shape() {  # the random-weight Qwen2.5-1.5B shape, with the smoke tokenizer (trained here if missing)
+shape() {  # the random-weight $SHAPE (Qwen2.5-1.5B), with the smoke tokenizer (trained here if missing)
   [ -f "$Q15/config.json" ] && return 0
-  local tok; tok=$($PY -c 'from examples.llm.tokenizer import tokenizer_dir; print(tokenizer_dir(smoke=True))')
-  [ -f "$tok/tokenizer.json" ] || $PY -m examples.llm.tokenizer --smoke || return 1
-  $PY -m benchmarks.shapes qwen2.5-1.5b --tokenizer "$tok" --out "$Q15" --device cuda --dtype "$DTYPE"
+  local tok; tok=$($PY -c 'from examples.llm.tokenizer import tokenizer_dir; print(tokenizer_dir(smoke=True))') &&
+    { [ -f "$tok/tokenizer.json" ] || $PY -m examples.llm.tokenizer --smoke; } &&
+    $PY -m benchmarks.shapes "$SHAPE" --tokenizer "$tok" --out "$Q15" --device "$DEVICE" --dtype "$DTYPE" &&
+    return 0
+  FAILED+=("shape"); return 1
 }
 
-LLM=(--tiny --teacher "$Q15" --device cuda --compute-dtype "$DTYPE" --batch 256 --clients 256 --sequences 512)
+LLM=(--tiny --teacher "$Q15" --device "$DEVICE" --compute-dtype "$DTYPE" --batch 256 --clients 256 --sequences 512)
 
 run_stage() {
   case $1 in
@@ -66,7 +106,7 @@ run_stage() {
                 # (1 instance against 1 in-process loop), and the transforms' memory at 8k tokens
       shape && stage w6_chunks 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --instances 1 --alt-server-arg=--output-chunk-mb=64 --reps "$REPS" --out llm_serving_gpu_chunks
-      stage memory_chunks 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
+      stage memory_chunks 150 $PY -m benchmarks.teacher_memory --device "$DEVICE" --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k_chunk256 ;;
     w6_floor)  # A/B of the padding floor lowered by the batches' fitted fixed cost (the GPU default) against the
                # floor as set, in W6's headline layout; each repetition records the server's fit (batch_cost)
@@ -91,37 +131,37 @@ run_stage() {
     reader) shape && stage reader 200 $PY -m benchmarks.llm_serving "${LLM[@]}" --mode reader --student-batch 16 \
               --reps "$REPS" --out llm_reader_gpu ;;
     memory)
-      shape && stage memory_4k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
+      shape && stage memory_4k 150 $PY -m benchmarks.teacher_memory --device "$DEVICE" --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 4096 --out teacher_memory_gpu_4k
-      stage memory_8k 150 $PY -m benchmarks.teacher_memory --device cuda --compute-dtype "$DTYPE" \
+      stage memory_8k 150 $PY -m benchmarks.teacher_memory --device "$DEVICE" --compute-dtype "$DTYPE" \
         --teacher "$Q15" --seq 8192 --out teacher_memory_gpu_8k ;;
-    instances) stage instances 200 $PY -m benchmarks.instances --device cuda --compute-dtype FP16 \
+    instances) stage instances 200 $PY -m benchmarks.instances --device "$DEVICE" --compute-dtype FP16 \
                  --model benchmarks.cv_teacher:resnet50 --counts 1,2,3 --reps "$REPS" --out instances_gpu_resnet50 ;;
     llm_instances) shape && stage llm_instances 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                      --instances 2 --skip-buckets-off --out llm_serving_gpu_2inst ;;
-    serving) stage serving 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --out serving_gpu ;;
+    serving) stage serving 200 $PY -m benchmarks.serving --device "$DEVICE" --compute-dtype FP16 --quick --out serving_gpu ;;
     serving_threads)  # W2/W3 with 2 host torch threads an instance, then at the default (cores / instances, 8 on
                       # 16 cores), back to back on one machine: whether the cores W2's server keeps busy (11.3 on
                       # an H200 at 8 threads, 3.8 on an H100 at 2) are intra-op threads spinning on host work
-      stage serving_threads 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick --threads 2 \
+      stage serving_threads 200 $PY -m benchmarks.serving --device "$DEVICE" --compute-dtype FP16 --quick --threads 2 \
         --out serving_gpu_threads2
-      stage serving_threads_default 200 $PY -m benchmarks.serving --device cuda --compute-dtype FP16 --quick \
+      stage serving_threads_default 200 $PY -m benchmarks.serving --device "$DEVICE" --compute-dtype FP16 --quick \
         --out serving_gpu ;;
-    w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device cuda --compute-dtype FP16 --quick ;;
-    w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device cuda --compute-dtype FP16 --reps "$REPS" ;;
-    w7) stage w7 200 $PY -m benchmarks.onpolicy --device cuda --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
+    w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device "$DEVICE" --compute-dtype FP16 --quick ;;
+    w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device "$DEVICE" --compute-dtype FP16 --reps "$REPS" ;;
+    w7) stage w7 200 $PY -m benchmarks.onpolicy --device "$DEVICE" --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
           --batch 32 --prompt-len 64 --new-tokens 64 --steps 8 --reps "$REPS" --out onpolicy_gpu \
           --w6-results benchmarks/results/llm_serving_gpu.json ;;
     host_bound)  # one batch on the host and on the device: forward pass, transforms at 256/64/1024 MiB chunks
                  # and the in-process whole-batch top-k, and the calls that make the host wait for the GPU
-      shape && stage host_bound 120 $PY -m benchmarks.host_bound --teacher "$Q15" --device cuda \
+      shape && stage host_bound 120 $PY -m benchmarks.host_bound --teacher "$Q15" --device "$DEVICE" \
         --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
     pipeline)  # one instance over W6's length-sorted batches, with and without the mask, against the batches
                # alone and a plain loop: where the device waits between batches; Chrome traces of the instance
-      shape && stage pipeline 200 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device cuda \
+      shape && stage pipeline 200 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device "$DEVICE" \
         --compute-dtype "$DTYPE" --trace "$LOGS/traces" --out instance_pipeline_gpu ;;
     packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
-      stage packing 240 $PY -m benchmarks.packing --device cuda --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
+      stage packing 240 $PY -m benchmarks.packing --device "$DEVICE" --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
         --heads 12 --vocab 151936 --row 1024 --budget 16384 --sequences 512 --reps "$REPS" --out packing_gpu ;;
     w6_sync) shape && stage w6_sync 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
@@ -133,3 +173,5 @@ run_stage() {
 
 [ $# -gt 0 ] || set -- tests w6 reader memory instances llm_instances serving w1 w1_train w7
 for s in "$@"; do run_stage "$s"; done
+if [ ${#FAILED[@]} -gt 0 ]; then echo "failed: ${FAILED[*]}"; exit 1; fi
+echo "every stage exited 0"
