@@ -44,7 +44,8 @@ mkdir -p "$LOGS"
 smoke_args() {  # smoke_args PYTHON -m MODULE ...: the small sizes SMOKE=1 appends (argparse: the last one wins)
   [ "$SMOKE" = 1 ] || return 0
   case $3 in
-    benchmarks.llm_serving) echo --sequences 24 --batch 8 --clients 8 --student-batch 4 --reader-rows 8 --reps 1 \
+    # (batch 4: the in-process loops hold a whole batch's logits, 3 of them at llm_3inst)
+    benchmarks.llm_serving) echo --sequences 24 --batch 4 --clients 8 --student-batch 4 --reader-rows 8 --reps 1 \
                               --compute-dtype "$DTYPE" ;;
     benchmarks.host_bound) echo --shapes 2x64,4x128 --reps 1 --compute-dtype "$DTYPE" ;;
     benchmarks.instance_pipeline) echo --sequences 24 --budget 512 --compute-dtype "$DTYPE" ;;
@@ -52,7 +53,14 @@ smoke_args() {  # smoke_args PYTHON -m MODULE ...: the small sizes SMOKE=1 appen
                           --reps 1 --compute-dtype "$DTYPE" ;;
     benchmarks.teacher_memory) echo --seq 256 --compute-dtype "$DTYPE" ;;
     benchmarks.serving) echo --reps 1 --warmup 0.2 --duration 0.5 --compute-dtype "$DTYPE" ;;
-    benchmarks.mesh|benchmarks.w1_train|benchmarks.onpolicy|benchmarks.instances) echo --reps 1 --compute-dtype "$DTYPE" ;;
+    benchmarks.instances)  # ResNet-50 needs torchvision (the GPU image has it); without it, RefTeacher
+      $PY -c 'import torchvision' 2>/dev/null || echo --model examples.refteacher:build
+      echo --counts 1,2 --batch 4 --clients 8 --inproc-batch 8 --max-batch-size 8 --duration 0.5 --reps 1 \
+        --compute-dtype "$DTYPE" ;;
+    benchmarks.onpolicy) echo --shape tiny --batch 4 --prompt-len 16 --new-tokens 8 --steps 2 --reps 1 \
+                           --compute-dtype "$DTYPE" ;;
+    benchmarks.w1_train) echo --batch 8 --steps 3 --reps 1 --compute-dtype "$DTYPE" ;;
+    benchmarks.mesh) echo --reps 1 --steps 10 --compute-dtype "$DTYPE" ;;
   esac
 }
 
