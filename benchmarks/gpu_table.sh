@@ -175,7 +175,7 @@ run_stage() {
                --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
     next)  # what the README's "Not measured on a GPU yet" asks for, in its order (about 700 s at REPS=3: two calls)
       for s in w6_floor host_bound pipeline w6_chunks reader w6_ahead1 serving_threads packing; do run_stage "$s"; done ;;
-    *) echo "unknown stage $1"; return 2 ;;
+    *) echo "unknown stage $1"; FAILED+=("$1"); return 2 ;;
   esac
 }
 
