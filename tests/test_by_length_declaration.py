@@ -252,20 +252,20 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
                          ids=["default", "six-batches"])
 def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: float | None, want: int) -> None:
     """A row here holds 2,592 bytes once answered (ids and mask, 96 bytes each, and 12 x 50 fp32
-    logits), 192 before. The pass reads 10 batches of 4 rows ahead for the teacher's 40 rows, all
-    before the first answer shows the outputs' size; a budget of 6.5 batches then narrows it to 6:
-    the training loop takes 6 batches, and the loader reads 2 (12 read, not 16)."""
+    logits), 192 before. The pass reads up to 10 batches of 4 rows ahead for the teacher's 40 rows
+    until the first answer shows the outputs' size; a budget of 6.5 batches then narrows it to 6:
+    once the training loop has taken 6 batches, 12 have been read, not 16."""
     kwargs = {} if read_ahead_mb is None else {"read_ahead_mb": read_ahead_mb}
     loader = _CountingLoader(30)
     with _server(PADDED) as s, DistillReader(loader, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK":
                                              "mask"}, outputs=["LOGITS"], timeout=30.0,
                                              router=RouterConfig(max_limit=8, by_length_rows=40), **kwargs) as reader:
         it = iter(reader)
-        first = _read_ahead(loader, 10)
+        first = _read_ahead(loader, 4)
         taken = [next(it) for _ in range(6)]
         after = _read_ahead(loader, want)
         rest = sum(1 for _ in it)
-    assert (first, after) == (10, want)
+    assert 4 <= first <= 10 and after == want
     assert len(taken) + rest == 30
     assert taken[0][1]["LOGITS"].nbytes + sum(v.nbytes for v in loader.batches[0].values()) == 4 * _ROW_BYTES
 
