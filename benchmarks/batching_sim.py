@@ -240,12 +240,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             from distill import DistillReader
 
             ahead = max(1, args.clients // args.student_batch)
+            reader_memory = {} if args.read_ahead_mb is None else {"read_ahead_mb": args.read_ahead_mb}
             batches = _student_batches(lengths, args.student_batch)
             readers = [stack.enter_context(DistillReader(
                 batches[i::args.students], teachers=",".join(endpoints), model=MODEL_NAME,
                 inputs={"INPUT_IDS": "input_ids", "ATTENTION_MASK": "attention_mask"}, outputs=["LOGITS"],
                 output_dtype="FP16", timeout=args.timeout, prefetch=None if args.router == "defaults" else ahead,
-                hedge_after="auto" if args.hedge else None,
+                hedge_after="auto" if args.hedge else None, **reader_memory,
                 router=reader_router(args.router, ahead, args.student_batch))) for i in range(args.students)]
             pass_once = (functools.partial(_read, readers[0], sum(lengths), endpoint, port, pid)
                          if args.students == 1 and args.teachers == 1
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--student-batch", type=int, default=0,
                    help="measure DistillReader with padded batches of this many sequences instead (0: off)")
     p.add_argument("--timeout", type=float, default=60.0, help="--student-batch: the reader's deadline for a chunk")
+    p.add_argument("--read-ahead-mb", type=float, default=None,
+                   help="--student-batch with --router defaults: the reader's read_ahead_mb (default: the reader's)")
     p.add_argument("--teachers", type=int, default=1,
                    help="--student-batch: this many teacher processes, each its own emulated device")
     p.add_argument("--hedge", action="store_true",
