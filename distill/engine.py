@@ -344,7 +344,7 @@ class Engine:
         return reader_stats(self._meter, {s: svc.router for s, svc in self._services.items()},
                             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
                             rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
-                            bundled=self._dispatcher.bundled,
+                            bundled=self._dispatcher.bundled, read_ahead=self._slots.size,
                             **(self.cache.counters() if self.cache is not None else {}))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

@@ -38,6 +38,9 @@ class ReaderStats:
     rejected_batches: int = 0  # batches the teachers refused (BatchRejectedError, or hard labels)
     hung_ejections: int = 0  # teachers ejected because a chunk was late and a readiness probe failed
     bundled: int = 0  # chunks sent in a request shared with other batches' chunks (distill.bundles)
+    # Batches the pass reads ahead of the training loop now: `prefetch`, or as many as the teachers that
+    # batch by length want rows, within `read_ahead_mb`.
+    read_ahead: int = 0
     # With a teacher-output store (cache=PATH): samples its lookups found (served without a teacher),
     # samples it lacked (sent to a teacher when there is one), and teacher samples written to it.
     cache_hits: int = 0

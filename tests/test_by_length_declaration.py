@@ -264,8 +264,9 @@ def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: fl
         first = _read_ahead(loader, 4)
         taken = [next(it) for _ in range(6)]
         after = _read_ahead(loader, want)
+        ahead = reader.stats().read_ahead
         rest = sum(1 for _ in it)
-    assert 4 <= first <= 10 and after == want
+    assert 4 <= first <= 10 and after == want and ahead == want - 6
     assert len(taken) + rest == 30
     assert taken[0][1]["LOGITS"].nbytes + sum(v.nbytes for v in loader.batches[0].values()) == 4 * _ROW_BYTES
 
