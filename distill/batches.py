@@ -203,7 +203,7 @@ class Delivery:
         self.ready: dict[int, Job] = {}
         self.next_seq = 0
         self.end_seq: int | None = None
-        self.row_bytes = 0.0  # the most bytes a row has held: its teacher inputs, and its outputs once answered
+        self.row_bytes = 0.0  # the most bytes a row of an answered batch has held: its teacher inputs and outputs
         self.on_row_bytes: Callable[[], None] | None = None  # called when row_bytes grows (the read-ahead's bound)
 
     def reset(self, epoch: int) -> None:
@@ -329,8 +329,8 @@ class Delivery:
         self.maybe_complete(job)
         return settled
 
-    def measure(self, job: Job) -> None:
-        """Count what a row of `job` holds (inputs; outputs too once answered) towards `row_bytes`."""
+    def _measure(self, job: Job) -> None:
+        """Count what a row of `job`, answered, holds (its inputs and outputs) towards `row_bytes`."""
         if not job.size or job.error is not None:
             return
         held = sum(f.array.nbytes for f in job.fields.values())
@@ -343,7 +343,7 @@ class Delivery:
     def maybe_complete(self, job: Job) -> None:
         if job.delivered or any(job.remaining.values()):
             return
-        self.measure(job)
+        self._measure(job)
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
         self._write_back(job)
         if self.ordered:

@@ -186,21 +186,20 @@ class Engine:
         teachers batch padded rows by length: the router keeps `RouterConfig.by_length_rows` rows in
         flight to each (they fill their batches from the rows queued: on an emulated GPU, 4 batches
         of 16 rows in flight gave 0.840 of length-sorted batches, 16 gave 0.928), so the reader reads
-        that many rows ahead for each, in batches of the most rows one has had (until the first
-        batch shows its rows, `PREFETCH`: a loader's batches are not taken back once read).
-        A large pool of such teachers would have the reader hold thousands of batches, answered ones
-        waiting for a slower training loop among them; `read_ahead_mb` bounds what they hold, counted
-        at the most bytes a row has held (inputs, and outputs once a batch is answered)."""
+        that many rows ahead for each, in batches of the most rows one has had. A large pool of such
+        teachers would have the reader hold thousands of batches, answered ones waiting for a slower
+        training loop among them, so `read_ahead_mb` bounds what they hold, counted at the most bytes
+        a row of an answered batch has held (its inputs and outputs). Until a batch is answered,
+        `PREFETCH`: a loader's batches are not taken back once read, and a teacher's outputs (full
+        logits of a large vocabulary, or top-k) can be a thousand times its inputs."""
         if self.opts.prefetch is not None:
             return self.opts.prefetch
-        if self._batch_rows == 0:
+        batch_bytes = self._delivery.row_bytes * self._batch_rows
+        if batch_bytes == 0:
             return PREFETCH
         rows = max((svc.router.by_length_rows() for svc in self._services.values()), default=0)
-        want = -(-rows // self._batch_rows)
-        batch_bytes = self._delivery.row_bytes * self._batch_rows
-        if batch_bytes > 0:
-            want = min(want, int(self.opts.read_ahead_mb * 2**20 // batch_bytes))
-        return max(PREFETCH, want)
+        fits = int(self.opts.read_ahead_mb * 2**20 // batch_bytes)
+        return max(PREFETCH, min(-(-rows // self._batch_rows), fits))
 
     def _resize(self) -> None:
         """The teachers that batch by length changed, or the batches grew: the pass in progress
@@ -223,8 +222,6 @@ class Engine:
 
     def _offer(self, jobs: list[Job]) -> None:
         """New batches (in order) to every service's dispatcher, all of a service's at once."""
-        for job in jobs:
-            self._delivery.measure(job)  # its inputs; the outputs count once it is answered
         if jobs and (rows := max(job.sent for job in jobs)) > self._batch_rows:
             self._batch_rows = rows
             if self.opts.prefetch is None:

@@ -252,9 +252,9 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
                          ids=["default", "six-batches"])
 def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: float | None, want: int) -> None:
     """A row here holds 2,592 bytes once answered (ids and mask, 96 bytes each, and 12 x 50 fp32
-    logits), 192 before. The pass reads up to 10 batches of 4 rows ahead for the teacher's 40 rows
-    until the first answer shows the outputs' size; a budget of 6.5 batches then narrows it to 6:
-    once the training loop has taken 6 batches, 12 have been read, not 16."""
+    logits). The pass reads 4 batches ahead until the first answer shows what a row holds, then 10
+    for the teacher's 40 rows, or 6 within a budget of 6.5 batches: once the training loop has
+    taken 6 batches, 12 have been read, not 16."""
     kwargs = {} if read_ahead_mb is None else {"read_ahead_mb": read_ahead_mb}
     loader = _CountingLoader(30)
     with _server(PADDED) as s, DistillReader(loader, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK":
