@@ -150,13 +150,14 @@ class ReaderOptions:
     prefetch: int | None = option(
         None, help="loader batches in flight to teachers ahead of the training loop; with no loader, the most "
         "submitted batches unsettled at once (distill.submit). Default: 4, or as many as hold the router's "
-        "by_length_rows rows (512) for every teacher that batches padded rows by length (it needs many rows queued)",
+        "by_length_rows rows (512) for every teacher that batches padded rows by length (it needs many rows queued), "
+        "within read_ahead_mb",
         check=positive_int, flag=Flag(metavar="N", required=True))
     read_ahead_mb: float = option(
         1024.0, help="with prefetch unset, the most MiB the batches read ahead for teachers that batch by length may "
         "hold, teacher inputs and outputs counted at the largest batch answered so far (the loader's other fields "
         "are not seen); beyond it the reader reads ahead fewer batches than their rows want, never fewer than 4",
-        check=positive_float)
+        check=positive_float, flag=Flag(metavar="MIB", required=True))
     teacher_batch_size: int = option(
         0, help="split batches into chunks of at most N samples per request; 0 = the teacher's max batch size",
         check=non_negative_int, flag=Flag(metavar="N", required=True))

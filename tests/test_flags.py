@@ -29,6 +29,7 @@ KEYS = {
     "no_teacher_timeout",
     "max_teachers",
     "prefetch",
+    "read_ahead_mb",
     "teacher_batch_size",
     "hedge_after",
     "tls_ca",
@@ -65,6 +66,7 @@ def test_static_teachers_with_defaults() -> None:
         "no_teacher_timeout": 60.0,
         "max_teachers": 0,
         "prefetch": None,
+        "read_ahead_mb": 1024.0,
         "teacher_batch_size": 0,
         "hedge_after": "auto",
         "top_k": 0,
@@ -92,6 +94,7 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_no_teacher_timeout", "30",
             "--distill_max_teachers", "3",
             "--distill_prefetch", "8",
+            "--distill_read_ahead_mb", "256",
             "--distill_teacher_batch_size", "128",
             "--distill_hedge_ms", "250",
             "--distill_model", "resnet50_trt",
@@ -112,6 +115,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["no_teacher_timeout"] == 30.0
     assert opts["max_teachers"] == 3
     assert opts["prefetch"] == 8
+    assert opts["read_ahead_mb"] == 256.0
     assert opts["teacher_batch_size"] == 128
     assert opts["hedge_after"] == pytest.approx(0.25)
     assert opts["model"] == "resnet50_trt"
@@ -144,6 +148,7 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_no_teacher_timeout",
         "--distill_max_teachers",
         "--distill_prefetch",
+        "--distill_read_ahead_mb",
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
         "--distill_model",
@@ -305,6 +310,7 @@ def test_bad_service(value: str, message: str, capsys: pytest.CaptureFixture[str
         ("--distill_max_teachers", "-1", "must be an integer >= 0"),
         ("--distill_max_teachers", "2.5", "expected an integer"),
         ("--distill_prefetch", "0", "must be an integer >= 1"),
+        ("--distill_read_ahead_mb", "0", "must be > 0"),
         ("--distill_teacher_batch_size", "-8", "must be an integer >= 0"),
         ("--distill_hedge_ms", "-5", "must be >= 0"),
         ("--distill_hedge_ms", "inf", "finite"),
