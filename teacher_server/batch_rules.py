@@ -17,7 +17,7 @@ QUEUE_SIZE = 512
 BY_LENGTH_QUEUE_ROWS = 2048
 """Rows allowed to wait by default where a model batches padded rows by length: four students'
 512 (`distill.RouterConfig.by_length_rows`). On an emulated GPU with the H100's 45 ms a forward
-pass, two students sharing the teacher reached 0.952 of length-sorted batches with 1,024 and 0.847
+pass, two students sharing the teacher reached 0.961 of length-sorted batches with 2,048 and 0.854
 with 512, where it shed their rows (`benchmarks.batching_sim --students 2`)."""
 
 TYPICAL_LENGTH = 64
