@@ -103,7 +103,7 @@ run_stage() {
       stage cuda_tests 150 $PY -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider --timeout 120 \
         tests/test_hf_scoring.py tests/test_hf_teacher.py tests/test_output_transforms.py \
         tests/test_padded_batching.py tests/test_row_rebatching.py tests/test_staging.py tests/test_teacher_server.py \
-        tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py ;;
+        tests/test_reader_sequences.py tests/test_transform_registry.py tests/test_onpolicy.py tests/test_vllm_api.py tests/test_device_memory.py ;;
     shape) shape ;;  # a shell function, so no time cap of its own
     w6) shape && stage w6 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" --out llm_serving_gpu ;;
     w6_long)  # W6 with twice the sequences a pass (the start and end of a pass weigh half as much)

@@ -115,6 +115,8 @@ class Measurement:
     threads: list[dict[str, object]] | None = None  # the server's busiest threads (cpu.busiest_threads)
     # The server's fitted batch cost and padding floor at the end of the pass (scrape_batch_cost)
     batch_cost: dict[str, float] | None = None
+    # On a GPU: what the server's caching allocator did during the pass (device_memory_change)
+    device_memory: dict[str, float] | None = None
 
     @property
     def padding_efficiency(self) -> float | None:
@@ -315,6 +317,33 @@ def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
             "padding_floor": round(values.get("teacher_padding_floor", 0.0), 4)}
 
 
+_DEVICE_MEMORY = ("teacher_cuda_device_allocations_total", "teacher_cuda_device_frees_total",
+                  "teacher_cuda_alloc_retries_total", "teacher_cuda_memory_reserved_bytes", "nv_gpu_memory_used_bytes")
+
+
+def scrape_device_memory(metrics_port: int) -> dict[str, float]:
+    """The server's GPU memory and caching-allocator figures (`teacher_server.device_memory`); {}
+    from a server on the CPU."""
+    return scrape_metrics(metrics_port, _DEVICE_MEMORY)
+
+
+def device_memory_change(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """What the allocator did between two scrapes: device allocations, frees (each waits for the
+    whole device) and retries over the pass, and the memory reserved and used on the device at its
+    end. None on the CPU."""
+    if not after:
+        return None
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return {"device_allocations": grew("teacher_cuda_device_allocations_total"),
+            "device_frees": grew("teacher_cuda_device_frees_total"),
+            "alloc_retries": grew("teacher_cuda_alloc_retries_total"),
+            "reserved_gib": round(after.get("teacher_cuda_memory_reserved_bytes", 0.0) / 2**30, 2),
+            "device_used_gib": round(after.get("nv_gpu_memory_used_bytes", 0.0) / 2**30, 2)}
+
+
 async def executions(stub: Any) -> int:
     resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL_NAME), timeout=10)
     return int(resp.model_stats[0].execution_count)
@@ -337,6 +366,7 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
             wire += sum(len(c) for c in resp.raw_output_contents)
 
     useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    memory0 = await asyncio.to_thread(scrape_device_memory, metrics_port)
     exec0 = await executions(stub)
     meter = CpuMeter(server_pids)
     threads0 = thread_cpu_seconds(server_pid) if server_pid else {}
@@ -358,7 +388,9 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
         raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
     return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
                        wire_bytes=wire, executions=await executions(stub) - exec0, threads=threads,
-                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None)
+                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None,
+                       device_memory=device_memory_change(
+                           memory0, await asyncio.to_thread(scrape_device_memory, metrics_port)))
 
 
 def print_rep(rep: int, name: str, m: Measurement) -> None:
@@ -367,6 +399,9 @@ def print_rep(rep: int, name: str, m: Measurement) -> None:
         line += f"  padding efficiency {m.padding_efficiency:.3f}"
     if m.executions:
         line += f"  {m.executions} batches"
+    if m.device_memory and (m.device_memory["device_frees"] or m.device_memory["alloc_retries"]):
+        line += (f"  allocator: {m.device_memory['device_frees']:.0f} cudaFree, "
+                 f"{m.device_memory['alloc_retries']:.0f} retries")
     if m.threads:
         line += "  threads " + " ".join(f"{t['name']} {t['cores']}" for t in m.threads[:4])
     if m.cpu:

@@ -56,6 +56,7 @@ from benchmarks.llm_parts import (
     PADDING_GOAL,
     Measurement,
     Settings,
+    device_memory_change,
     executions,
     make_request,
     measure_inprocess,
@@ -65,6 +66,7 @@ from benchmarks.llm_parts import (
     prepare,
     print_rep,
     scrape_batch_cost,
+    scrape_device_memory,
     scrape_tokens,
     server_args,
 )
@@ -111,6 +113,7 @@ async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: A
                          server_pids: Sequence[int]) -> Measurement:
     """One pass of the reader over the loader; tokens/s from the first batch asked to the last."""
     useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
+    memory0 = await asyncio.to_thread(scrape_device_memory, metrics_port)
     exec0 = await executions(stub)
     meter = CpuMeter(server_pids)
     meter.start()
@@ -124,7 +127,9 @@ async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: A
                              f"the loader holds {useful}")
     return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
                        executions=await executions(stub) - exec0,
-                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None)
+                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None,
+                       device_memory=device_memory_change(
+                           memory0, await asyncio.to_thread(scrape_device_memory, metrics_port)))
 
 
 async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int, *, half: bool = False) -> float:

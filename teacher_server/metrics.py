@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from teacher_server.batch_cost import BatchCostFigures
+from teacher_server.device_memory import DeviceMemory, render_device_memory
 
 _COUNTERS = {
     "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
@@ -72,6 +73,7 @@ class ServerMetrics:
         self._pending_source: Callable[[], int] = lambda: 0
         self._in_flight_source: Callable[[], int] = lambda: 0
         self._batch_cost_source: Callable[[], BatchCostFigures] | None = None
+        self._device_memory_source: Callable[[], DeviceMemory | None] | None = None
 
     def record_success(self, batch_size: int, request_ns: int, queue_ns: int, compute_ns: int) -> None:
         """One request answered: `batch_size` inferences, its whole duration, its time queued and
@@ -115,6 +117,11 @@ class ServerMetrics:
     def watch_batch_cost(self, source: Callable[[], BatchCostFigures]) -> None:
         """Where a padded model's batch cost and padding floor are read from at scrape time (the batcher)."""
         self._batch_cost_source = source
+
+    def watch_device_memory(self, source: Callable[[], DeviceMemory | None] | None) -> None:
+        """Where a GPU model's device memory figures are read from at scrape time
+        (`device_memory.device_memory_source`; None: a CPU model, no such families)."""
+        self._device_memory_source = source
 
     def failures(self, reason: str) -> int:
         return self._request_failure[reason]
@@ -163,6 +170,8 @@ class ServerMetrics:
                              "until known).")
             lines += _family("teacher_padding_floor", "gauge", lab, cost.padding_floor,
                              "Least useful / computed positions of a batch, as batches are formed now.")
+        if self._device_memory_source is not None and (memory := self._device_memory_source()) is not None:
+            lines += render_device_memory(memory)
         return "\n".join(lines) + "\n"
 
 

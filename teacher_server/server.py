@@ -31,6 +31,7 @@ from protos import registry_pb2
 from teacher_server import token_budget
 from teacher_server.batcher import DynamicBatcher
 from teacher_server.config import ServerConfig
+from teacher_server.device_memory import device_memory_source
 from teacher_server.finishing import BusyClock
 from teacher_server.grpc_service import InferenceService, add_inference_service
 from teacher_server.http_service import HTTPFrontEnd, server_ssl_context
@@ -70,6 +71,7 @@ class TeacherServer:
             self.metrics,
         )
         self.metrics.watch_in_flight(lambda: self.requests.in_flight)
+        self.metrics.watch_device_memory(device_memory_source(self.device))
         self.instance_id = config.instance_id or f"{config.name}-{uuid.uuid4().hex[:12]}"
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
