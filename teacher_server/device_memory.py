@@ -43,7 +43,10 @@ class DeviceMemory:
 
 def _gpu_uuid(index: int) -> str:
     """The device's UUID as NVML and Triton write it (``GPU-…``); its index where torch has none."""
-    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    try:
+        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    except Exception:  # a build or runtime without it: the label is still unique on this machine
+        uuid = ""
     if not uuid:
         return f"cuda:{index}"
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
@@ -53,7 +56,8 @@ def device_memory_source(device: torch.device) -> Callable[[], DeviceMemory | No
     """A reader of `device`'s memory figures, or None where there are none (any device but CUDA).
 
     The reader is called from the metrics endpoint's thread. It returns None, and logs once, when
-    the CUDA runtime fails to answer (a lost device), so a scrape still shows every other family."""
+    the CUDA runtime fails to answer (a lost device) or answers unexpectedly: these figures are
+    for watching, so they never fail a scrape's other families or the server's start."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -65,19 +69,20 @@ def device_memory_source(device: torch.device) -> Callable[[], DeviceMemory | No
         try:
             free, total = torch.cuda.mem_get_info(index)
             stats = torch.cuda.memory_stats(index)
-        except RuntimeError as e:
+            return DeviceMemory(
+                gpu_uuid=uuid, total_bytes=int(total), used_bytes=int(total - free),
+                allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
+                reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+                device_allocations=int(stats.get("num_device_alloc", 0)),
+                device_frees=int(stats.get("num_device_free", 0)),
+                alloc_retries=int(stats.get("num_alloc_retries", 0)),
+                ooms=int(stats.get("num_ooms", 0)))
+        except Exception as e:
             if not failed:
-                log.warning("the GPU's memory figures cannot be read (%s); /metrics shows them no more", e)
+                log.warning("the GPU's memory figures cannot be read (%s: %s); /metrics leaves them out",
+                            type(e).__name__, e)
                 failed = True
             return None
-        return DeviceMemory(
-            gpu_uuid=uuid, total_bytes=int(total), used_bytes=int(total - free),
-            allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
-            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
-            device_allocations=int(stats.get("num_device_alloc", 0)),
-            device_frees=int(stats.get("num_device_free", 0)),
-            alloc_retries=int(stats.get("num_alloc_retries", 0)),
-            ooms=int(stats.get("num_ooms", 0)))
 
     return read
 

@@ -66,6 +66,16 @@ def test_a_cpu_device_has_no_source() -> None:
     assert device_memory_source(torch.device("meta")) is None
 
 
+def test_a_device_that_cannot_answer_gives_no_figures_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A CUDA device this machine lacks (cuda:0 without CUDA; one past the last GPU with it): the
+    source is built all the same and its reads give None, logged once, never an exception."""
+    read = device_memory_source(torch.device("cuda", torch.cuda.device_count()))
+    assert read is not None
+    with caplog.at_level("WARNING", logger="teacher_server.device_memory"):
+        assert read() is None and read() is None
+    assert len([r for r in caplog.records if "cannot be read" in r.getMessage()]) == 1
+
+
 def test_a_served_model_shows_its_devices_memory() -> None:
     """A teacher-server on this machine's default device (a GPU where there is one) after one
     request: on CUDA the families are there and consistent; on CPU there are none."""
