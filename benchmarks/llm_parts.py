@@ -298,18 +298,26 @@ def scrape_metrics(metrics_port: int, names: Sequence[str]) -> dict[str, float]:
     return values
 
 
-def scrape_tokens(metrics_port: int) -> tuple[int, int]:
-    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
-    values = scrape_metrics(metrics_port, ("teacher_useful_tokens_total", "teacher_padded_tokens_total"))
+_TOKENS = ("teacher_useful_tokens_total", "teacher_padded_tokens_total")
+_BATCH_COST = ("teacher_batch_fixed_seconds", "teacher_batch_position_seconds", "teacher_padding_floor")
+_DEVICE_MEMORY = ("teacher_cuda_device_allocations_total", "teacher_cuda_device_frees_total",
+                  "teacher_cuda_alloc_retries_total", "teacher_cuda_memory_reserved_bytes", "nv_gpu_memory_used_bytes")
+
+
+def tokens_of(values: dict[str, float]) -> tuple[int, int]:
+    """(useful, computed) positions from scraped values (`scrape_metrics`)."""
     return int(values.get("teacher_useful_tokens_total", 0)), int(values.get("teacher_padded_tokens_total", 0))
 
 
-def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
+def scrape_tokens(metrics_port: int) -> tuple[int, int]:
+    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
+    return tokens_of(scrape_metrics(metrics_port, _TOKENS))
+
+
+def batch_cost_of(values: dict[str, float]) -> dict[str, float]:
     """The server's fitted fixed and per-position device time of a batch and the padding floor it
-    forms batches with (`teacher_server.batch_cost`); {} from a server without them."""
-    values = scrape_metrics(metrics_port, ("teacher_batch_fixed_seconds", "teacher_batch_position_seconds",
-                                           "teacher_padding_floor"))
-    if not values:
+    forms batches with (`teacher_server.batch_cost`), from scraped values; {} from a server without them."""
+    if not any(name in values for name in _BATCH_COST):
         return {}
     per_position = values.get("teacher_batch_position_seconds", 0.0)
     return {"fixed_ms": round(values.get("teacher_batch_fixed_seconds", 0.0) * 1e3, 2),
@@ -317,21 +325,16 @@ def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
             "padding_floor": round(values.get("teacher_padding_floor", 0.0), 4)}
 
 
-_DEVICE_MEMORY = ("teacher_cuda_device_allocations_total", "teacher_cuda_device_frees_total",
-                  "teacher_cuda_alloc_retries_total", "teacher_cuda_memory_reserved_bytes", "nv_gpu_memory_used_bytes")
-
-
-def scrape_device_memory(metrics_port: int) -> dict[str, float]:
-    """The server's GPU memory and caching-allocator figures (`teacher_server.device_memory`); {}
-    from a server on the CPU."""
-    return scrape_metrics(metrics_port, _DEVICE_MEMORY)
+def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
+    """`batch_cost_of` the server's Prometheus metrics now (a blocking HTTP GET)."""
+    return batch_cost_of(scrape_metrics(metrics_port, _BATCH_COST))
 
 
 def device_memory_change(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
-    """What the allocator did between two scrapes: device allocations, frees (each waits for the
-    whole device) and retries over the pass, and the memory reserved and used on the device at its
-    end. None on the CPU."""
-    if not after:
+    """What the allocator did between two scrapes (`teacher_server.device_memory`): device
+    allocations, frees (each waits for the whole device) and retries over the pass, and the memory
+    reserved and used on the device at its end. None from a server on the CPU."""
+    if not any(name in after for name in _DEVICE_MEMORY):
         return None
 
     def grew(name: str) -> float:
@@ -347,6 +350,33 @@ def device_memory_change(before: dict[str, float], after: dict[str, float]) -> d
 async def executions(stub: Any) -> int:
     resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=MODEL_NAME), timeout=10)
     return int(resp.model_stats[0].execution_count)
+
+
+@dataclass(frozen=True)
+class ServerCounters:
+    """What a pass reads of the server at its start and end: the Prometheus families (one GET) and
+    the executions (ModelStatistics)."""
+
+    values: dict[str, float]
+    executions: int
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        return tokens_of(self.values)
+
+
+async def server_counters(stub: Any, metrics_port: int) -> ServerCounters:
+    values = await asyncio.to_thread(scrape_metrics, metrics_port, (*_TOKENS, *_BATCH_COST, *_DEVICE_MEMORY))
+    return ServerCounters(values, await executions(stub))
+
+
+def server_side(before: ServerCounters, after: ServerCounters) -> dict[str, Any]:
+    """A Measurement's fields that the server counted over a pass: positions computed, batches,
+    the batch cost fitted at its end, and what the caching allocator did (on a GPU)."""
+    return {"computed_tokens": after.tokens[1] - before.tokens[1],
+            "executions": after.executions - before.executions,
+            "batch_cost": batch_cost_of(after.values) or None,
+            "device_memory": device_memory_change(before.values, after.values)}
 
 
 async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest], lengths: list[int], *,
@@ -365,9 +395,7 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
             resp = await stub.ModelInfer(requests[i], timeout=60)
             wire += sum(len(c) for c in resp.raw_output_contents)
 
-    useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
-    memory0 = await asyncio.to_thread(scrape_device_memory, metrics_port)
-    exec0 = await executions(stub)
+    before = await server_counters(stub, metrics_port)
     meter = CpuMeter(server_pids)
     threads0 = thread_cpu_seconds(server_pid) if server_pid else {}
     meter.start()
@@ -382,15 +410,12 @@ async def measure_server(stub: Any, requests: list[service_pb2.ModelInferRequest
     elapsed = time.perf_counter() - t0
     cpu = meter.stop()
     threads = busiest_threads(server_pid, threads0, thread_cpu_seconds(server_pid), elapsed) if server_pid else None
-    useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
-    useful = sum(lengths)
-    if useful1 - useful0 != useful:
-        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens, the client sent {useful}")
-    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
-                       wire_bytes=wire, executions=await executions(stub) - exec0, threads=threads,
-                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None,
-                       device_memory=device_memory_change(
-                           memory0, await asyncio.to_thread(scrape_device_memory, metrics_port)))
+    after = await server_counters(stub, metrics_port)
+    useful, counted = sum(lengths), after.tokens[0] - before.tokens[0]
+    if counted != useful:
+        raise AssertionError(f"the server counted {counted} useful tokens, the client sent {useful}")
+    return Measurement(useful / elapsed, useful, elapsed, cpu, wire_bytes=wire, threads=threads,
+                       **server_side(before, after))
 
 
 def print_rep(rep: int, name: str, m: Measurement) -> None:

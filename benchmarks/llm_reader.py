@@ -28,7 +28,6 @@ Before measuring, the reader's answer to a padded batch is checked against one r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -56,8 +55,6 @@ from benchmarks.llm_parts import (
     PADDING_GOAL,
     Measurement,
     Settings,
-    device_memory_change,
-    executions,
     make_request,
     measure_inprocess,
     measure_server,
@@ -65,10 +62,9 @@ from benchmarks.llm_parts import (
     padded_batches,
     prepare,
     print_rep,
-    scrape_batch_cost,
-    scrape_device_memory,
-    scrape_tokens,
     server_args,
+    server_counters,
+    server_side,
 )
 from teacher_server.launch import TeacherProcess
 
@@ -112,24 +108,19 @@ def reader_options(endpoint: str, s: Settings, matched: bool = True) -> dict[str
 async def measure_reader(reader: Any, useful: int, *, metrics_port: int, stub: Any,
                          server_pids: Sequence[int]) -> Measurement:
     """One pass of the reader over the loader; tokens/s from the first batch asked to the last."""
-    useful0, computed0 = await asyncio.to_thread(scrape_tokens, metrics_port)
-    memory0 = await asyncio.to_thread(scrape_device_memory, metrics_port)
-    exec0 = await executions(stub)
+    before = await server_counters(stub, metrics_port)
     meter = CpuMeter(server_pids)
     meter.start()
     t0 = time.perf_counter()
     batches = sum(1 for _ in reader)  # blocks the event loop on purpose, like the in-process baseline
     elapsed = time.perf_counter() - t0
     cpu = meter.stop()
-    useful1, computed1 = await asyncio.to_thread(scrape_tokens, metrics_port)
-    if useful1 - useful0 != useful or not batches:
-        raise AssertionError(f"the server counted {useful1 - useful0} useful tokens over {batches} batches, "
+    after = await server_counters(stub, metrics_port)
+    counted = after.tokens[0] - before.tokens[0]
+    if counted != useful or not batches:
+        raise AssertionError(f"the server counted {counted} useful tokens over {batches} batches, "
                              f"the loader holds {useful}")
-    return Measurement(useful / elapsed, useful, elapsed, cpu, computed_tokens=computed1 - computed0,
-                       executions=await executions(stub) - exec0,
-                       batch_cost=await asyncio.to_thread(scrape_batch_cost, metrics_port) or None,
-                       device_memory=device_memory_change(
-                           memory0, await asyncio.to_thread(scrape_device_memory, metrics_port)))
+    return Measurement(useful / elapsed, useful, elapsed, cpu, **server_side(before, after))
 
 
 async def check_rows(stub: Any, reader: Any, seqs: Sequence[list[int]], k: int, *, half: bool = False) -> float:
