@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceMemory", "device_memory_source", "render_device_memory"]
+__all__ = ["DeviceMemory", "device_memory_source"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ class DeviceMemory:
     device_frees: int  # cudaFree calls so far: each one waits for the device
     alloc_retries: int  # allocations that freed the cached blocks and tried again
     ooms: int  # allocations that failed even then
+
+    def families(self) -> list[tuple[str, str, float, str]]:
+        """(name, Prometheus type, value, help) of each family, one series each; the metrics
+        endpoint labels them with `gpu_uuid`."""
+        return [(name, kind, float(getattr(self, field)), doc) for name, kind, field, doc in _FAMILIES]
 
 
 def _gpu_uuid(index: int) -> str:
@@ -103,12 +108,3 @@ _FAMILIES = (
      "Allocations that found no cached block, freed the cache and tried again (the device idles meanwhile)."),
     ("teacher_cuda_ooms_total", "counter", "ooms", "Allocations that failed for lack of GPU memory."),
 )
-
-
-def render_device_memory(m: DeviceMemory) -> list[str]:
-    """The figures as Prometheus text lines, one series each, labelled with the GPU's UUID."""
-    labels = '{gpu_uuid="' + m.gpu_uuid.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-    lines: list[str] = []
-    for name, kind, field, doc in _FAMILIES:
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(getattr(m, field))}"]
-    return lines

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from teacher_server.batch_cost import BatchCostFigures
-from teacher_server.device_memory import DeviceMemory, render_device_memory
+from teacher_server.device_memory import DeviceMemory
 
 _COUNTERS = {
     "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
@@ -36,7 +36,11 @@ FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
 
 def _labels(d: dict[str, str]) -> str:
-    body = ",".join(f'{k}="{v}"' for k, v in d.items())
+    """Prometheus' label set, each value escaped as its text format asks (backslash, quote, newline)."""
+    def escaped(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    body = ",".join(f'{k}="{escaped(v)}"' for k, v in d.items())
     return "{" + body + "}"
 
 
@@ -171,7 +175,9 @@ class ServerMetrics:
             lines += _family("teacher_padding_floor", "gauge", lab, cost.padding_floor,
                              "Least useful / computed positions of a batch, as batches are formed now.")
         if self._device_memory_source is not None and (memory := self._device_memory_source()) is not None:
-            lines += render_device_memory(memory)
+            gpu = _labels({"gpu_uuid": memory.gpu_uuid})
+            for name, kind, value, doc in memory.families():
+                lines += _family(name, kind, gpu, value, doc)
         return "\n".join(lines) + "\n"
 
 

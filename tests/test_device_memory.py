@@ -13,7 +13,7 @@ import tritonclient.grpc as tg
 from prometheus_client.parser import text_string_to_metric_families
 
 from teacher_server import ServerConfig
-from teacher_server.device_memory import DeviceMemory, device_memory_source, render_device_memory
+from teacher_server.device_memory import DeviceMemory, device_memory_source
 from teacher_server.metrics import ServerMetrics
 from tests.servers import ServerThread
 
@@ -28,8 +28,15 @@ def _families(text: str) -> dict[str, tuple[str, list[tuple[dict[str, str], floa
     return {f.name: (f.type, [(s.labels, s.value) for s in f.samples]) for f in text_string_to_metric_families(text)}
 
 
+def _device_families(reading: DeviceMemory) -> dict[str, tuple[str, list[tuple[dict[str, str], float]]]]:
+    """The GPU families of a metrics endpoint whose source reads `reading`, parsed back."""
+    m = ServerMetrics("m", "1")
+    m.watch_device_memory(lambda: reading)
+    return {k: v for k, v in _families(m.render()).items() if k.startswith(("nv_gpu_", "teacher_cuda_"))}
+
+
 def test_the_figures_render_under_their_names_types_and_the_gpus_uuid() -> None:
-    got = _families("\n".join(render_device_memory(READING)) + "\n")
+    got = _device_families(READING)
     labels = {"gpu_uuid": READING.gpu_uuid}
     assert got["nv_gpu_memory_total_bytes"] == ("gauge", [(labels, float(80 << 30))])
     assert got["nv_gpu_memory_used_bytes"] == ("gauge", [(labels, float(21 << 30))])
@@ -45,7 +52,7 @@ def test_the_figures_render_under_their_names_types_and_the_gpus_uuid() -> None:
 
 def test_a_label_value_with_a_quote_or_backslash_stays_one_label() -> None:
     odd = DeviceMemory("GPU-a\"b\\c", 1, 0, 0, 0, 0, 0, 0, 0)
-    got = _families("\n".join(render_device_memory(odd)) + "\n")
+    got = _device_families(odd)
     assert got["nv_gpu_memory_total_bytes"][1] == [({"gpu_uuid": 'GPU-a"b\\c'}, 1.0)]
 
 
