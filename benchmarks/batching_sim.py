@@ -192,27 +192,27 @@ async def _read_together(readers: Sequence[Any], useful: int, endpoints: Sequenc
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    from benchmarks.llm_parts import executions, scrape_batch_cost, scrape_tokens
+    from benchmarks.llm_parts import ServerCounters, server_counters, server_side
 
-    async def counts() -> tuple[int, int, int]:
-        tokens = [await asyncio.to_thread(scrape_tokens, port) for port in metrics_ports]
-        runs = 0
-        for endpoint in endpoints:
+    async def counts() -> list[ServerCounters]:
+        read = []
+        for endpoint, port in zip(endpoints, metrics_ports, strict=True):
             async with grpc.aio.insecure_channel(endpoint) as channel:
-                runs += await executions(service_pb2_grpc.GRPCInferenceServiceStub(channel))
-        return sum(u for u, _ in tokens), sum(c for _, c in tokens), runs
+                read.append(await server_counters(service_pb2_grpc.GRPCInferenceServiceStub(channel), port))
+        return read
 
-    useful0, computed0, exec0 = await counts()
+    before = await counts()
     t0 = time.perf_counter()
     await asyncio.gather(*(asyncio.to_thread(lambda r=r: sum(1 for _ in r)) for r in readers))
     seconds = time.perf_counter() - t0
-    useful1, computed1, exec1 = await counts()
-    if useful1 - useful0 < useful:
-        raise AssertionError(f"the teachers counted {useful1 - useful0} useful tokens, the loaders hold {useful}")
-    counted = useful1 - useful0
-    return {"seconds": seconds, "batches": exec1 - exec0, "padding_efficiency": counted / (computed1 - computed0),
-            "duplicated": (counted - useful) / useful,
-            "batch_cost": await asyncio.to_thread(scrape_batch_cost, metrics_ports[0]) or None}
+    after = await counts()
+    counted = sum(a.tokens[0] - b.tokens[0] for b, a in zip(before, after, strict=True))
+    if counted < useful:
+        raise AssertionError(f"the teachers counted {counted} useful tokens, the loaders hold {useful}")
+    sides = [server_side(b, a) for b, a in zip(before, after, strict=True)]
+    return {"seconds": seconds, "batches": sum(s["executions"] for s in sides),
+            "padding_efficiency": counted / sum(s["computed_tokens"] for s in sides),
+            "duplicated": (counted - useful) / useful, "batch_cost": sides[0]["batch_cost"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -113,7 +113,7 @@ class Measurement:
     wire_bytes: int | None = None  # raw output contents of all responses
     executions: int | None = None  # model executions on the server
     threads: list[dict[str, object]] | None = None  # the server's busiest threads (cpu.busiest_threads)
-    # The server's fitted batch cost and padding floor at the end of the pass (scrape_batch_cost)
+    # The server's fitted batch cost and padding floor at the end of the pass (batch_cost_of)
     batch_cost: dict[str, float] | None = None
     # On a GPU: what the server's caching allocator did during the pass (device_memory_change)
     device_memory: dict[str, float] | None = None
@@ -309,11 +309,6 @@ def tokens_of(values: dict[str, float]) -> tuple[int, int]:
     return int(values.get("teacher_useful_tokens_total", 0)), int(values.get("teacher_padded_tokens_total", 0))
 
 
-def scrape_tokens(metrics_port: int) -> tuple[int, int]:
-    """(useful, computed) positions from the server's Prometheus metrics (a blocking HTTP GET)."""
-    return tokens_of(scrape_metrics(metrics_port, _TOKENS))
-
-
 def batch_cost_of(values: dict[str, float]) -> dict[str, float]:
     """The server's fitted fixed and per-position device time of a batch and the padding floor it
     forms batches with (`teacher_server.batch_cost`), from scraped values; {} from a server without them."""
@@ -323,11 +318,6 @@ def batch_cost_of(values: dict[str, float]) -> dict[str, float]:
     return {"fixed_ms": round(values.get("teacher_batch_fixed_seconds", 0.0) * 1e3, 2),
             "positions_per_s": round(1 / per_position) if per_position > 0 else 0,
             "padding_floor": round(values.get("teacher_padding_floor", 0.0), 4)}
-
-
-def scrape_batch_cost(metrics_port: int) -> dict[str, float]:
-    """`batch_cost_of` the server's Prometheus metrics now (a blocking HTTP GET)."""
-    return batch_cost_of(scrape_metrics(metrics_port, _BATCH_COST))
 
 
 def device_memory_change(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
