@@ -1,10 +1,14 @@
-"""Imports run one way: no import cycle in the library packages.
+"""Imports run one way: no import cycle in the library packages, and no import against their order.
 
 Every ``import`` and ``from ... import`` of a module in a package counts, wherever it is written:
 at the top, inside a function, or under ``if TYPE_CHECKING``. A cycle, even a type-only one, means
 two modules that cannot be understood (or changed) one without the other; the student side keeps
 its message types and options at the bottom (``distill.types``, ``distill.options``) so that
 everything else imports them downward.
+
+Between packages the order is ``LAYERS``: a module may import its own package and those listed
+before it, never one listed after (the wire formats at the bottom, then discovery, the teacher
+side, the student side, and above the library the examples and the benchmarks that run them).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The teacher side (teacher_server/) joins this list once its own cycles are broken.
 PACKAGES = ("distill", "discovery", "teacher_server", "protos")
+LAYERS = ("protos", "discovery", "teacher_server", "distill", "examples", "benchmarks")
 
 
 def _modules(packages: tuple[str, ...], root: Path) -> dict[str, tuple[Path, bool]]:
@@ -127,6 +131,28 @@ def test_no_import_cycle(package: str) -> None:
     found = [c for c in cycles(graph) if any(m == package or m.startswith(package + ".") for m in c)]
     assert not found, "import cycles (TYPE_CHECKING and function-level imports count):\n" + "\n".join(
         _path(graph, c) for c in found)
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
+    """Every import of a package listed after the importer's own in `layers`, as 'a -> b'."""
+    rank = {package: i for i, package in enumerate(layers)}
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                  if rank[target.partition(".")[0]] > rank[source.partition(".")[0]])
+
+
+def test_imports_follow_the_layers() -> None:
+    found = upward_imports(import_graph(LAYERS), LAYERS)
+    assert not found, f"imports against the order {' < '.join(LAYERS)}:\n" + "\n".join(found)
+
+
+def test_the_checker_finds_upward_imports(tmp_path: Path) -> None:
+    for package, text in {"low": "import high.x\n", "high": "from low import y\n"}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "x.py").write_text(text)
+        (tmp_path / package / "y.py").write_text("")
+    graph = import_graph(("low", "high"), tmp_path)
+    assert upward_imports(graph, ("low", "high")) == ["low.x -> high.x"]
 
 
 def test_the_checker_finds_type_only_and_function_level_cycles(tmp_path: Path) -> None:
