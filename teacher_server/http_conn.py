@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from typing import cast
 
 from aiohttp import web
 
@@ -43,11 +44,13 @@ class _Busy(asyncio.Protocol):
         self._closer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(self._answer)
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._closer = asyncio.get_running_loop().call_later(BUSY_LINGER_S, transport.close)
+        # A stream transport, though not always an asyncio.Transport instance: uvloop's (the CLI's
+        # loop) are their own classes with the same methods, so no isinstance check here.
+        stream = cast(asyncio.Transport, transport)
+        stream.write(self._answer)
+        if stream.can_write_eof():
+            stream.write_eof()
+        self._closer = asyncio.get_running_loop().call_later(BUSY_LINGER_S, stream.close)
 
     def data_received(self, data: bytes) -> None:
         pass  # the request is not read: it is refused whatever it says

@@ -307,6 +307,35 @@ def test_connections_over_the_cap_get_503_while_held_ones_are_served() -> None:
         held[0].close()
 
 
+def test_connections_over_the_cap_get_503_on_the_clis_event_loop(tmp_path: Path) -> None:
+    """The CLI's process runs on uvloop, whose transports are not asyncio's own classes: there too
+    each connection over the cap reads its 503, and the log holds one warning for them all rather
+    than a traceback (or any line) per refused connection."""
+    args = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1",
+            "--port", "0", "--http-port", "0", "--http-max-connections", "2"]
+    with teacher_process(args, tmp_path) as (_proc, info):
+        port = info["http_port"]
+        held = [_connect(port), _connect(port)]
+        for sock in held:  # answered on a kept-alive connection: each is held by the server now
+            sock.sendall(_get("/v2/health/live"))
+            assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        for _ in range(5):
+            with _connect(port) as extra:
+                extra.sendall(_get("/v2/health/ready"))
+                answer = _read_response(extra)
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+            assert b"Retry-After: 1" in answer and b"--http-max-connections (2)" in answer
+            assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("the teacher holds")
+        for sock in held:  # the connections held are served on
+            sock.sendall(_get("/v2/health/ready"))
+            assert _read_response(sock).startswith(b"HTTP/1.1 200")
+            sock.close()
+    text = "\n".join(p.read_text() for p in tmp_path.glob("teacher-*.log"))
+    assert "serving affine" in text, text[-2000:]
+    assert "Traceback" not in text and "ERROR" not in text and "AssertionError" not in text, text[-4000:]
+    assert text.count("HTTP connection refused with 503") == 1, text[-4000:]
+
+
 def _drop(sock: socket.socket) -> None:
     """Close with a reset (SO_LINGER 0), as a killed client does."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
