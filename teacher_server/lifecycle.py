@@ -1,6 +1,6 @@
 """The life of one inference request, the same for every front end.
 
-    admit  ->  validate  ->  rows  ->  batcher queue  ->  model instance  ->  encoded outputs
+    admit  ->  validate  ->  answer size  ->  rows  ->  batcher queue  ->  model instance  ->  encoded outputs
     (model name/version, serving state)   (in-flight count, metrics and failure reasons throughout)
 
 `rows`: a padded model's request whose attention mask marks padding is cut into its rows, each
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from discovery.aio import bounded
+from teacher_server.answer_size import check_answer_size
 from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
 from teacher_server.errors import (
     InferError,
@@ -58,6 +59,9 @@ class ServedModel:
     batching: BatchingConfig
     output_defaults: OutputDefaults = field(default_factory=OutputDefaults)
     source: str = ""  # what --model named (hf:DIR: where vllm_routes finds the tokenizer)
+    # The largest answer a client can receive (--max-message-mb); a request whose answer would be
+    # larger is refused before it is queued (`teacher_server.answer_size`). 0: no bound.
+    max_answer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,9 @@ class RequestLifecycle:
         if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
             raise self._unavailable()
         work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
+        if self.model.max_answer_bytes:
+            names = len(self.model.name) + len(self.model.version) + len(request.id)
+            check_answer_size(work, self._io, self.model.max_answer_bytes, names)
         split = self._rows.split(work) if self._rows is not None else work
         try:
             if isinstance(split, Rows):

@@ -67,7 +67,7 @@ class TeacherServer:
         self.metrics = ServerMetrics(config.name, config.version)
         self.requests = RequestLifecycle(
             ServedModel(config.name, config.version, self.device, config.instances, config.batching,
-                        config.output_defaults(), config.model),
+                        config.output_defaults(), config.model, max_answer_bytes=config.max_message_mb * MiB),
             self.metrics,
         )
         self.metrics.watch_in_flight(lambda: self.requests.in_flight)

@@ -41,6 +41,20 @@ class Want(Protocol):
     def topk_tail(self) -> bool: ...
 
 
+def value_dtype(want: Want, spec_datatype: str, floating: bool) -> torch.dtype | None:
+    """The dtype values taken from a floating output itself are sent as (the full tensor, top-k
+    values): the wanted one, else the declared one; None: as computed (non-floating, or FP64)."""
+    if not floating:
+        return None
+    return FLOAT_OUTPUT_DTYPES.get(want.datatype or spec_datatype)
+
+
+def prob_dtype(want: Want) -> torch.dtype:
+    """The dtype derived probabilities are sent as (tail mass, token log-probs, scores): fp32
+    unless the request asked for another."""
+    return FLOAT_OUTPUT_DTYPES[want.datatype] if want.datatype else torch.float32
+
+
 @dataclass(frozen=True)
 class RowContext:
     """What the scoring transforms read about a run of positions, on the model's device."""
@@ -113,13 +127,11 @@ class Rows:
 
     def value_dtype(self) -> torch.dtype | None:
         """The dtype of values taken from the output itself (the full tensor, top-k values)."""
-        if not self.floating:
-            return None
-        return FLOAT_OUTPUT_DTYPES.get(self.want.datatype or self.spec_datatype)
+        return value_dtype(self.want, self.spec_datatype, self.floating)
 
     def prob_dtype(self) -> torch.dtype:
         """The dtype of derived probabilities (tail mass, token log-probs): fp32 unless asked otherwise."""
-        return FLOAT_OUTPUT_DTYPES[self.want.datatype] if self.want.datatype else torch.float32
+        return prob_dtype(self.want)
 
     def logprobs(self) -> Tensor:
         """log_softmax(x / temperature) of the chunk, fp32, computed once."""

@@ -1,0 +1,162 @@
+"""The size of a request's answer, known from the request before any work: refuse what cannot be sent.
+
+An answer larger than one message (--max-message-mb: gRPC's send limit, and the bound on an HTTP
+answer's tensors) can never reach its client, however long the model computes it: a full LOGITS
+of a 152k vocabulary over 4,096 positions is 2.5 GB. So each validated request's answer is sized
+from the model's declared outputs and the request's transforms, and refused on arrival with
+INVALID_ARGUMENT (HTTP 400) naming its size, the limit and how to ask for less, before it is
+queued: nobody else waits on it and the model never runs it.
+
+The tensors' bytes are exact: each output the request gets (`answer_tensors`) with the shape and
+datatype `teacher_server.outputs.transform_output` gives it: the full tensor unless an active
+transform reduces it, `_TOPK_VALUES`/`_TOPK_INDICES` `[.., k]`, `_TOPK_TAIL`, `_TOKEN_LOGPROBS`
+and `_TOKEN_RANKS` `[..]`, `_SCORED_LOGPROBS` `[.., m]`, in the dtypes `transform_rows`'
+`value_dtype`/`prob_dtype` choose. The framing around them is a margin (`FRAME_BYTES` per
+answer, `FRAME_BYTES_PER_OUTPUT` per output and `FRAME_BYTES_PER_DIM` per dimension of its
+shape), above what gRPC's protobuf fields or the HTTP answer's JSON header (for binary outputs)
+take. Outputs sent as JSON `data` over HTTP are counted at their binary size too.
+
+A dimension the model chooses itself (a -1 that is not a padded model's positions) counts as 1,
+and a transform registered from outside whose outputs `_EMITTED` does not know counts nothing: for
+those the size is a lower bound, and the transport's own limit still applies when it is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from protos.kserve import datatype, datatype_of
+from teacher_server.errors import InvalidRequestError
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
+from teacher_server.transform_rows import prob_dtype, value_dtype
+from teacher_server.transforms import OutputTransform, scoreable
+from teacher_server.work import Work
+
+__all__ = ["FRAME_BYTES", "FRAME_BYTES_PER_DIM", "FRAME_BYTES_PER_OUTPUT", "AnswerTensor", "answer_bytes",
+           "answer_tensors", "check_answer_size"]
+
+FRAME_BYTES = 512
+"""Margin for what an answer carries besides its outputs, plus its model name, version and id."""
+FRAME_BYTES_PER_OUTPUT = 128
+"""Margin for each output's own fields, plus its name (HTTP's JSON header entry of a binary output,
+``{"name":..,"datatype":..,"shape":[..],"parameters":{"binary_data_size":N}}``, is the larger)."""
+FRAME_BYTES_PER_DIM = 21
+"""Margin for each dimension of an output's shape (a 20-digit number and its separator)."""
+
+MiB = 1 << 20
+_SHOWN = 3  # outputs named in a refusal, the largest first
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerTensor:
+    """One output of an answer: its name, datatype and shape (batch dimension first)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * datatype(self.datatype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """What one wanted output's transforms see: its classes `[.., C]`, score ids per position (m),
+    whether it is floating, and the dtype its values are computed in."""
+
+    want: OutputTransform
+    spec: TensorSpec
+    classes: int
+    score_ids: int
+    floating: bool
+    computed: torch.dtype
+
+    def values(self) -> torch.dtype:
+        """The dtype values taken from the output itself are sent as (`transform_rows.value_dtype`)."""
+        return value_dtype(self.want, self.spec.datatype, self.floating) or self.computed
+
+
+# (suffix, trailing dimensions after the positions, dtype) of each tensor a transform adds.
+_Emitted = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def _top_k(o: _Output) -> _Emitted:
+    k = min(o.want.top_k, o.classes)
+    return [("_TOPK_VALUES", (k,), o.values()), ("_TOPK_INDICES", (k,), torch.int32)]
+
+
+_EMITTED: dict[str, Callable[[_Output], _Emitted]] = {
+    "top_k": _top_k,
+    "topk_tail": lambda o: [("_TOPK_TAIL", (), prob_dtype(o.want))] if o.floating else [],
+    "token_logprobs": lambda o: [("_TOKEN_LOGPROBS", (), prob_dtype(o.want))],
+    "token_ranks": lambda o: [("_TOKEN_RANKS", (), torch.int32)],
+    "score_ids": lambda o: [("_SCORED_LOGPROBS", (o.score_ids,), prob_dtype(o.want))],
+}
+"""What each registry transform (`teacher_server.transforms.REGISTRY`, by name) adds to an output,
+as its `apply` in `teacher_server.transform_rows` emits it; transforms that add nothing are absent."""
+
+
+def _per_sample(spec: TensorSpec, length: int | None) -> tuple[int, ...]:
+    """The output's shape for one sample of this request: a per-position output's -1 is the
+    request's length; any other -1 (chosen by the model) counts as 1."""
+    return tuple((length if spec.per_position and length is not None else 1) if d == -1 else d for d in spec.shape)
+
+
+def _output_tensors(want: OutputTransform, spec: TensorSpec, batch: int, length: int | None,
+                    score_ids: int) -> list[AnswerTensor]:
+    """The tensors one wanted output becomes (`outputs.transform_output`'s names, shapes, dtypes)."""
+    per_sample = _per_sample(spec, length)
+    floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
+    active = [t for t in want.active(score_ids > 0 and scoreable(spec)) if t.apply is not None]
+    fp32 = floating and any(t.floating for t in active)
+    computed = torch.float32 if fp32 else spec.torch_dtype
+    o = _Output(want, spec, per_sample[-1] if per_sample else 1, score_ids, floating, computed)
+    lead = (batch, *per_sample[:-1])
+    out = [AnswerTensor(spec.name + suffix, datatype_of(dtype).name, (*lead, *trailing))
+           for t in active for suffix, trailing, dtype in _EMITTED.get(t.name, lambda _: [])(o)]
+    if not any(t.reduces for t in active):
+        full = o.values() if floating else spec.torch_dtype
+        out.insert(0, AnswerTensor(spec.name, datatype_of(full).name, (batch, *per_sample)))
+    return out
+
+
+def answer_tensors(work: Work, io: ModelIO) -> list[AnswerTensor]:
+    """Every tensor the answer to `work` (a validated request) carries, in the order it is sent."""
+    scores = work.aux.get("SCORE_IDS")
+    m = int(scores.shape[-1]) if scores is not None and scores.dim() == 3 else 0
+    tensors: list[AnswerTensor] = []
+    for want in work.outputs:
+        spec = io.output(want.name)
+        if spec is not None:
+            tensors += _output_tensors(want, spec, work.batch_size, work.length, m)
+    return tensors
+
+
+def answer_bytes(tensors: list[AnswerTensor], names: int = 0) -> int:
+    """The bytes of an answer of `tensors`: theirs exactly, plus the framing margins; `names`: the
+    characters of the model name, version and request id it repeats."""
+    frames = sum(FRAME_BYTES_PER_OUTPUT + len(t.name) + FRAME_BYTES_PER_DIM * len(t.shape) for t in tensors)
+    return sum(t.nbytes for t in tensors) + FRAME_BYTES + names + frames
+
+
+def check_answer_size(work: Work, io: ModelIO, limit: int, names: int = 0) -> None:
+    """InvalidRequestError when the answer to `work` would exceed `limit` bytes, naming its size,
+    its largest outputs, the limit and what to change; nothing otherwise."""
+    tensors = answer_tensors(work, io)
+    size = answer_bytes(tensors, names)
+    if size <= limit:
+        return
+    largest = sorted(tensors, key=lambda t: t.nbytes, reverse=True)[:_SHOWN]
+    shown = ", ".join(f"{t.name} {list(t.shape)} {t.datatype} {t.nbytes:,} bytes" for t in largest)
+    flag = f" (--max-message-mb {limit / MiB:g})" if limit % MiB == 0 else ""
+    raise InvalidRequestError(
+        f"the answer would be {size:,} bytes ({shown}), over the teacher's limit of {limit:,} bytes a "
+        f"message{flag}, so it is not computed; ask for less: the top_k parameter (the k largest values and "
+        "their indices per position instead of every class), output_dtype FP16 or BF16 (half the bytes of "
+        "floating outputs), fewer positions (shorter sequences) or fewer rows per request; or raise "
+        "--max-message-mb on the teacher (and the client's receive limit)")
