@@ -40,7 +40,9 @@ class RouterConfig:
     min_limit: float = 1.0
     by_length_rows: int = 512
     backoff_base_s: float = 0.25
-    backoff_max_s: float = 30.0
+    # A failing or not-ready teacher is asked again within this (one cheap ModelReady, or its metadata),
+    # so one that comes back (restarted, its model loaded) takes work again within a few seconds.
+    backoff_max_s: float = 4.0
     probe_timeout_s: float = 1.0
     outpaced_eject: int = 3
     stale_after_s: float = 1.0

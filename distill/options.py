@@ -261,6 +261,11 @@ class ReaderOptions:
         help="how the router picks among the teachers that may take a chunk (distill.routing): 'power_of_two' "
         "(expected completion time of two at random), 'round_robin', or a callable returning a policy (an object "
         "with choose(candidates, request)); health and in-flight limits apply whatever the policy")
+    flag_names: Mapping[str, str] = option(
+        default_factory=dict, check=lambda m: dict(m or {}),
+        help="the flag of the program running this reader for each option it sets, {option: flag}, used where a "
+        "message says which setting fixes it (distill gateway: {'model': '--model'}); an option not named is said as "
+        "its keyword and its --distill_* flag")
     # Derived in __post_init__:
     services: tuple[str, ...] = field(init=False)
     static: Mapping[str, str] | None = field(init=False)  # service -> "host:port,..." for fixed lists
@@ -313,6 +318,15 @@ class ReaderOptions:
             if d.option.wire is not None and values[d.name] is not None})
         for name, value in values.items():
             object.__setattr__(self, name, value)
+
+    def setting(self, name: str, value: str) -> str:
+        """How this reader's user sets option `name` to `value`, for messages that say what to fix:
+        the program's own flag (`flag_names`), else the keyword and its --distill_* flag."""
+        flag = self.flag_names.get(name)
+        if flag is not None:
+            return f"{flag} {value}"
+        flags = [f.name for d in declared(ReaderOptions) if d.name == name for f in d.flags]
+        return f"{name}={value!r}" + (f" ({flags[0]} {value})" if flags else "")
 
     def _check_together(self, values: Mapping[str, Any], services: tuple[str, ...]) -> None:
         """The rules between options given as keywords (`options_from_args` has the flags' own)."""

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import grpc
+
 from discovery import TeacherSet, subset
 from discovery.aio import bounded
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
@@ -26,6 +28,7 @@ from distill.outputs import AUX_INPUTS
 from distill.router import Router
 from distill.teacher_client import (
     InferenceClient,
+    ModelChoiceError,
     TeacherCallError,
     TeacherGoneError,
     TeacherMetadata,
@@ -65,8 +68,8 @@ class TeacherPool:
         self._spawn = spawn
         # Teachers that refused this student access: key -> "RPC answered CODE: server's message".
         self._refused: dict[str, str] = {}
-        # Teachers whose model the reader cannot pick (none or several served, no model= given).
-        self._unnamed: set[str] = set()
+        # Teachers out for their model: several served and none named, or the named one not served.
+        self._model_out: set[str] = set()
         self._admit: Callable[[TeacherMetadata], str | None] | None = None  # see admit()
 
     # ---- membership -------------------------------------------------------------------------
@@ -90,7 +93,7 @@ class TeacherPool:
             if entry is None or entry.endpoint != t.endpoint or (entry.load is not None and entry.load.draining):
                 router.remove(key)
                 self._refused.pop(key, None)
-                self._unnamed.discard(key)
+                self._model_out.discard(key)
                 self._spawn(self._close_when_idle(t), f"close-{t.endpoint}")
                 log.info("teacher %s left service %r", t.endpoint, self.service)
             else:
@@ -139,7 +142,8 @@ class TeacherPool:
         if t.meta is None:
             return
         if self.opts.model and t.meta.model_name != self.opts.model:
-            self.router.mark_incompatible(t, f"it serves model {t.meta.model_name!r}, not {self.opts.model!r}")
+            self.router.mark_incompatible(t, f"it serves model {t.meta.model_name!r}, not {self.opts.model!r}; "
+                                             f"pass {self.opts.setting('model', t.meta.model_name)} to use it")
         elif t.meta.max_batch_size < 1:
             self.router.mark_incompatible(t, "its model does not batch (max_batch_size 0)")
         else:
@@ -151,7 +155,11 @@ class TeacherPool:
                 self.router.mark_incompatible(t, reason)
 
     async def _fetch_metadata(self, t: TeacherState) -> None:
-        delay = 0.2
+        """Ask `t` for its model's metadata until it answers. A teacher not listening yet, or whose
+        model is still loading, is asked again on the ejection back-off (`Router.not_ready`), however
+        long it takes: students start beside teachers that are still loading. Only what waiting cannot
+        fix keeps it out for good: access refused, no model named while it serves several (or none),
+        the named model not served (NOT_FOUND), metadata this reader cannot read."""
         while not t.removed:
             try:
                 meta = await t.client.fetch_metadata(self.opts.model, self.opts.model_version,
@@ -160,22 +168,30 @@ class TeacherPool:
                 self._refuse(t, e.rpc, str(e))
                 return
             except TeacherCallError as e:
+                if e.code == grpc.StatusCode.NOT_FOUND and self.opts.model:
+                    self._model_out.add(t.key)
+                    self.router.mark_incompatible(t, f"it does not serve model {self.opts.model!r} ({e}); pass "
+                                                     f"{self.opts.setting('model', 'NAME')} naming the model it serves")
+                    return
                 if str(e) != t.last_error:  # the cause reaches the log once, not every retry
                     log.info("teacher %s of service %r: metadata not fetched yet (%s); retrying",
                              t.endpoint, self.service, e)
-                t.last_error = str(e)
+                delay = self.router.not_ready(t, str(e))
             except TeacherGoneError:
                 return
+            except ModelChoiceError as e:
+                self._model_out.add(t.key)
+                self.router.mark_incompatible(t, f"{e}; pass {self.opts.setting('model', 'NAME')} to say which one")
+                return
             except ValueError as e:
-                self._unnamed.add(t.key)
                 self.router.mark_incompatible(t, str(e))
                 return
             else:
+                t.streak = 0  # its failures so far were not ejections: its first one logs
                 self.router.set_metadata(t, meta)
                 self._check_model(t)
                 return
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
     async def wait_first(self) -> None:
         """Wait for one teacher's metadata and check names, so a typo fails before training starts."""
@@ -187,11 +203,9 @@ class TeacherPool:
             if self.refused_all():  # whatever the fallback: it is a setup error
                 raise self.no_teacher_error()
             live = list(self.router.teachers.values())
-            if live and all(t.incompatible is not None for t in live) and any(t.key in self._unnamed for t in live):
-                raise TeacherMismatchError(
-                    f"service {self.service!r}: no teacher can be used: "
-                    f"{'; '.join(t.describe() for t in live[:5])}. Pass model='NAME' (--distill_model NAME)."
-                )
+            if live and all(t.incompatible is not None for t in live) and any(t.key in self._model_out for t in live):
+                raise TeacherMismatchError(  # each reason says which setting fixes it
+                    f"service {self.service!r}: no teacher can be used: {'; '.join(t.describe() for t in live[:5])}.")
             if time.monotonic() >= give_up_at:
                 if self.opts.fallback == "hard_labels":
                     log.warning("no teacher for service %r yet; training on hard labels until one appears",
@@ -256,7 +270,7 @@ class TeacherPool:
         fixes = []
         index = any(what.startswith("RepositoryIndex ") for _, what in refused)
         if index:
-            fixes.append("pass model='NAME' (--distill_model NAME), so the reader need not list the server's "
+            fixes.append(f"pass {self.opts.setting('model', 'NAME')}, so the reader need not list the server's "
                          "models through its model-repository API (it then calls only metadata, config, "
                          "readiness and inference)")
         if self.opts.headers:

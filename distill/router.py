@@ -357,6 +357,13 @@ class Router:
             log.warning("teacher %s of service %r failed (%s); its work goes elsewhere until it answers a "
                         "readiness probe (first in %.2fs)", t.endpoint, self.service, t.last_error, backoff)
 
+    def not_ready(self, t: TeacherState, detail: str) -> float:
+        """`t` cannot be asked for its metadata yet (not listening, its model still loading): one more
+        failure in its streak; returns when to ask again, on the ejection back-off."""
+        t.streak += 1
+        t.last_error = detail[:300]
+        return self.backoff(t)
+
     def backoff(self, t: TeacherState) -> float:
         base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** max(0, t.streak - 1))
         return base * random.uniform(0.8, 1.2)

@@ -19,7 +19,7 @@ type is the verdict the engine's retry policy reads:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -48,6 +48,7 @@ __all__ = [
     "ClientTLS",
     "InferenceClient",
     "MalformedAnswerError",
+    "ModelChoiceError",
     "RequestRejectedError",
     "TeacherCallError",
     "TeacherClient",
@@ -132,6 +133,17 @@ class TeacherGoneError(Exception):
 
 class MalformedAnswerError(ValueError):
     """The teacher answered, but not what was asked (missing outputs, wrong shapes or sizes)."""
+
+
+class ModelChoiceError(ValueError):
+    """No model was named and the teacher's repository does not settle which one to use: it lists
+    several ready models, or none (and none loading). Waiting does not change that; naming the
+    model does. The facts only: the caller says how its user names the model."""
+
+    def __init__(self, endpoint: str, models: Sequence[str]) -> None:
+        super().__init__(f"teacher {endpoint} serves {list(models) or 'no ready model'}, and no model was named")
+        self.endpoint = endpoint
+        self.models = tuple(models)
 
 
 class TeacherRefusedError(TeacherCallError):
@@ -335,7 +347,8 @@ class TeacherClient:
 
     async def fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         """ModelMetadata + ModelConfig; the model's name comes from RepositoryIndex when not given.
-        ValueError when the teacher serves several models (or none) and none was named;
+        ModelChoiceError when the teacher serves several models (or none) and none was named;
+        TeacherCallError UNAVAILABLE while its model is still loading (ask again later);
         TeacherRefusedError when the teacher refuses one of these calls to this client."""
         try:
             return await self._fetch_metadata(model, version, timeout)
@@ -346,15 +359,7 @@ class TeacherClient:
 
     async def _fetch_metadata(self, model: str | None, version: str, timeout: float) -> TeacherMetadata:
         if not model:
-            index = await self._unary(_INDEX, service_pb2.RepositoryIndexRequest(ready=True),
-                                      service_pb2.RepositoryIndexResponse, timeout)
-            names = sorted({m.name for m in index.models if m.state in ("", "READY")})
-            if len(names) != 1:
-                raise ValueError(
-                    f"teacher {self.endpoint} serves {names or 'no ready model'}; pass model=NAME to the reader "
-                    "(--distill_model NAME) to say which one to use"
-                )
-            model = names[0]
+            model = await self._only_model(timeout)
         meta = await self._unary(_METADATA, service_pb2.ModelMetadataRequest(name=model, version=version),
                                  service_pb2.ModelMetadataResponse, timeout)
         config = await self._unary(_CONFIG, service_pb2.ModelConfigRequest(name=model, version=version),
@@ -370,6 +375,26 @@ class TeacherClient:
         return TeacherMetadata(meta.name, version or (meta.versions[-1] if meta.versions else ""),
                                max_batch, tensors(meta.inputs), tensors(meta.outputs),
                                by_length is not None and by_length.string_value.lower() == "true")
+
+    async def _only_model(self, timeout: float) -> str:
+        """The one ready model of the teacher's repository. None ready while one is loading is the
+        teacher not ready yet (TeacherCallError UNAVAILABLE, like a teacher not listening yet): a
+        teacher-server lists its model as LOADING, a Triton lists only ready models when asked for
+        them, so its whole repository is asked then."""
+        index = await self._unary(_INDEX, service_pb2.RepositoryIndexRequest(ready=True),
+                                  service_pb2.RepositoryIndexResponse, timeout)
+        names = sorted({m.name for m in index.models if m.state in ("", "READY")})
+        if len(names) == 1:
+            return names[0]
+        if not names:
+            listed = index.models
+            if not any(m.state == "LOADING" for m in listed):
+                listed = (await self._unary(_INDEX, service_pb2.RepositoryIndexRequest(ready=False),
+                                            service_pb2.RepositoryIndexResponse, timeout)).models
+            loading = sorted({m.name for m in listed if m.state == "LOADING"})
+            if loading:
+                raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"model {loading[0]!r} is still loading")
+        raise ModelChoiceError(self.endpoint, names)
 
     async def _unary(self, method: str, request: Any, response_type: Any, timeout: float) -> Any:
         """One control-plane call with this client's headers and a deadline; a refusal of access
