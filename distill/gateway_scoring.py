@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from distill.errors import BatchRejectedError, DistillError, NoTeacherError
+from distill.gateway_cli import READER_FLAGS
 from distill.options import ReaderOptions, default_student_id
 from distill.reader import DistillReader
 from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored
@@ -70,7 +71,7 @@ class ScoringSettings:
             no_teacher_timeout=self.no_teacher_timeout, hedge_after=self.hedge_after, ordered=False,
             prefetch=self.max_in_flight,
             top_k=self.max_logprobs, logprobs=True, temperature=temperature, topk_tail=False, output_dtype="FP32",
-            token_logprobs=True, token_ranks=True,
+            token_logprobs=True, token_ranks=True, flag_names=READER_FLAGS,
             student_id=f"{self.student_id or default_student_id()}-gateway-t{temperature:g}")
 
 
