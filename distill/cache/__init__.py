@@ -31,6 +31,10 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "CacheError": "distill.cache.errors",
     "CacheMissError": "distill.cache.reader_side",
+    "DamagedRecordError": "distill.cache.errors",
+    "DamagedShardError": "distill.cache.errors",
+    "DamagedRecord": "distill.cache.values",
+    "Verification": "distill.cache.values",
     "NamespaceMismatchError": "distill.cache.errors",
     "SchemaMismatchError": "distill.cache.errors",
     "StoreClosedError": "distill.cache.errors",
@@ -52,6 +56,8 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from distill.cache.errors import (
         CacheError,
+        DamagedRecordError,
+        DamagedShardError,
         NamespaceMismatchError,
         SchemaMismatchError,
         StoreClosedError,
@@ -62,7 +68,7 @@ if TYPE_CHECKING:
     from distill.cache.reader_side import CacheMissError
     from distill.cache.recording import LoaderContractError, RecordResult, record
     from distill.cache.store import TeacherOutputStore
-    from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile
+    from distill.cache.values import DamagedRecord, Lookup, Ragged, StoreInfo, UnsealedFile, Verification
     from distill.cache.writer import ShardWriter
 
 
@@ -85,6 +91,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CacheError",
     "CacheMissError",
+    "DamagedRecord",
+    "DamagedRecordError",
+    "DamagedShardError",
     "LoaderContractError",
     "Lookup",
     "Namespace",
@@ -99,6 +108,7 @@ __all__ = [
     "StoreNotFoundError",
     "TeacherOutputStore",
     "UnsealedFile",
+    "Verification",
     "id_dtype",
     "record",
 ]

@@ -3,6 +3,7 @@
     distill cache info PATH            # namespace, samples, bytes per sample and per token, shards
     distill cache info PATH --json     # the same as JSON, for scripts
     distill cache info PATH --remove-torn   # also delete shards torn by writers that died on this host
+    distill cache verify PATH          # check every stored record against its checksum; exit 1 on damage
     distill record --teachers HOST:PORT --cache PATH --loader my_data:loader --inputs X --key index
     distill record --registry etcd://HOST:2379 --service NAME --cache PATH --inputs X -- python -m my_data [ARGS]
                                        # fill a store from a loader at full teacher throughput (resumable)
@@ -40,6 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     info.add_argument("--max-shards", type=int, default=20, help="list at most this many sealed shards (text)")
     info.add_argument("--remove-torn", action="store_true",
                       help="delete torn shards whose writer on this host is gone")
+    verify = sub.add_parser(
+        "verify", help="check every stored record against its checksum; exit 1 if any is damaged",
+        description="Read a whole teacher-output store and check every record (the rows of one append: a batch of "
+        "teacher answers) against the checksum written with it. Prints each damaged record (shard, keys), each "
+        "shard whose file structure is damaged, each shard written before checksums (unverifiable), and a "
+        "summary. Exit 1 when anything is damaged or PATH holds no store, else 0 (unverifiable shards do not "
+        "fail it).",
+    )
+    verify.add_argument("path", metavar="PATH", help="the store's directory")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     add_record_arguments(sub.add_parser("record", help=_RECORD_HELP, description=_RECORD_DESCRIPTION))
     return p
 
@@ -136,7 +147,7 @@ def _working_directory_first() -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``cache`` on the ``distill`` command's subparsers (what ``distill.cli`` calls)."""
     return add_arguments(subparsers.add_parser(
-        "cache", help="look at a teacher-output store (distill cache info PATH)",
+        "cache", help="look at a teacher-output store (distill cache info|verify PATH)",
         description="Tools for a store of teacher outputs (distill.cache).",
     ))
 
@@ -156,13 +167,18 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
     if args.cache_command == "record":
         return record(args, out)
-    if args.cache_command != "info":  # pragma: no cover - argparse rejects unknown commands
+    if args.cache_command not in ("info", "verify"):  # pragma: no cover - argparse rejects unknown commands
         return 2
     try:
         store = TeacherOutputStore.open(args.path, mode="r")
     except CacheError as e:  # StoreNotFoundError among them
         print(f"distill cache: {e}", file=sys.stderr)
         return 1
+    if args.cache_command == "verify":
+        with store:
+            found = store.verify()
+        print(json.dumps(found.to_dict(), indent=2) if args.json else found.render(), file=out)
+        return 0 if found.ok else 1
     with store:
         removed = store.remove_torn() if args.remove_torn else []
         info = store.info()

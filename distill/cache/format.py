@@ -24,13 +24,19 @@ import torch
 
 from distill.cache.errors import CacheError, SchemaMismatchError
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "KEY_COLUMN", "KeyType", "Mode", "OutputSpec", "id_dtype"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "KEY_COLUMN", "SHARD_FORMAT_VERSION", "KeyType", "Mode", "OutputSpec",
+           "id_dtype"]
 
 FORMAT_NAME = "distill-teacher-outputs"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # store.json's: the directory layout, unchanged since the first version
+# A shard's own (its schema's distill.cache.format): 2 carries checksums (distill.cache.integrity);
+# 1 has none and is read unverified. Readers of version 1 read version 2 shards too.
+SHARD_FORMAT_VERSION = 2
 KEY_COLUMN = "__key__"
 _META_NAMESPACE = b"distill.cache.namespace"
 _META_FORMAT = b"distill.cache.format"
+_META_SCHEMA_CRC = b"distill.cache.schema_crc32"  # schema metadata: CRC-32 of the schema's own description
+_META_RECORDS = b"distill.cache.record_crc32"  # a record batch's metadata: [[rows, CRC-32], ...] per record
 _META_KEY_TYPE = b"distill.cache.key_type"
 _META_DTYPE = b"distill.dtype"
 _META_SHAPE = b"distill.shape"

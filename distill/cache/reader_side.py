@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from distill.cache.errors import CacheError, SchemaMismatchError, StoreNotFoundError
+from distill.cache.errors import CacheError, SchemaMismatchError, StoreNotFoundError, show_keys
 from distill.cache.namespace import Namespace
 from distill.cache.reader_namespace import (
     check_options,
@@ -250,7 +250,12 @@ class ReaderCache:
             self._stale.clear()
             self.store.refresh()
             self._refreshed = now
-        found = self.store.lookup(keys)
+        # A damaged stored record is never served: in `read` mode it is an error naming the shard and
+        # keys; otherwise its samples are misses, recomputed by the teachers and stored again.
+        found = self.store.lookup(keys, damaged="raise" if self.mode == "read" else "miss")
+        for shard, lost in found.damaged.items():
+            log.warning("%d samples of this batch (keys %s) have a damaged stored record in shard %s: the teachers "
+                        "recompute them and they are stored again", len(lost), show_keys(lost), shard)
         outputs: dict[str, torch.Tensor] = {}
         variable = self._variable_stored()
         if found.n_hits:
@@ -303,11 +308,15 @@ class ReaderCache:
     def miss_error(self, rows: CachedRows, seq: int) -> CacheMissError:
         miss = rows.miss_indices
         key = rows.key_at(int(miss[0]))
+        damaged = self.store.damaged_shards
         return CacheMissError(
             f"sample key {key!r} (row {int(miss[0])} of batch {seq}, {len(miss)} of its {len(rows.hit)} samples "
             f"missing) is not in the teacher-output store at {self.path}, and cache_mode='read' has no "
             "teacher to ask: record the data set first (`distill record`), give the reader teachers, or pass "
-            "fallback='hard_labels' to train such batches on labels alone", key)
+            "fallback='hard_labels' to train such batches on labels alone" + (
+                f". {len(damaged)} of the store's shards are damaged and not read ({show_keys(damaged, 3)}), and "
+                f"the sample may be in one: `distill cache verify {self.path}` lists the damage" if damaged else ""),
+            key)
 
     def counters(self) -> dict[str, int]:
         """What `reader.stats()` shows of the store: samples served from it, samples it lacked, and

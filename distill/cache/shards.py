@@ -16,17 +16,19 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from distill.cache.errors import CacheError
+from distill.cache.errors import CacheError, DamagedShardError
 from distill.cache.format import (
     _INDEXABLE,
     _META_KEY_TYPE,
     _META_NAMESPACE,
+    _META_RECORDS,
     KEY_COLUMN,
     KeyType,
     OutputSpec,
     _bytes_keys_to_index,
     _describe,
 )
+from distill.cache.integrity import RecordChecks, check_schema
 from distill.cache.namespace import Namespace
 from distill.cache.values import Ragged
 
@@ -40,6 +42,8 @@ class _Segment:
     fixed: dict[str, torch.Tensor]  # name -> [rows, *shape]
     items: dict[str, torch.Tensor]  # name -> [n_items, *item_shape] (variable outputs)
     offsets: dict[str, np.ndarray]  # name -> [rows + 1] item offsets (variable outputs)
+    checks: RecordChecks | None = None  # None: written before checksums, read unverified
+    alive: np.ndarray | None = None  # rows the index may serve (None: all); damaged records are taken out
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _Shard:
     nbytes: int
     rows: int
     tokens: int
+    checksums: bool = True  # False: written before checksums
 
 
 def _tensor_over(values: pa.Array, spec: OutputSpec, mm: mmap.mmap, base: int, size: int) -> torch.Tensor:
@@ -74,56 +79,88 @@ def read_shard(
     """Map the sealed shard at ``path`` and check it belongs to the store: (its outputs, segments, summary).
 
     ``known`` is what the store already holds (None before its first readable shard), and
-    ``shard_index`` the number the store gives this shard. Raises :class:`CacheError` (or an
-    Arrow or OS error) when the shard cannot be part of the store; the store then rejects it.
+    ``shard_index`` the number the store gives this shard. Raises :class:`DamagedShardError` when
+    its footer, schema or a record batch's header is damaged, :class:`CacheError` (or an OS error)
+    when it cannot be part of the store; the store then rejects it. Records are not verified here
+    but on first use (:class:`RecordChecks`): a damaged record's segment is kept, and never served.
     """
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     whole = pa.py_buffer(mm)
-    reader = pa.ipc.open_file(whole)
-    schema = reader.schema
+    try:
+        reader = pa.ipc.open_file(whole)
+        schema = reader.schema
+    except pa.ArrowException as e:
+        raise DamagedShardError(f"not a readable Arrow file: {e}".splitlines()[0]) from e
+    checksums = check_schema(schema)
     meta = schema.metadata or {}
     if _META_NAMESPACE not in meta:
         raise CacheError("no namespace in the shard's metadata: not written by distill.cache")
-    ns = Namespace.from_json(meta[_META_NAMESPACE])
+    try:
+        ns = Namespace.from_json(meta[_META_NAMESPACE])
+        specs = {f.name: OutputSpec.from_field(f) for f in schema if f.name != KEY_COLUMN}
+    except (ValueError, TypeError, AttributeError) as e:  # metadata that is not ours, or damaged (unchecked)
+        raise CacheError(f"its metadata cannot be read: {e}") from e
     if ns != namespace:
         raise CacheError(f"namespace differs from the store's in {', '.join(namespace.diff(ns))}")
     if meta.get(_META_KEY_TYPE, b"").decode() != key_type:
         raise CacheError(f"keys are {meta.get(_META_KEY_TYPE, b'?').decode()}, the store's are {key_type}")
-    specs = {f.name: OutputSpec.from_field(f) for f in schema if f.name != KEY_COLUMN}
     if known is not None and specs != known:
         raise CacheError(f"outputs {_describe(specs)} differ from the store's {_describe(known)}")
+    wrong = [f.name for f in schema if f.name in specs and f.type != specs[f.name].arrow_field().type]
+    if wrong:
+        raise (DamagedShardError if checksums else CacheError)(f"columns {wrong} are not of their dtype's Arrow type")
     segments = []
     rows = tokens = 0
     base, size = whole.address, whole.size
     for i in range(reader.num_record_batches):
-        rb = reader.get_batch(i)
-        key_col = rb.column(KEY_COLUMN)
-        keys = (
-            key_col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            if key_type == "int64"
-            else _bytes_keys_to_index(key_col)
-        )
-        seg = _Segment(shard_index, keys, {}, {}, {})
-        for spec in specs.values():
-            col = rb.column(spec.name)
-            if spec.variable:
-                offsets = col.offsets.to_numpy().astype(np.int64)
-                if np.any(offsets % spec.item_numel):
-                    raise CacheError(
-                        f"column {spec.name!r} has a sample that is not whole rows of {spec.item_shape}"
-                    )
-                flat = _tensor_over(col.values, spec, mm, base, size)
-                seg.items[spec.name] = flat.view(-1, *spec.item_shape)
-                seg.offsets[spec.name] = offsets // spec.item_numel
-                if spec.name == next(s.name for s in specs.values() if s.variable):
-                    tokens += int(seg.offsets[spec.name][-1] - seg.offsets[spec.name][0])
-            else:
-                flat = _tensor_over(col.flatten(), spec, mm, base, size)
-                seg.fixed[spec.name] = flat.view(len(rb), *spec.shape)
+        try:
+            rb, custom = reader.get_batch_with_custom_metadata(i)
+            key_col = rb.column(KEY_COLUMN)
+            keys = (
+                key_col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+                if key_type == "int64"
+                else _bytes_keys_to_index(key_col)
+            )
+        except (pa.ArrowException, OSError, ValueError, KeyError, IndexError) as e:  # OSError: decompression
+            raise DamagedShardError(f"record batch {i} cannot be read: {e}".splitlines()[0]) from e
+        if not checksums and custom is not None and _META_RECORDS in custom:
+            raise DamagedShardError("its schema says it has no checksums, but its record batches have them")
+        checks = RecordChecks.of(rb, i, custom) if checksums else None
+        seg = _Segment(shard_index, keys, {}, {}, {}, checks)
+        try:
+            tokens += _columns(seg, rb, specs, mm=mm, base=base, size=size)
+        except (CacheError, ValueError, RuntimeError, pa.ArrowException):
+            if checks is None:
+                raise
+            # Columns that cannot even be mapped: the whole record batch is one damaged record.
+            seg = _Segment(shard_index, keys, {}, {}, {}, RecordChecks(rb, i, [len(rb)], None))
         segments.append(seg)
         rows += len(rb)
-    return specs, segments, _Shard(path.name, size, rows, tokens)
+    return specs, segments, _Shard(path.name, size, rows, tokens, checksums)
+
+
+def _columns(seg: _Segment, rb: pa.RecordBatch, specs: dict[str, OutputSpec], *, mm: mmap.mmap, base: int,
+             size: int) -> int:
+    """Fill ``seg`` with torch views of ``rb``'s output columns; returns its tokens (the first
+    variable output's items)."""
+    tokens = 0
+    first_variable = next((s.name for s in specs.values() if s.variable), None)
+    for spec in specs.values():
+        col = rb.column(spec.name)
+        if spec.variable:
+            offsets = col.offsets.to_numpy().astype(np.int64)
+            if np.any(offsets % spec.item_numel):
+                raise CacheError(f"column {spec.name!r} has a sample that is not whole rows of {spec.item_shape}")
+            flat = _tensor_over(col.values, spec, mm, base, size)
+            seg.items[spec.name] = flat.view(-1, *spec.item_shape)
+            seg.offsets[spec.name] = offsets // spec.item_numel
+            if spec.name == first_variable:
+                tokens += int(seg.offsets[spec.name][-1] - seg.offsets[spec.name][0])
+        else:
+            flat = _tensor_over(col.flatten(), spec, mm, base, size)
+            seg.fixed[spec.name] = flat.view(len(rb), *spec.shape)
+    return tokens
 
 
 def gather(segs: Sequence[_Segment], spec: OutputSpec, seg_ids: np.ndarray, rows: np.ndarray) -> torch.Tensor | Ragged:

@@ -43,11 +43,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from distill.cache.damage import Damage
 from distill.cache.errors import (
     CacheError,
+    DamagedRecordError,
+    DamagedShardError,
     NamespaceMismatchError,
     StoreClosedError,
     StoreNotFoundError,
+    damaged_message,
 )
 from distill.cache.format import (
     _WRITER_ID,
@@ -66,7 +70,7 @@ from distill.cache.format import (
 )
 from distill.cache.namespace import Namespace
 from distill.cache.shards import _Segment, _Shard, gather, read_shard
-from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile
+from distill.cache.values import Lookup, Ragged, StoreInfo, UnsealedFile, Verification
 from distill.cache.writer import ShardWriter
 
 # The value types, the writer and the format's names live in their own modules; they are
@@ -102,6 +106,7 @@ class TeacherOutputStore:
         self._segments: list[_Segment] = []
         self._seen: set[str] = set()
         self._rejected: dict[str, str] = {}
+        self._damage = Damage(path)
         # (sorted keys, segment of each, row of each, rows in all)
         self._index: tuple[np.ndarray, np.ndarray, np.ndarray, int] = (
             np.zeros(0, dtype=np.int64 if key_type == "int64" else "S2"),
@@ -198,6 +203,11 @@ class TeacherOutputStore:
         """The stored outputs (empty until a shard is sealed)."""
         return dict(self._specs or {})
 
+    @property
+    def damaged_shards(self) -> list[str]:
+        """Shards not read because their file structure is damaged (in memory: no file access)."""
+        return sorted(self._damage.shards)
+
     def __len__(self) -> int:
         """Number of distinct samples stored (duplicates counted once)."""
         return len(self._index[0])
@@ -220,9 +230,12 @@ class TeacherOutputStore:
                 try:
                     self._load_shard(name)
                     added += 1
-                except (pa.ArrowException, OSError, ValueError, CacheError) as e:
+                except (pa.ArrowException, OSError, ValueError, CacheError, IndexError, KeyError, TypeError) as e:
                     self._rejected[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                    if isinstance(e, DamagedShardError):
+                        self._damage.shard(name, e)
             if added:
+                self._damage.loaded(self._segments, self._shards)
                 self._rebuild_index()
             return added
 
@@ -241,9 +254,12 @@ class TeacherOutputStore:
         order = sorted(range(len(self._segments)), key=lambda i: (self._shards[self._segments[i].shard].name, i))
         if not order:
             return
-        keys = np.concatenate([self._segments[i].keys for i in order])
-        seg_ids = np.concatenate([np.full(len(self._segments[i].keys), i, dtype=np.int32) for i in order])
-        rows = np.concatenate([np.arange(len(self._segments[i].keys), dtype=np.int64) for i in order])
+        # Rows of damaged records are left out (``alive``), so that another copy of their keys is served.
+        segs = [self._segments[i] for i in order]
+        live = [np.arange(len(s.keys), dtype=np.int64) if s.alive is None else np.flatnonzero(s.alive) for s in segs]
+        keys = np.concatenate([s.keys if s.alive is None else s.keys[r] for s, r in zip(segs, live, strict=True)])
+        seg_ids = np.concatenate([np.full(len(r), i, dtype=np.int32) for i, r in zip(order, live, strict=True)])
+        rows = np.concatenate(live)
         uniq, first = np.unique(keys, return_index=True)
         self._index = (uniq, seg_ids[first], rows[first], len(keys))
 
@@ -271,16 +287,31 @@ class TeacherOutputStore:
         self._check_open()
         return self._find(keys)[0]
 
-    def lookup(self, keys: Any, outputs: Sequence[str] | None = None) -> Lookup:
+    def lookup(self, keys: Any, outputs: Sequence[str] | None = None,
+               damaged: Literal["raise", "miss"] = "raise") -> Lookup:
         """The stored outputs of ``keys`` (ints for an int64 store; bytes or str for a bytes store).
 
         Returns a :class:`Lookup`: the hit mask and, for the hits in asked order, each output.
         When the hits are consecutive rows of one shard (a dataset recorded and read in order),
         the tensors are views of the memory-mapped file (no copy); otherwise they are gathered
         into new tensors with one vectorised index per shard touched.
+
+        Each record a lookup touches is verified against its checksum the first time (see
+        :mod:`distill.cache.integrity`). A damaged record is taken out of the index and never
+        served: its keys are read from another stored copy when there is one, else
+        ``damaged="raise"`` raises :class:`DamagedRecordError` naming the shard and the keys, and
+        ``damaged="miss"`` returns them as misses, listed in ``Lookup.damaged`` (to be recomputed).
         """
         self._check_open()
+        if damaged not in ("raise", "miss"):
+            raise ValueError(f"damaged must be 'raise' or 'miss', got {damaged!r}")
         hit, seg_ids, rows = self._find(keys)
+        while self._damage.unverified and len(rows) and self._take_out(
+                self._damage.verify(self._segments, seg_ids, rows)):
+            hit, seg_ids, rows = self._find(keys)  # without the damaged records: other copies, or misses
+        lost = self._damage.asked(self.key_type, keys, hit)
+        if lost and damaged == "raise":
+            raise DamagedRecordError(damaged_message(str(self.path), lost), lost)
         specs = self._specs or {}
         names = list(specs) if outputs is None else list(outputs)
         unknown = [n for n in names if n not in specs]
@@ -290,7 +321,22 @@ class TeacherOutputStore:
         for name in names:
             if name in specs:
                 out[name] = self._gather(specs[name], seg_ids, rows)
-        return Lookup(hit, out)
+        return Lookup(hit, out, lost)
+
+    def _take_out(self, bad: list[tuple[int, int]], warn: bool = True) -> bool:
+        """Leave damaged records out of the index, so other copies of their keys are served; True if any."""
+        with self._lock:
+            found = self._damage.take_out(self._segments, self._shards, bad, warn)
+            if found:
+                self._rebuild_index()
+        return found
+
+    def verify(self) -> Verification:
+        """Check every record of every shard read against its checksum (what ``distill cache verify``
+        runs): reads the whole store once. Damaged records found are taken out of this instance's index."""
+        self._check_open()
+        self._take_out(self._damage.verify_all(self._segments), warn=False)
+        return self._damage.report(self._segments, self._shards, self._rejected)
 
     def _gather(self, spec: OutputSpec, seg_ids: np.ndarray, rows: np.ndarray) -> torch.Tensor | Ragged:
         return gather(self._segments, spec, seg_ids, rows)

@@ -15,7 +15,7 @@ import torch
 from distill.cache.format import OutputSpec
 from distill.cache.namespace import Namespace
 
-__all__ = ["Lookup", "Ragged", "StoreInfo", "UnsealedFile"]
+__all__ = ["DamagedRecord", "Lookup", "Ragged", "StoreInfo", "UnsealedFile", "Verification"]
 
 
 @dataclass
@@ -67,6 +67,9 @@ class Lookup:
 
     hit: np.ndarray
     outputs: dict[str, torch.Tensor | Ragged]
+    # With lookup(..., damaged="miss"): shard file -> the asked keys missed because their only stored
+    # record there is damaged (see distill.cache.integrity).
+    damaged: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def n_hits(self) -> int:
@@ -98,6 +101,67 @@ class Lookup:
         if not isinstance(value, Ragged):
             raise TypeError(f"output {name!r} has a fixed shape per sample: use lookup.tensor({name!r})")
         return value
+
+
+@dataclass(frozen=True)
+class DamagedRecord:
+    """A stored record (the rows of one ``append``) whose bytes do not match its checksum: never served."""
+
+    shard: str  # the shard file
+    batch: int  # its record batch in the shard
+    rows: tuple[int, int]  # [start, stop) in that record batch
+    keys: tuple[Any, ...]  # as stored (the keys may be damaged too)
+
+
+@dataclass
+class Verification:
+    """What ``distill cache verify`` found: every record of every shard checked against its checksum."""
+
+    path: str
+    shards: int  # shards read (damaged records or not)
+    records: int  # records checked
+    rows: int
+    damaged: list[DamagedRecord] = field(default_factory=list)
+    damaged_shards: list[tuple[str, str]] = field(default_factory=list)  # (file, why): none of it is read
+    unverifiable: list[str] = field(default_factory=list)  # shards written before checksums
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # other namespaces or shapes: not this store's
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged and not self.damaged_shards
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "ok": self.ok, "shards": self.shards, "records": self.records, "rows": self.rows,
+            "damaged": [{"shard": d.shard, "batch": d.batch, "rows": list(d.rows),
+                         "keys": [k.hex() if isinstance(k, bytes) else k for k in d.keys]} for d in self.damaged],
+            "damaged_shards": [{"shard": n, "reason": r} for n, r in self.damaged_shards],
+            "unverifiable": self.unverifiable,
+            "rejected": [{"shard": n, "reason": r} for n, r in self.rejected],
+        }
+
+    def render(self, max_keys: int = 8) -> str:
+        lines = []
+        for d in self.damaged:
+            keys = ", ".join(repr(k) for k in d.keys[:max_keys]) + (
+                f" and {len(d.keys) - max_keys} more" if len(d.keys) > max_keys else "")
+            lines.append(f"damaged     {d.shard}  record batch {d.batch} rows {d.rows[0]}..{d.rows[1] - 1}  "
+                         f"keys {keys or '(unreadable)'}")
+        lines += [f"damaged     {name}  ({why}; none of it is read)" for name, why in self.damaged_shards]
+        lines += [f"unverified  {name}  (written before checksums)" for name in self.unverifiable]
+        lines += [f"rejected    {name}  ({why})" for name, why in self.rejected]
+        bad_rows = sum(d.rows[1] - d.rows[0] for d in self.damaged)
+        lines.append(
+            f"{self.path}: {self.shards} shards read, {self.records:,} records ({self.rows:,} rows) checked: "
+            f"{len(self.damaged)} damaged records ({bad_rows:,} rows), {len(self.damaged_shards)} damaged shards, "
+            f"{len(self.unverifiable)} unverifiable shards")
+        if not self.ok:
+            lines.append(
+                "what to do: damaged records are never served; reading with cache_mode='read' raises "
+                "DamagedRecordError, and cache_mode='read_write' has the teachers recompute them and stores them "
+                "again (in a new shard; the damaged one is still reported here). To be rid of the damage, delete "
+                "the damaged shards listed and record again (their intact samples are recomputed too)")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from distill.cache.format import (
     _META_KEY_TYPE,
     _META_NAMESPACE,
     FORMAT_NAME,
-    FORMAT_VERSION,
     KEY_COLUMN,
+    SHARD_FORMAT_VERSION,
     KeyType,
     OutputSpec,
     _as_bytes_list,
@@ -37,6 +37,7 @@ from distill.cache.format import (
     _fsync_dir,
     _host,
 )
+from distill.cache.integrity import record_crc, records_metadata, with_schema_crc
 from distill.cache.namespace import Namespace
 from distill.cache.values import Ragged
 
@@ -87,6 +88,7 @@ class ShardWriter:
         self.batch_bytes = batch_bytes
         self._pending: list[pa.RecordBatch] = []
         self._pending_bytes = 0
+        self._pending_records: list[tuple[int, int]] = []  # (rows, CRC-32) of each appended batch
         self._options = pa.ipc.IpcWriteOptions(compression=compression)
         self.writer_id = f"{_host()}.{os.getpid()}.{secrets.token_hex(4)}"
         self._seq = 0
@@ -127,6 +129,9 @@ class ShardWriter:
             self._start_shard()
         assert self._schema is not None and self._ipc is not None and self._sink is not None
         batch = pa.RecordBatch.from_arrays([key_arr, *columns], schema=self._schema)
+        # Each append is one record with its own checksum (distill.cache.integrity), hashed here on
+        # the appending thread (a reader's writer thread) while its bytes are still in cache.
+        self._pending_records.append((n, record_crc(batch, 0, n)))
         self._pending.append(batch)
         self._pending_bytes += batch.nbytes
         self._rows += n
@@ -172,12 +177,12 @@ class ShardWriter:
         assert self._specs is not None
         meta = {
             _META_NAMESPACE: self.store.namespace.to_json().encode(),
-            _META_FORMAT: f"{FORMAT_NAME}/{FORMAT_VERSION}".encode(),
+            _META_FORMAT: f"{FORMAT_NAME}/{SHARD_FORMAT_VERSION}".encode(),
             _META_KEY_TYPE: self.store.key_type.encode(),
         }
         key_type = pa.int64() if self.store.key_type == "int64" else pa.binary()
         fields = [pa.field(KEY_COLUMN, key_type, nullable=False)] + [s.arrow_field() for s in self._specs.values()]
-        self._schema = pa.schema(fields, metadata=meta)
+        self._schema = with_schema_crc(pa.schema(fields, metadata=meta))
         self._tmp = self.store.path / "tmp" / f"{self.writer_id}-{self._seq:06d}.arrow.partial"
         self._sink = pa.OSFile(str(self._tmp), "wb")
         self._ipc = pa.ipc.new_file(self._sink, self._schema, options=self._options)
@@ -190,9 +195,10 @@ class ShardWriter:
         batch = self._pending[0]
         if len(self._pending) > 1:
             (batch,) = pa.Table.from_batches(self._pending).combine_chunks().to_batches() or [batch]
-        self._ipc.write_batch(batch)
+        self._ipc.write_batch(batch, custom_metadata=records_metadata(self._pending_records))
         self._pending = []
         self._pending_bytes = 0
+        self._pending_records = []
 
     def seal(self) -> Path | None:
         """Finish the current shard and make it visible to readers (atomically); returns its path."""
@@ -221,6 +227,7 @@ class ShardWriter:
             assert self._sink is not None and self._tmp is not None
             self._pending = []
             self._pending_bytes = 0
+            self._pending_records = []
             with contextlib.suppress(Exception):
                 self._ipc.close()
             self._sink.close()
