@@ -18,26 +18,28 @@ take. Outputs sent as JSON `data` over HTTP are counted at their binary size too
 
 A dimension the model chooses itself (a -1 that is not a padded model's positions) counts as 1,
 and a transform registered from outside whose outputs `_EMITTED` does not know counts nothing: for
-those the size is a lower bound, and the transport's own limit still applies when it is sent.
+those the size is a lower bound, and the answer, once computed, is checked again before it is sent
+(`check_answer_sent`), so it is refused with the same words rather than failing in the transport.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from protos.kserve import datatype, datatype_of
 from teacher_server.errors import InvalidRequestError
+from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
 from teacher_server.transform_rows import prob_dtype, value_dtype
 from teacher_server.transforms import OutputTransform, scoreable
 from teacher_server.work import Work
 
 __all__ = ["FRAME_BYTES", "FRAME_BYTES_PER_DIM", "FRAME_BYTES_PER_OUTPUT", "AnswerTensor", "answer_bytes",
-           "answer_tensors", "check_answer_size"]
+           "answer_tensors", "check_answer_sent", "check_answer_size"]
 
 FRAME_BYTES = 512
 """Margin for what an answer carries besides its outputs, plus its model name, version and id."""
@@ -147,7 +149,18 @@ def answer_bytes(tensors: list[AnswerTensor], names: int = 0) -> int:
 def check_answer_size(work: Work, io: ModelIO, limit: int, names: int = 0) -> None:
     """InvalidRequestError when the answer to `work` would exceed `limit` bytes, naming its size,
     its largest outputs, the limit and what to change; nothing otherwise."""
-    tensors = answer_tensors(work, io)
+    _refuse_over(answer_tensors(work, io), limit, names, "so it is not computed")
+
+
+def check_answer_sent(outputs: Sequence[EncodedOutput], limit: int, names: int = 0) -> None:
+    """The same bound on an answer computed already, before a front end tries to send it: only an
+    answer whose size on arrival was a lower bound (a dimension the model chooses) can fail here,
+    and it then fails as the same refusal instead of as the transport's error."""
+    _refuse_over([AnswerTensor(name, dt, tuple(shape)) for name, dt, shape, _ in outputs], limit, names,
+                 "so it cannot be sent")
+
+
+def _refuse_over(tensors: list[AnswerTensor], limit: int, names: int, consequence: str) -> None:
     size = answer_bytes(tensors, names)
     if size <= limit:
         return
@@ -156,7 +169,7 @@ def check_answer_size(work: Work, io: ModelIO, limit: int, names: int = 0) -> No
     flag = f" (--max-message-mb {limit / MiB:g})" if limit % MiB == 0 else ""
     raise InvalidRequestError(
         f"the answer would be {size:,} bytes ({shown}), over the teacher's limit of {limit:,} bytes a "
-        f"message{flag}, so it is not computed; ask for less: the top_k parameter (the k largest values and "
-        "their indices per position instead of every class), output_dtype FP16 or BF16 (half the bytes of "
-        "floating outputs), fewer positions (shorter sequences) or fewer rows per request; or raise "
-        "--max-message-mb on the teacher (and the client's receive limit)")
+        f"message{flag}, {consequence}; ask for less: the top_k parameter (the k largest values and their "
+        "indices per position instead of every class), output_dtype FP16 or BF16 (half the bytes of floating "
+        "outputs), fewer positions (shorter sequences) or fewer rows per request; or raise --max-message-mb on "
+        "the teacher (and the client's receive limit)")

@@ -169,6 +169,27 @@ def test_the_estimate_is_what_a_module_teacher_sends(heads: ServerThread, params
     assert sent == (["SUM", "ARGMAX"] if not sum_params else ["SUM_TOPK_VALUES", "SUM_TOPK_INDICES", "ARGMAX"])
 
 
+def test_an_answer_larger_than_its_estimate_is_refused_before_it_is_sent(caplog: pytest.LogCaptureFixture) -> None:
+    """tiny_lm's LOGITS [-1, V] follow its input's length, which its declaration does not tie to the
+    request (not per position): on arrival its size is a lower bound. Computed, the answer is refused
+    with the same words before it is sent, not failed by gRPC's send limit with a traceback."""
+    cfg = ServerConfig(model="tests.models:tiny_lm", name="lm", device="cpu", instances=1, max_message_mb=1,
+                       model_args={"vocab": 4096})
+    with ServerThread(cfg) as s:
+        client = tg.InferenceServerClient(s.url)
+        x = tg.InferInput("TOKENS", [1, 100], "INT64")
+        x.set_data_from_numpy(_ids(100))
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("lm", [x], client_timeout=60)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT", e.value
+        assert f"LOGITS [1, 100, 4096] FP32 {100 * 4096 * 4:,} bytes" in e.value.message(), e.value.message()
+        assert "cannot be sent" in e.value.message() and "top_k" in e.value.message()
+        values = client.infer("lm", [x], parameters={"top_k": 4}, client_timeout=60).as_numpy("LOGITS_TOPK_VALUES")
+        assert values is not None and values.shape == (1, 100, 4)
+    assert not [r for r in caplog.records if r.exc_info], caplog.text[-3000:]
+    assert "Sent message larger" not in caplog.text
+
+
 # ---- a real teacher process refusing what it cannot send ---------------------------------------
 
 @pytest.fixture(scope="module")
