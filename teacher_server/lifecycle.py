@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from discovery.aio import bounded
-from teacher_server.answer_size import check_answer_size
+from teacher_server.answer_size import check_answer_sent, check_answer_size
 from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
 from teacher_server.errors import (
     InferError,
@@ -183,9 +183,10 @@ class RequestLifecycle:
         if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
             raise self._unavailable()
         work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
-        if self.model.max_answer_bytes:
-            names = len(self.model.name) + len(self.model.version) + len(request.id)
-            check_answer_size(work, self._io, self.model.max_answer_bytes, names)
+        limit = self.model.max_answer_bytes
+        names = len(self.model.name) + len(self.model.version) + len(request.id)
+        if limit:
+            check_answer_size(work, self._io, limit, names)
         split = self._rows.split(work) if self._rows is not None else work
         try:
             if isinstance(split, Rows):
@@ -203,4 +204,6 @@ class RequestLifecycle:
             raise
         except Exception as e:
             raise ModelExecutionError(f"model execution failed: {e}") from e
+        if limit:
+            check_answer_sent(outputs, limit, names)
         return outputs, timing, work.batch_size
