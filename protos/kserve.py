@@ -19,6 +19,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 __all__ = [
     "BY_LENGTH_PARAMETER",
     "DATATYPES",
+    "NONFINITE_ROWS_PARAMETER",
+    "REFUSAL_METADATA",
     "Datatype",
     "decode_tensor",
     "encode_tensor",
@@ -33,6 +35,21 @@ BY_LENGTH_PARAMETER = "batches_by_length"
 length (``TeacherRecord.batches_by_length`` in the registry says the same): it fills a batch from
 rows of like length, so it needs many rows queued and a request waits longer than its forward pass;
 a student's router then keeps its requests in flight instead of reading that queueing as overload."""
+
+NONFINITE_ROWS_PARAMETER = "nonfinite_rows"
+"""The ModelInferResponse parameter (HTTP/REST: the response's `parameters`) by which teacher-server
+says which rows of its answer hold a value that is not finite (inf, NaN): a string of the request's
+row indices, comma-separated ("0,5"). Absent when every row is finite, so a client that does not
+know it reads the same answers as before; a student's reader raises or masks those rows."""
+
+REFUSAL_METADATA = "distill-refusal"
+"""The trailing-metadata key by which teacher-server says, beside the status message a person reads,
+what it found wrong in a refused request's input (INVALID_ARGUMENT), as JSON facts a student
+program reads instead of the words: {"kind": "vocabulary" | "classes", "input": NAME, "value": ID,
+"limit": N, "index": [row, position, ...]} for an id outside 0..N-1 (the model's vocabulary, or
+the classes of the output it scores), {"kind": "context", "input": NAME, "value": LENGTH, "limit":
+N, "index": []} for a sequence past the model's context. A server that sends none (Triton) leaves
+its student the message alone."""
 
 # Received protobuf bytes are immutable; tensors over them are only read (inference_mode), so
 # torch's warning about non-writable buffers is noise on this path.

@@ -67,9 +67,13 @@ class BatcherClosedError(Exception):
 
 @dataclass
 class Timing:
+    """What a request's answer says besides its outputs: its time queued, its batch's compute
+    time and size, and its rows whose outputs are not finite (`BatchOutputs.nonfinite`)."""
+
     queue_ns: int
     compute_ns: int
     batch_size: int
+    nonfinite: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -372,9 +376,10 @@ class DynamicBatcher:
             self._executing -= 1
             slots.release()
         samples = sum(p.work.batch_size for p in batch)
-        for p, outs in zip(batch, result.per_request, strict=True):
+        nonfinite = result.nonfinite or [()] * len(batch)
+        for p, outs, bad in zip(batch, result.per_request, nonfinite, strict=True):
             if not p.future.done():
-                p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples)))
+                p.future.set_result((outs, Timing(started - p.enqueued_ns, result.compute_ns, samples, bad)))
         for listener in self._listeners:
             listener(samples, len(batch), result.compute_ns)
         if batch[0].work.length is not None:

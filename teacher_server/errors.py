@@ -7,13 +7,18 @@ protocol carried the request. Every message tells the caller what to change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class InferError(Exception):
-    """A refused request. Subclasses say why; `message` is what the caller reads."""
+    """A refused request. Subclasses say why; `message` is what the caller reads, and `facts` what
+    a program reads instead (an id out of range: which input, where, which id, which limit; sent by
+    the gRPC edge as `protos.kserve.REFUSAL_METADATA`), when the refusal has such facts."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, facts: Mapping[str, object] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.facts = facts
 
 
 class InvalidRequestError(InferError):

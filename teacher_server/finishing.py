@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,24 +52,49 @@ class BatchResult:
     # on one GPU, an instance's compute time also holds the other's batches, this does not. The
     # batch cost fit (`teacher_server.batch_cost`) reads it.
     device_ns: int = 0
+    # Per request (batch order): its rows whose outputs are not all finite (`BatchOutputs.nonfinite`).
+    nonfinite: list[tuple[int, ...]] = field(default_factory=list)
 
 
 @dataclass
 class BatchOutputs:
     """A batch's transformed outputs before they are cut per request. `whole`: each output for
     the whole batch (the usual case: every request wants the same transforms); else
-    `per_request`: each request's outputs, already its own."""
+    `per_request`: each request's outputs, already its own. `finite`: per row of the batch
+    (`[B]`), or per row and position (`[B, T]`) where requests of different lengths share a padded
+    batch, whether the model's floating outputs there are finite (`instance.finite_rows`); None
+    when the model has no floating output."""
 
     works: Sequence[Work]
     whole: list[WholeOutput] | None = None
     per_request: list[list[NamedTensor]] | None = None
+    finite: torch.Tensor | None = None
 
     def map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> BatchOutputs:
         """The same outputs with `f` applied to every tensor (the copies to the host)."""
         if self.whole is not None:
-            return BatchOutputs(self.works, whole=[(n, f(t), s) for n, t, s in self.whole])
+            whole = [(n, f(t), s) for n, t, s in self.whole]
+            return BatchOutputs(self.works, whole=whole, finite=None if self.finite is None else f(self.finite))
         assert self.per_request is not None
-        return BatchOutputs(self.works, per_request=[[(n, f(t)) for n, t in r] for r in self.per_request])
+        per_request = [[(n, f(t)) for n, t in r] for r in self.per_request]
+        return BatchOutputs(self.works, per_request=per_request, finite=None if self.finite is None else f(self.finite))
+
+    def nonfinite(self) -> list[tuple[int, ...]]:
+        """Each request's rows (its own numbering) with a non-finite output value at a position it
+        keeps (a padded batch's positions past a request's length are not its own). A host
+        tensor: read once the batch's copies are done."""
+        f = self.finite
+        if f is None or bool(f.all()):
+            return [()] * len(self.works)
+        result: list[tuple[int, ...]] = []
+        offset = 0
+        for w in self.works:
+            mine = f[offset : offset + w.batch_size]
+            if mine.dim() > 1:
+                mine = mine[:, : w.length].all(dim=1)
+            result.append(tuple((~mine).nonzero().flatten().tolist()))
+            offset += w.batch_size
+        return result
 
     def split(self) -> list[list[NamedTensor]]:
         """Each request's outputs: its rows of the whole-batch tensors cut back to its length
@@ -133,8 +158,9 @@ class Finisher:
         ready = time.perf_counter_ns()  # the device is done with the batch; the host's encoding follows
         with torch.inference_mode():
             per_request = [encode_named(named) for named in launched.outputs.split()]
+            nonfinite = launched.outputs.nonfinite()
         compute_ns = self._own.claim(launched.start_ns, time.perf_counter_ns())
-        return BatchResult(per_request, compute_ns, self._device.claim(launched.start_ns, ready))
+        return BatchResult(per_request, compute_ns, self._device.claim(launched.start_ns, ready), nonfinite)
 
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""

@@ -8,13 +8,21 @@ received bytes into a small protobuf header and zero-copy views of the raw input
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import grpc
 
-from protos.kserve import DATATYPES, WireFormatError, parse_infer_request, service_pb2
+from protos.kserve import (
+    DATATYPES,
+    NONFINITE_ROWS_PARAMETER,
+    REFUSAL_METADATA,
+    WireFormatError,
+    parse_infer_request,
+    service_pb2,
+)
 from teacher_server.errors import (
     InferError,
     InvalidRequestError,
@@ -48,6 +56,13 @@ def error_details(error: InferError) -> str:
     """A refusal's message as gRPC status details: bounded, so it always fits the 8 KB metadata
     limit and the caller sees the refusal's own code."""
     return capped(error.message)
+
+
+def error_metadata(error: InferError) -> tuple[tuple[str, str], ...]:
+    """A refusal's facts as trailing metadata (`protos.kserve.REFUSAL_METADATA`, JSON), or none."""
+    if not error.facts:
+        return ()
+    return ((REFUSAL_METADATA, json.dumps(error.facts, separators=(",", ":"))),)
 
 
 # Parameters read per input or output: a map inside one field is not bounded by the field count
@@ -109,9 +124,12 @@ def deserialize_infer(data: bytes) -> InferRequest:
                             malformed=f"malformed ModelInferRequest: {e}")
 
 
-def build_response(request: InferRequest, model_name: str, version: str,
-                   outputs: list[EncodedOutput]) -> service_pb2.ModelInferResponse:
+def build_response(request: InferRequest, model_name: str, version: str, outputs: list[EncodedOutput],
+                   nonfinite_rows: Sequence[int] = ()) -> service_pb2.ModelInferResponse:
+    """The response; rows whose outputs are not finite are named in its `NONFINITE_ROWS_PARAMETER`."""
     resp = service_pb2.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
+    if nonfinite_rows:
+        resp.parameters[NONFINITE_ROWS_PARAMETER].string_param = ",".join(map(str, nonfinite_rows))
     for name, dtype, shape, _ in outputs:
         resp.outputs.add(name=name, datatype=dtype, shape=shape)
     resp.raw_output_contents.extend(raw for *_, raw in outputs)

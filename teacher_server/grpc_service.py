@@ -21,7 +21,7 @@ import grpc
 
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server.errors import InferError
-from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, grpc_status
+from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, error_metadata, grpc_status
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.model_description import config_message, metadata_message
@@ -157,13 +157,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         result = await self._lifecycle.infer(request)
         model = self._lifecycle.model
         size = sum(len(raw) for *_, raw in result.outputs)
-        return build_response(request, model.name, model.version, result.outputs), size
+        return build_response(request, model.name, model.version, result.outputs, result.nonfinite_rows), size
 
     async def ModelInfer(self, request: InferRequest, context: Any) -> service_pb2.ModelInferResponse:
         try:
             return (await self._infer(request))[0]
         except InferError as e:
-            await context.abort(grpc_status(e), error_details(e))
+            await context.abort(grpc_status(e), error_details(e), trailing_metadata=error_metadata(e))
             raise  # unreachable: abort raises
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[InferRequest], context: Any) -> None:

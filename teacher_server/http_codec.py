@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protos.kserve import DATATYPES, shape_numel
+from protos.kserve import DATATYPES, NONFINITE_ROWS_PARAMETER, shape_numel
 from teacher_server.errors import (
     InferError,
     InvalidRequestError,
@@ -242,8 +242,10 @@ class EncodedResponse:
 
 
 def encode_response(decoded: DecodedInfer, model_name: str, version: str,
-                    outputs: list[EncodedOutput]) -> EncodedResponse:
-    """The response to `decoded`: each output binary or as JSON `data`, as its request asked."""
+                    outputs: list[EncodedOutput], nonfinite_rows: Sequence[int] = ()) -> EncodedResponse:
+    """The response to `decoded`: each output binary or as JSON `data`, as its request asked; rows
+    whose outputs are not finite named in its `parameters` (`NONFINITE_ROWS_PARAMETER`), as gRPC's
+    response does."""
     out: list[dict[str, Any]] = []
     binary: list[bytes] = []
     for name, dtype, shape, raw in outputs:
@@ -257,5 +259,7 @@ def encode_response(decoded: DecodedInfer, model_name: str, version: str,
     body: dict[str, Any] = {"model_name": model_name, "model_version": version, "outputs": out}
     if decoded.request.id:
         body["id"] = decoded.request.id
+    if nonfinite_rows:
+        body["parameters"] = {NONFINITE_ROWS_PARAMETER: ",".join(map(str, nonfinite_rows))}
     header = json.dumps(body, separators=(",", ":")).encode()
     return EncodedResponse(header, binary, len(header) if binary else None)

@@ -204,15 +204,17 @@ class HTTPService:
             result = await self._lifecycle.infer(decoded.request)
         except InferError as e:
             return _error(http_status(e), e.message)
-        encoded = await self._encode(decoded, result.outputs)
+        encoded = await self._encode(decoded, result.outputs, result.nonfinite_rows)
         return await _send(request, encoded)
 
-    async def _encode(self, decoded: DecodedInfer, outputs: list[EncodedOutput]) -> EncodedResponse:
+    async def _encode(self, decoded: DecodedInfer, outputs: list[EncodedOutput],
+                      nonfinite_rows: tuple[int, ...] = ()) -> EncodedResponse:
         model = self._lifecycle.model
         as_json = sum(len(raw) for name, _, _, raw in outputs if not decoded.wants_binary(name))
         if as_json > OFFLOAD_BYTES // 8:  # about eight characters of JSON per byte of tensor
-            return await asyncio.to_thread(encode_response, decoded, model.name, model.version, outputs)
-        return encode_response(decoded, model.name, model.version, outputs)
+            return await asyncio.to_thread(encode_response, decoded, model.name, model.version, outputs,
+                                           nonfinite_rows)
+        return encode_response(decoded, model.name, model.version, outputs, nonfinite_rows)
 
 
 async def _send(request: web.Request, encoded: EncodedResponse) -> web.StreamResponse:

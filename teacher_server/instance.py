@@ -28,6 +28,7 @@ from teacher_server.outputs import (
     transform_output,
 )
 from teacher_server.scoring import head_split, row_context
+from teacher_server.spec import TensorSpec
 from teacher_server.staging import take_staged
 from teacher_server.threads import named_executor
 from teacher_server.transform_rows import RowContext
@@ -44,6 +45,41 @@ def unmasked(works: Sequence[Work]) -> bool:
     positions never attend to."""
     return all(w.useful is not None and w.length is not None and w.useful == w.batch_size * w.length
                for w in works)
+
+
+def finite_rows(outs: Sequence[torch.Tensor], specs: Sequence[TensorSpec],
+                works: Sequence[Work]) -> torch.Tensor | None:
+    """Whether the model's floating outputs are finite, per row of the batch `[B]`, on the
+    outputs' device and before any transform: a top-k or log-softmax of an overflowed row would
+    hide or spread it. Where requests of different lengths share a padded batch it is per row and
+    position `[B, T]` instead, so the padding computed past a request's length (which some models
+    fill with inf or NaN) is not held against it (`BatchOutputs.nonfinite` cuts it).
+
+    One reduction per output and no copy of it: a sum accumulated in float32 (or wider) is not
+    finite when any value summed is not (inf and NaN propagate), so a row is flagged also when its
+    finite values sum past float32's range, which no usable output does. None when no output is
+    floating."""
+    ragged = len({w.length for w in works}) > 1
+    rows: list[torch.Tensor] = []  # [B] each
+    positions: list[torch.Tensor] = []  # [B, T] each
+    for o, spec in zip(outs, specs, strict=True):
+        if not o.is_floating_point():
+            continue
+        axis = spec.shape.index(-1) + 1 if ragged and spec.per_position else None
+        dims = [d for d in range(1, o.dim()) if d != axis]
+        ok = torch.isfinite(o.sum(dim=dims, dtype=torch.promote_types(o.dtype, torch.float32)) if dims else o)
+        (rows if axis is None else positions).append(ok)
+    if positions and any(p.shape != positions[0].shape for p in positions):
+        rows += [p.all(dim=1) for p in positions]  # per-position outputs of different lengths: whole rows
+        positions = []
+    found = [*rows, *positions]
+    if not found:
+        return None
+    result = found[0]
+    for ok in found[1:]:
+        result = result & ok if ok.dim() == result.dim() else (result.unsqueeze(1) & ok if ok.dim() > 1
+                                                               else result & ok.unsqueeze(1))
+    return result
 
 
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
@@ -200,11 +236,13 @@ class ModelInstance:
         case), they run once on the whole batch and each request's rows are cut from the host
         tensors when the batch is finished."""
         specs = self.model.io.outputs
+        finite = finite_rows(outs, specs, works)
         first = works[0].outputs
         if all(w.outputs == first and w.aux.keys() == works[0].aux.keys() for w in works[1:]):
             rows = self._row_context(xs, works, outs, first)
             return BatchOutputs(works, whole=[(name, t, specs[self._spec_index[want.name]])
-                                              for want in first for name, t in self._apply(outs, want, rows, head)])
+                                              for want in first for name, t in self._apply(outs, want, rows, head)],
+                                finite=finite)
         result: list[list[NamedTensor]] = []
         offset = 0
         for w in works:
@@ -215,7 +253,7 @@ class ModelInstance:
                 named.extend(self._apply(cut, want, rows, head))
             result.append(named)
             offset += w.batch_size
-        return BatchOutputs(works, per_request=result)
+        return BatchOutputs(works, per_request=result, finite=finite)
 
     def _apply(self, outs: list[torch.Tensor], want: OutputTransform, rows: RowContext | None,
                head: Callable[[torch.Tensor], torch.Tensor] | None) -> list[NamedTensor]:

@@ -66,10 +66,13 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class InferResult:
-    """A request's answer: its outputs, encoded, in the order the request asked for them."""
+    """A request's answer: its outputs, encoded, in the order the request asked for them, and its
+    rows whose outputs hold a value that is not finite (inf, NaN): a front end says so in the
+    answer (the response parameter `NONFINITE_ROWS_PARAMETER`), never sends them unannounced."""
 
     outputs: list[EncodedOutput]
     batch_size: int
+    nonfinite_rows: tuple[int, ...] = ()
 
 
 # Typed refusals to Triton's failure reasons in nv_inference_request_failure.
@@ -174,7 +177,9 @@ class RequestLifecycle:
             if self._in_flight == 0:
                 self._idle.set()
         self.metrics.record_success(batch_size, time.perf_counter_ns() - start, timing.queue_ns, timing.compute_ns)
-        return InferResult(outputs, batch_size)
+        if timing.nonfinite:
+            self.metrics.record_nonfinite(len(timing.nonfinite))
+        return InferResult(outputs, batch_size, timing.nonfinite)
 
     async def _run(self, request: InferRequest) -> tuple[list[EncodedOutput], Timing, int]:
         if request.malformed:
@@ -193,7 +198,8 @@ class RequestLifecycle:
                 answers = await self._batcher.submit_rows(split.works)
                 outputs = split.assemble([outs for outs, _ in answers])
                 timing = Timing(max(t.queue_ns for _, t in answers), max(t.compute_ns for _, t in answers),
-                                max(t.batch_size for _, t in answers))
+                                max(t.batch_size for _, t in answers),
+                                split.request_rows([t.nonfinite for _, t in answers]))
             else:
                 outputs, timing = await self._batcher.submit(work)
         except QueueFullError as e:

@@ -73,6 +73,7 @@ class ServerMetrics:
         self._last_inference_ms = 0.0
         self._useful_tokens = 0
         self._computed_tokens = 0
+        self._nonfinite_rows = 0
         # Read at scrape time (from the HTTP thread): the batcher's queue length.
         self._pending_source: Callable[[], int] = lambda: 0
         self._in_flight_source: Callable[[], int] = lambda: 0
@@ -98,6 +99,14 @@ class ServerMetrics:
     def record_execution(self) -> None:
         """One batch ran on a model instance."""
         self._exec_count += 1
+
+    def record_nonfinite(self, rows: int) -> None:
+        """An answered request had `rows` rows whose outputs hold inf or NaN (marked in its answer)."""
+        self._nonfinite_rows += rows
+
+    @property
+    def nonfinite_rows(self) -> int:
+        return self._nonfinite_rows
 
     def record_tokens(self, useful: int, computed: int) -> None:
         """One batch of a padded model ran: `useful` positions the requests needed, `computed`
@@ -159,6 +168,9 @@ class ServerMetrics:
         # Not a Triton family: what a drain waits for, so operators (and tests) can watch it.
         lines += _family("teacher_in_flight_request_count", "gauge", lab, self._in_flight_source(),
                          "Requests admitted and not yet answered (queued, executing or being validated).")
+        # Not a Triton family: rows answered with inf or NaN in their outputs (an overflowing model).
+        lines += _family("teacher_nonfinite_output_rows_total", "counter", lab, self._nonfinite_rows,
+                         "Rows answered whose outputs hold a value that is not finite (inf or NaN).")
         # Not Triton families: padding waste of models with padded sequence inputs.
         lines += _family("teacher_useful_tokens_total", "counter", lab, self._useful_tokens,
                          "Sequence positions requests needed (samples x own length).")

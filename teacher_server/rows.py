@@ -58,6 +58,12 @@ class Rows:
             return self.axes.get(name)
         return next((a for base, a in self.axes.items() if name.startswith(base + "_")), None)
 
+    def request_rows(self, per_work: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """The request's rows that `works` (one row each) name in `per_work`, in its numbering
+        (rows that are all padding ran nowhere and are skipped)."""
+        ran = [r for r, (start, stop) in enumerate(self.spans) if start != stop]
+        return tuple(ran[k] for k, rows in enumerate(per_work) if rows)
+
     def assemble(self, answers: Sequence[Sequence[EncodedOutput]]) -> list[EncodedOutput]:
         """The request's outputs from its rows' (`answers`, in `works` order): each output at the
         request's batch size, per-position outputs at its padded width with zeros at padding."""

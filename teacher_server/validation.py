@@ -248,14 +248,21 @@ def check_limits(seen: dict[str, torch.Tensor], io: ModelIO) -> None:
             continue
         axis = s.seq_axis if s.seq_axis is not None else s.shape.index(-1) if -1 in s.shape else None
         if s.max_length is not None and axis is not None and t.shape[axis + 1] > s.max_length:
+            length = int(t.shape[axis + 1])
             raise InvalidRequestError(
-                f"input {s.name!r}: sequence length {t.shape[axis + 1]} exceeds the model's context of "
-                f"{s.max_length} positions; send at most {s.max_length} tokens per sequence")
+                f"input {s.name!r}: sequence length {length} exceeds the model's context of "
+                f"{s.max_length} positions; send at most {s.max_length} tokens per sequence",
+                {"kind": "context", "input": s.name, "value": length, "limit": s.max_length, "index": []})
         if s.max_value is not None:
-            _check_ids(s.name, t, s.max_value, "the vocabulary")
+            _check_ids(s.name, t, s.max_value, "vocabulary")
 
 
-def _check_ids(name: str, t: torch.Tensor, limit: int, what: str) -> None:
+_ID_RANGES = {"vocabulary": "the vocabulary", "classes": "the scored output's classes"}
+
+
+def _check_ids(name: str, t: torch.Tensor, limit: int, kind: str) -> None:
+    """Every id of input `name` in 0..limit-1; `kind` names the range (`_ID_RANGES`), in the
+    message and in the refusal's facts."""
     if t.numel() == 0:
         return
     lo, hi = torch.aminmax(t)  # one pass; this runs on the event loop, before the request is queued
@@ -264,7 +271,8 @@ def _check_ids(name: str, t: torch.Tensor, limit: int, what: str) -> None:
         bad = low if low < 0 else high
         where = [int(i) for i in (t == bad).nonzero()[0]]
         raise InvalidRequestError(
-            f"input {name!r}: id {bad} at {where} is outside {what} of {limit} (ids must be in 0..{limit - 1})")
+            f"input {name!r}: id {bad} at {where} is outside {_ID_RANGES[kind]} of {limit} (ids must be in "
+            f"0..{limit - 1})", {"kind": kind, "input": name, "value": bad, "limit": limit, "index": where})
 
 
 def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], io: ModelIO,
@@ -288,7 +296,7 @@ def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], i
     if tokens:
         width = min(s.shape[-1] for s in (io.output(w.name) for w in wanted if w.needs_tokens) if s is not None)
         if width > 0:
-            _check_ids(io.inputs[index].name, ids, width, "the scored output's classes")
+            _check_ids(io.inputs[index].name, ids, width, "classes")
     for name, t in aux.items():
         if t.dim() != 3 or t.shape[1] != ids.shape[1] or t.shape[2] < 1:
             raise InvalidRequestError(
@@ -296,6 +304,6 @@ def check_scoring(seen: dict[str, torch.Tensor], aux: dict[str, torch.Tensor], i
                 "sequence length (pad it like the ids), and m >= 1")
         width = min((s.shape[-1] for s in scored if s is not None), default=0)
         if width > 0:
-            _check_ids(name, t, width, "the scored output's classes")
+            _check_ids(name, t, width, "classes")
 
 

@@ -266,6 +266,10 @@ async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[En
             if isinstance(e, InferError):
                 raise APIError(http_status(e), e.message) from None
             raise e
+    bad = [i for i, t in enumerate(tasks) if t.result().nonfinite_rows]
+    if bad:  # never a log-probability of inf or NaN in a 200 answer
+        raise APIError(500, f"the model's outputs for prompt(s) {bad} are not finite (inf or NaN): it overflowed on "
+                       "them; check those prompts, or serve the model in a wider dtype", "prompt")
     return [t.result().outputs for t in tasks]
 
 

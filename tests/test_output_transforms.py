@@ -170,8 +170,9 @@ def test_only_the_reduced_tensors_are_copied_to_the_host(monkeypatch: pytest.Mon
         want = [OutputTransform("LOGITS", None, 4, True, 2.0, True)]
         tokens = [torch.from_numpy(_tokens(b, 6, seed=b)) for b in (2, 3)]
         result = inst.run([Work([t], t.shape[0], want) for t in tokens])
-        # One batch of 5 x 6 positions: values fp32 + indices int32 + tail fp32, never 41-wide logits.
-        assert copied == [((5, 6, 4), 5 * 6 * 4 * 4), ((5, 6, 4), 5 * 6 * 4 * 4), ((5, 6), 5 * 6 * 4)]
+        # One batch of 5 x 6 positions: values fp32 + indices int32 + tail fp32, never 41-wide logits;
+        # then whether each row's outputs are finite, one bool a row.
+        assert copied == [((5, 6, 4), 5 * 6 * 4 * 4), ((5, 6, 4), 5 * 6 * 4 * 4), ((5, 6), 5 * 6 * 4), ((5,), 5)]
         assert [[(n, s) for n, _, s, _ in r] for r in result.per_request] == [
             [("LOGITS_TOPK_VALUES", [b, 6, 4]), ("LOGITS_TOPK_INDICES", [b, 6, 4]), ("LOGITS_TOPK_TAIL", [b, 6])]
             for b in (2, 3)]
@@ -180,7 +181,7 @@ def test_only_the_reduced_tensors_are_copied_to_the_host(monkeypatch: pytest.Mon
         other = [OutputTransform("LOGITS", "FP16", 2)]
         inst.run([Work([tokens[0]], 2, want), Work([tokens[1]], 3, other)])
         assert copied == [((2, 6, 4), 2 * 6 * 4 * 4), ((2, 6, 4), 2 * 6 * 4 * 4), ((2, 6), 2 * 6 * 4),
-                          ((3, 6, 2), 3 * 6 * 2 * 2), ((3, 6, 2), 3 * 6 * 2 * 4)]
+                          ((3, 6, 2), 3 * 6 * 2 * 2), ((3, 6, 2), 3 * 6 * 2 * 4), ((5,), 5)]
     finally:
         inst.close()
 
@@ -210,7 +211,7 @@ def test_the_transform_sees_the_tensor_on_the_models_device(monkeypatch: pytest.
         inst.run([Work([t], 2, [OutputTransform("LOGITS", None, 3)])])
     finally:
         inst.close()
-    assert seen == [model.device] and copied == [model.device, model.device]
+    assert seen == [model.device] and copied == [model.device, model.device, model.device]  # values, indices, finite
 
 
 # ---- factory arguments ---------------------------------------------------------------------------
