@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The README's GPU rows, each stage the command that produced one. From the project's root, on a
+# The GPU rows of the benchmarks page (docs/benchmarks.md), each stage the command that produced one. From the project's root, on a
 # machine with a CUDA GPU and the project installed:
 #
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_floor w6_chunks w6_expandable w6_ahead w6_ahead1 llm_1inst llm_3inst host_bound pipeline packing serving serving_threads w1 w1_train w7,
-# and next, next2 (the stages the README's GPU section names for the next run, in two calls)
+# w6_floor w6_chunks w6_expandable w6_ahead w6_ahead1 llm_1inst llm_3inst host_bound serving serving_threads w1 w1_train w7,
+# and next, next2 (the stages the benchmarks page names for the next GPU run, in two calls)
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
 # $AFTER (a shell command) runs after each stage, e.g. to copy the results somewhere as they come.
@@ -48,9 +48,6 @@ smoke_args() {  # smoke_args PYTHON -m MODULE ...: the small sizes SMOKE=1 appen
     benchmarks.llm_serving) echo --sequences 24 --batch 4 --clients 8 --student-batch 4 --reader-rows 8 --reps 1 \
                               --compute-dtype "$DTYPE" ;;
     benchmarks.host_bound) echo --shapes 2x64,4x128 --reps 1 --compute-dtype "$DTYPE" ;;
-    benchmarks.instance_pipeline) echo --sequences 24 --budget 512 --compute-dtype "$DTYPE" ;;
-    benchmarks.packing) echo --hidden 64 --layers 2 --heads 4 --vocab 4096 --row 128 --budget 512 --sequences 24 \
-                          --reps 1 --compute-dtype "$DTYPE" ;;
     benchmarks.teacher_memory) echo --seq 256 --compute-dtype "$DTYPE" ;;
     benchmarks.serving) echo --reps 1 --warmup 0.2 --duration 0.5 --compute-dtype "$DTYPE" ;;
     benchmarks.instances)  # ResNet-50 needs torchvision (the GPU image has it); without it, RefTeacher
@@ -122,7 +119,7 @@ run_stage() {
         --instances 1 --alt-server-arg=--no-cost-aware-floor --reps "$REPS" --out llm_serving_gpu_floor ;;
     w6_expandable)  # W6's headline layout with the caching allocator's expandable segments, server and
                     # in-process loop alike (the variable-shaped batches then grow segments instead of
-                    # allocating and freeing new ones): the follow-up if `pipeline` counts device frees
+                    # allocating and freeing new ones): the follow-up if the allocator's retries grow
       shape && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage w6_expandable 240 $PY -m benchmarks.llm_serving \
         "${LLM[@]}" --sequences 1024 --skip-buckets-off --instances 1 --reps "$REPS" --out llm_serving_gpu_expandable ;;
     w6_ahead)  # A/B at the GPU default of 2 instances: --batches-ahead 2 against the default 3 an instance
@@ -164,20 +161,13 @@ run_stage() {
                  # and the in-process whole-batch top-k, and the calls that make the host wait for the GPU
       shape && stage host_bound 120 $PY -m benchmarks.host_bound --teacher "$Q15" --device "$DEVICE" \
         --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
-    pipeline)  # one instance over W6's length-sorted batches, with and without the mask, against the batches
-               # alone and a plain loop: where the device waits between batches; Chrome traces of the instance
-      shape && stage pipeline 200 $PY -m benchmarks.instance_pipeline --teacher "$Q15" --device "$DEVICE" \
-        --compute-dtype "$DTYPE" --trace "$LOGS/traces" --out instance_pipeline_gpu ;;
-    packing)  # padded (length-sorted, buckets, the server's rules) against packed rows, a 1.5B-shaped Llama
-      stage packing 240 $PY -m benchmarks.packing --device "$DEVICE" --compute-dtype "$DTYPE" --hidden 1536 --layers 28 \
-        --heads 12 --vocab 151936 --row 1024 --budget 16384 --sequences 512 --reps "$REPS" --out packing_gpu ;;
     w6_sync) shape && stage w6_sync 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
-    next)  # what the README's "Not measured on a GPU yet" asks for, the goals' rows first: one call of at most
+    next)  # what the benchmarks page has not measured on a GPU yet, the goals' rows first: one call of at most
            # 600 s at REPS=3 (about 500 s by the H100's earlier stages: 100-155 s each, the shape 20 s)
-      for s in w6_floor reader w6_ahead1 pipeline; do run_stage "$s"; done ;;
-    next2)  # the rest of that list, the diagnostics (about 400 s)
-      for s in host_bound serving_threads packing w6_chunks; do run_stage "$s"; done ;;
+      for s in w6_floor reader w6_ahead1 serving_threads; do run_stage "$s"; done ;;
+    next2)  # the rest of that list, the diagnostics (about 300 s)
+      for s in host_bound w6_chunks; do run_stage "$s"; done ;;
     *) echo "unknown stage $1"; FAILED+=("$1"); return 2 ;;
   esac
 }
