@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from distill.errors import BatchRejectedError
+from distill.errors import BatchRejectedError, InputRefusal
 from distill.outputs import AUX_INPUTS
 from distill.teacher_client import MalformedAnswerError
-from distill.types import FieldArray, OutputCache, Signature, StoredRows
+from distill.types import FieldArray, OutputCache, ParameterValue, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
 
 log = logging.getLogger("distill.reader")
@@ -155,6 +155,9 @@ class Job:
     error: BaseException | None = None
     delivered: bool = False
     cached: StoredRows | None = None  # with a cache: the batch's keys, and what the store held
+    # A submitted batch's own request parameters (its temperature, `DistillReader.submit`); None:
+    # the reader's. Only batches with the same parameters share a request (distill.bundles).
+    parameters: Mapping[str, ParameterValue] | None = None
 
     @property
     def sent(self) -> int:
@@ -175,6 +178,7 @@ class Chunk:
     refusals: dict[str, str] = field(default_factory=dict)  # teacher key -> what it said of this input
     suspect: bool = False  # refused once: goes through the service's suspect lane
     alone: bool = False  # in a request that was refused: never shares a call again (distill.bundles)
+    refusal: InputRefusal | None = None  # what a teacher that refused it found wrong (rows of the batch)
 
     @property
     def size(self) -> int:
@@ -300,7 +304,8 @@ class Delivery:
                 job.error = BatchRejectedError(
                     f"service {service!r} refused {what}: {reason}. Only this batch is lost and the teachers "
                     "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
-                    "such batches, or pass fallback='hard_labels' to train on them with labels alone.")
+                    "such batches, or pass fallback='hard_labels' to train on them with labels alone.",
+                    reason=reason, refusal=chunk.refusal)
             job.remaining = dict.fromkeys(job.remaining, 0)
         self.maybe_complete(job)
         return counted

@@ -4,8 +4,8 @@ Every call costs the student a fixed amount of CPU (gRPC's C core, an asyncio ta
 checks), whatever its size; for batches of a few rows from a fast loader that fixed cost is most
 of the student's work per batch. Batches the loader read in a row reach the event loop together
 (`distill.readahead`), and their chunks go to a teacher as one request when they have the same
-inputs (names, datatypes, per-sample shapes) and fit the teacher's batch limit together: the
-teacher batches requests anyway, so one request of four batches costs it what four requests do,
+inputs (names, datatypes, per-sample shapes) and request parameters, and fit the teacher's batch
+limit together: the teacher batches requests anyway, so one request of four batches costs it what four requests do,
 and the student pays for one call instead of four.
 
 The chunks that wait for a teacher with a free slot (all are at their in-flight limits) are
@@ -38,9 +38,12 @@ def _layout(chunk: Chunk) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
 
 def fits_with(first: Chunk, other: Chunk) -> bool:
     """Whether `other` can share a request with `first`: the same inputs, sample shapes included
-    (a padded batch of another length cannot join), and neither a chunk that was refused, alone or
-    in a bundle (it goes alone until it is answered or fails)."""
+    (a padded batch of another length cannot join), the same request parameters (a request has one
+    temperature), and neither a chunk that was refused, alone or in a bundle (it goes alone until it
+    is answered or fails)."""
     if other.suspect or first.suspect or other.alone or first.alone:
+        return False
+    if first.job.parameters is not other.job.parameters and first.job.parameters != other.job.parameters:
         return False
     a, b = first.job.fields, other.job.fields
     if a.keys() != b.keys():

@@ -18,6 +18,7 @@ Duplicate answers (hedges, late retries) are dropped: a chunk is filled once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -29,6 +30,7 @@ import grpc
 
 from distill.batches import Chunk, Delivery
 from distill.bundles import bundle_pieces, fits_with, split_outputs
+from distill.errors import InputRefusal
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Spawn, spawn_closed
@@ -294,7 +296,8 @@ class Dispatcher:
         return ChunkRequest(
             model_name=t.meta.model_name, model_version=self.opts.model_version, request_id=rid, inputs=job.fields,
             start=start, stop=stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
-            parameters=self.opts.request_parameters, owned=len(chunks) == 1 and self.delivery.whole(first),
+            parameters=self.opts.request_parameters if job.parameters is None else job.parameters,
+            owned=len(chunks) == 1 and self.delivery.whole(first),
             pieces=pieces,
         )
 
@@ -342,7 +345,7 @@ class Dispatcher:
         except RequestRejectedError as e:
             router.rejected(t, str(e))
             if len(chunks) == 1:
-                self._refused(svc, chunks[0], t, str(e))
+                self._refused(svc, chunks[0], t, str(e), e.refusal)
             else:  # which batch it refused is unknown: each goes again alone, nothing held against it
                 log.info("teacher %s refused a request of %d batches (%s); sending each alone", t.endpoint,
                          len(chunks), e)
@@ -400,13 +403,18 @@ class Dispatcher:
         svc.release(chunk)
         svc.push(chunk, front=True)
 
-    def _refused(self, svc: Service, chunk: Chunk, t: TeacherState, message: str) -> None:
-        """Teacher `t` refused this chunk's input. The first refusal sends it, alone, to one other
-        teacher; a second fails its batch with both teachers' words."""
+    def _refused(self, svc: Service, chunk: Chunk, t: TeacherState, message: str,
+                 refusal: InputRefusal | None = None) -> None:
+        """Teacher `t` refused this chunk's input (with the facts of it, when it sent them). The first
+        refusal sends it, alone, to one other teacher; a second fails its batch with both teachers'
+        words and the facts."""
         if chunk.done or chunk.job.epoch != self.epoch:
             svc.release(chunk)
             return
         chunk.refusals[t.key] = f"{t.endpoint} said {message}"
+        if refusal is not None:  # the request held this chunk's rows alone: its row 0 is the chunk's start
+            index = (chunk.start + refusal.index[0], *refusal.index[1:]) if refusal.index else ()
+            chunk.refusal = dataclasses.replace(refusal, index=index)
         if any(s is not asyncio.current_task() and not s.done() for s in chunk.sends):
             return  # a hedge of it is still out: its answer decides
         if len(chunk.refusals) >= 2 or chunk.suspect:

@@ -41,7 +41,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, cast
 
 from discovery import Registry, open_registry
@@ -65,7 +65,7 @@ from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_s
 from distill.teacher_client import (
     grpc_connector,
 )
-from distill.types import FieldArray, OutputCache, StoredRows
+from distill.types import FieldArray, OutputCache, ParameterValue, StoredRows
 
 log = logging.getLogger("distill.reader")
 
@@ -212,10 +212,12 @@ class Engine:
         self.begin_epoch(None)
         self._delivery.ordered = False
 
-    def submit(self, batch: Submitted, size: int, fields: dict[str, FieldArray], deadline_s: float) -> None:
+    def submit(self, batch: Submitted, size: int, fields: dict[str, FieldArray], deadline_s: float,
+               parameters: Mapping[str, ParameterValue] | None = None) -> None:
         """Send one batch the training loop made (on the loop thread), its future settled once: with
-        the outputs, the teachers' refusal, or a timeout at `deadline_s`."""
-        job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields))
+        the outputs, the teachers' refusal, or a timeout at `deadline_s`. `parameters`: the batch's
+        own request parameters (None: the reader's)."""
+        job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields), parameters=parameters)
         self._submitted += 1
         batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
         self._offer([job])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 
 class DistillError(Exception):
     """Base class of the reader's errors."""
@@ -34,11 +37,46 @@ class ReaderClosedError(DistillError):
     """The reader was closed while the training loop still iterated it."""
 
 
+@dataclass(frozen=True)
+class InputRefusal:
+    """What the teachers found wrong in a batch's input, as facts rather than words (teacher-server
+    sends them beside its message, `protos.kserve.REFUSAL_METADATA`), so a program can say it in
+    its own terms (a gateway: which prompt of its request). `kind` "vocabulary" or "classes": id
+    `value` at `index` of input `input` (row of the batch first) is outside 0..`limit` - 1, the
+    model's vocabulary or the classes of the output it scores; "context": the sequences are
+    `value` positions long, past the model's context of `limit` (`index` is empty)."""
+
+    kind: str
+    input: str
+    value: int
+    limit: int
+    index: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> InputRefusal | None:
+        """The facts as a teacher sends them (JSON), or None for malformed ones: the teacher's
+        message still says what is wrong."""
+        try:
+            facts = json.loads(text)
+            return cls(str(facts["kind"]), str(facts["input"]), int(facts["value"]), int(facts["limit"]),
+                       tuple(int(i) for i in facts["index"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
 class BatchRejectedError(DistillError):
     """The teachers refused this one batch: its inputs do not fit what they declared, or their model
     raised on it. Only that batch is lost: the teachers keep serving, and calling `next()` on the same
     iterator again goes on with the following batch. With `fallback="hard_labels"` the batch is
-    yielded with `None` outputs instead (counted in `stats().rejected_batches`)."""
+    yielded with `None` outputs instead (counted in `stats().rejected_batches`).
+
+    `reason` is the teachers' own words, and `refusal` the facts of what they found wrong when they
+    sent them (None otherwise, e.g. from Triton or for a model that raised)."""
+
+    def __init__(self, message: str, *, reason: str = "", refusal: InputRefusal | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+        self.refusal = refusal
 
 
 class ReaderInUseError(DistillError):

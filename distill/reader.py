@@ -41,7 +41,7 @@ from distill.engine import PREFETCH, Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.options import ReaderOptions, default_student_id
 from distill.stats import ConsumptionMeter, ReaderStats
-from distill.submit import ScoreFuture, Submissions
+from distill.submit import ScoreFuture, Submissions, Temperatures
 
 # ReaderOptions and its helpers live in distill.options (below the engine, which reads them); they
 # are re-exported here, where the reader's users have always found them.
@@ -144,6 +144,7 @@ class DistillReader:
         self._loader = loader
         # No loader: batches come from submit() (distill.submit), at most `prefetch` unsettled.
         self._submissions = Submissions(self._options.prefetch or PREFETCH) if loader is None else None
+        self._temperatures = Temperatures(self._options.request_parameters)
         if self._submissions is not None and self._options.cache is not None:
             raise ValueError("a reader without a loader scores new batches each step, which a teacher-output "
                              "store would never hold: drop cache=, or give the reader a loader")
@@ -279,14 +280,17 @@ class DistillReader:
         return batch, as_device(outputs, self._options.torch_device)
 
     # ---- batches the training loop makes (distill.submit) -------------------------------------
-    def submit(self, batch: Any, *, deadline_s: float | None = None) -> concurrent.futures.Future[Any]:
+    def submit(self, batch: Any, *, deadline_s: float | None = None,
+               temperature: float | None = None) -> concurrent.futures.Future[Any]:
         """Send `batch` to the teachers now; a future of its outputs (see ``distill.submit``). Never
         blocks: raises SubmitLimitError with `prefetch` batches unsettled. The batch's teacher inputs
-        are taken on this thread (as `inputs` says); the engine keeps them until it is answered."""
+        are taken on this thread (as `inputs` says); the engine keeps them until it is answered.
+        `temperature`: this batch's, instead of the reader's `temperature` option."""
         subs = self._submissions
         if subs is None:
             raise TypeError("submit() is for a reader built without a loader, DistillReader(None, ...); this one "
                             "reads its loader: iterate it")
+        parameters = self._temperatures(temperature)
         self.start()
         engine, loop = self._engine, self._loop
         assert engine is not None and loop is not None
@@ -297,14 +301,14 @@ class DistillReader:
         opts = self._options
         deadline = deadline_s if deadline_s is not None else opts.no_teacher_timeout + 2 * opts.timeout
         try:
-            loop.call_soon_threadsafe(engine.submit, Submitted(fut), size, fields, deadline)
+            loop.call_soon_threadsafe(engine.submit, Submitted(fut), size, fields, deadline, parameters)
         except RuntimeError as e:  # the loop closed under us
             fut.set_exception(ReaderClosedError(f"the reader's engine stopped: {e}"))
         return fut
 
-    def score(self, batch: Any, *, deadline_s: float | None = None) -> Any:
+    def score(self, batch: Any, *, deadline_s: float | None = None, temperature: float | None = None) -> Any:
         """``submit(batch).result()``: the outputs of `batch`, waiting for them (staleness 0)."""
-        return self.submit(batch, deadline_s=deadline_s).result()
+        return self.submit(batch, deadline_s=deadline_s, temperature=temperature).result()
 
     def stats(self) -> ReaderStats:
         """Throughput, wait fraction, and per-teacher latency/errors (see ReaderStats)."""

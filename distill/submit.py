@@ -11,12 +11,18 @@ their own event loop (a gateway):
     outputs = fut.result()                # {"LOGITS_TOKEN_LOGPROBS": tensor, ...}, like a loader's
     outputs = reader.score(batch)         # submit(batch).result(): blocking
     outputs = await asyncio.wrap_future(reader.submit(batch))   # from any event loop
+    fut = reader.submit(batch, temperature=0.7)                 # this batch at its own temperature
 
 Staleness is the caller's choice, never hidden: 0 is ``score(batch)`` each step (generate, score,
 train); 1 is submit step n, generate step n+1 while the teachers score step n, then take step n's
 result and train on it (the samples of step n+1 came from weights one update older than those they
 train). Generation and the optimizer run on the caller's thread only; the engine's thread never
 touches the model.
+
+A batch's ``temperature=`` replaces the reader's ``temperature`` option for that batch alone: the
+teachers apply it per request, so one reader (one student in the registry, one demand figure)
+serves any number of temperatures at once, e.g. a gateway whose clients each score at their own.
+Batches share a request only with batches of the same temperature.
 
 Bounds and failure, each said by an exception:
 * at most ``prefetch`` submitted batches are unsettled at once; a ``submit`` beyond that raises
@@ -41,16 +47,49 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
+from distill.checks import checked, positive_float
 from distill.errors import ReaderClosedError
+from distill.types import ParameterValue
 
-__all__ = ["ScoreFuture", "Submissions", "SubmitLimitError"]
+__all__ = ["ScoreFuture", "Submissions", "SubmitLimitError", "Temperatures"]
 
 
 class SubmitLimitError(RuntimeError):
     """``submit`` was called with ``prefetch`` batches unsettled: take a result first."""
+
+
+class Temperatures:
+    """The request parameters of batches submitted at their own temperature: the reader's, with
+    that temperature. One mapping per temperature is kept and reused, since the request encoder
+    reuses a serialized header by its parameter mapping; clients choose the values, so at most
+    `LIMIT` are kept (the table starts afresh beyond that)."""
+
+    LIMIT = 64
+
+    def __init__(self, base: Mapping[str, ParameterValue]) -> None:
+        self._base = base
+        self._lock = threading.Lock()
+        self._made: dict[float, Mapping[str, ParameterValue]] = {}
+
+    def __call__(self, temperature: float | None) -> Mapping[str, ParameterValue] | None:
+        """The parameters of a batch at `temperature`; None (the reader's own) for None or the
+        temperature the reader states. ValueError for a temperature that is not a number > 0."""
+        if temperature is None:
+            return None
+        value = checked(positive_float, "temperature", temperature)
+        if self._base.get("temperature") == value:  # stated by the reader; unstated, 1.0 is stated here
+            return None
+        with self._lock:
+            found = self._made.get(value)
+            if found is None:
+                if len(self._made) >= self.LIMIT:
+                    self._made.clear()
+                found = self._made[value] = MappingProxyType({**self._base, "temperature": value})
+        return found
 
 
 class ScoreFuture(concurrent.futures.Future[Any]):

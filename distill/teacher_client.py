@@ -27,12 +27,14 @@ import numpy as np
 import torch
 
 from distill.config import ClientTLS
+from distill.errors import InputRefusal
 from distill.outputs import per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
     BY_LENGTH_PARAMETER,
     DATATYPES,
     RAW_INPUT_FIELD,
+    REFUSAL_METADATA,
     Datatype,
     decode_tensor,
     length_delimited,
@@ -101,7 +103,12 @@ class TeacherCallError(Exception):
 class RequestRejectedError(TeacherCallError):
     """The teacher refused this request's input (INVALID_ARGUMENT, or a model execution error): the
     input may be at fault rather than the teacher, so the engine retries it on one other teacher
-    before it fails the batch, and ejects nobody for it."""
+    before it fails the batch, and ejects nobody for it. `refusal`: the facts of what it found
+    wrong, when it sent them (rows counted within this request)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, refusal: InputRefusal | None = None) -> None:
+        super().__init__(code, details)
+        self.refusal = refusal
 
 
 class TeacherOverloadedError(TeacherCallError):
@@ -114,17 +121,23 @@ class TeacherOverloadedError(TeacherCallError):
 _MODEL_ERROR_PREFIXES = ("model execution failed", "Failed to process the request")
 
 
-def call_error(code: grpc.StatusCode, details: str) -> TeacherCallError:
-    """The typed error for a ModelInfer that ended with `code`: rejected, overloaded or failed.
+def call_error(code: grpc.StatusCode, details: str, metadata: Any = None) -> TeacherCallError:
+    """The typed error for a ModelInfer that ended with `code`: rejected, overloaded or failed;
+    `metadata` is the call's trailing metadata (a refusal's facts, `protos.kserve.REFUSAL_METADATA`).
 
     A CANCELLED status that reaches here was not caused by this student: when the student cancels
     its own call, the awaiting task gets CancelledError and never sees a status."""
     if code == grpc.StatusCode.INVALID_ARGUMENT or (
             code == grpc.StatusCode.INTERNAL and details.startswith(_MODEL_ERROR_PREFIXES)):
-        return RequestRejectedError(code, details)
+        return RequestRejectedError(code, details, input_refusal(metadata) if metadata else None)
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
         return TeacherOverloadedError(code, details)
     return TeacherCallError(code, details)
+
+
+def input_refusal(metadata: Any) -> InputRefusal | None:
+    """The facts a teacher sent with its refusal (`protos.kserve.REFUSAL_METADATA`), or None."""
+    return next((InputRefusal.parse(value) for key, value in metadata if key == REFUSAL_METADATA), None)
 
 
 class TeacherGoneError(Exception):
@@ -327,7 +340,7 @@ class TeacherClient:
             response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout,
                                                                           metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise call_error(e.code(), e.details() or "") from None
+            raise call_error(e.code(), e.details() or "", e.trailing_metadata()) from None
         except grpc.aio.UsageError:
             raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
         except grpc.RpcError as e:

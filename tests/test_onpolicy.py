@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-from distill import DistillReader, ReaderClosedError, SubmitLimitError
+from distill import BatchRejectedError, DistillReader, ReaderClosedError, SubmitLimitError
+from distill.errors import InputRefusal
 from distill.losses import ScoredTargets, TokenKDLoss, sampled_token_pg_loss
 from teacher_server.launch import TeacherProcess
 from tests.hf_models import load_reference
@@ -73,23 +74,25 @@ def teacher(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield info
 
 
-def _expected(reference: torch.nn.Module, ids: torch.Tensor, score_ids: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor]:
+def _expected(reference: torch.nn.Module, ids: torch.Tensor, score_ids: torch.Tensor,
+              temperature: float = TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """(token log-probs [T], scored log-probs [T, m]) of one unpadded sequence, in this process."""
     with torch.inference_mode():
-        lp = torch.log_softmax(reference(input_ids=ids[None]).logits[0].float() / TEMPERATURE, dim=-1)
+        lp = torch.log_softmax(reference(input_ids=ids[None]).logits[0].float() / temperature, dim=-1)
     tokens = torch.zeros(ids.shape[0])
     tokens[:-1] = lp[:-1].gather(-1, ids[1:, None]).squeeze(-1)
     return tokens, lp.gather(-1, score_ids.long())
 
 
-def _check(reference: torch.nn.Module, batch: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+def _check(reference: torch.nn.Module, batch: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+           temperature: float = TEMPERATURE) -> None:
     assert set(outputs) == {"LOGITS_TOKEN_LOGPROBS", "LOGITS_SCORED_LOGPROBS"}  # the full [B, T, V] never comes
     tokens, scored = outputs["LOGITS_TOKEN_LOGPROBS"], outputs["LOGITS_SCORED_LOGPROBS"]
     assert tokens.shape == batch["input_ids"].shape and scored.shape == batch["score_ids"].shape
     for row in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][row].sum())
-        want_tokens, want_scored = _expected(reference, batch["input_ids"][row, :n], batch["score_ids"][row, :n])
+        want_tokens, want_scored = _expected(reference, batch["input_ids"][row, :n], batch["score_ids"][row, :n],
+                                             temperature)
         torch.testing.assert_close(tokens[row, :n], want_tokens, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(scored[row, :n], want_scored, atol=1e-4, rtol=1e-4)
         assert (tokens[row, n - 1:] == 0).all() and (scored[row, n:] == 0).all()  # the last position, padding
@@ -165,6 +168,29 @@ def test_submit_is_bounded_and_close_fails_what_is_unsettled(teacher: dict[str, 
 
 async def _awaited(fut: concurrent.futures.Future[Any]) -> Any:
     return await asyncio.wrap_future(fut)
+
+
+def test_submitted_batches_carry_their_own_temperature_and_a_refusal_its_facts(
+        teacher: dict[str, Any], reference: torch.nn.Module) -> None:
+    """One reader, batches submitted together at four temperatures (the reader's own among them):
+    each is answered at its own, so none shared a request with a batch of another. A batch with an id
+    past the vocabulary in its sixth row (past the teacher's 4-row batches) fails with the facts of
+    it: the input, the row and position in the batch, the id and the vocabulary."""
+    temperatures = [None, 0.5, 1.0, 3.0]
+    with DistillReader(None, teachers=f"127.0.0.1:{teacher['port']}", inputs=INPUTS, outputs=["LOGITS"],
+                       token_logprobs=True, temperature=TEMPERATURE, timeout=30.0, prefetch=8) as reader:
+        batches = [_padded_batch((5, 7), seed=20 + n) for n in range(8)]
+        futures = [reader.submit(b, temperature=temperatures[n % 4]) for n, b in enumerate(batches)]
+        for n, (batch, fut) in enumerate(zip(batches, futures, strict=True)):
+            _check(reference, batch, fut.result(60), temperatures[n % 4] or TEMPERATURE)
+        bad = _padded_batch((6,) * 6, seed=30)
+        bad["input_ids"][5, 3] = VOCAB
+        with pytest.raises(BatchRejectedError) as refused:
+            reader.score(bad, temperature=0.5)
+        assert refused.value.refusal == InputRefusal("vocabulary", "INPUT_IDS", VOCAB, VOCAB, (5, 3))
+        assert f"id {VOCAB} at [1, 3]" in refused.value.reason  # the teacher's words: its request's rows
+        with pytest.raises(ValueError, match="temperature: must be > 0"):
+            reader.submit(batches[0], temperature=0)
 
 
 def test_a_batch_no_teacher_answers_settles_at_its_deadline(llama_dir: Path, tmp_path: Path) -> None:
