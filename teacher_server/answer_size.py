@@ -24,6 +24,7 @@ those the size is a lower bound, and the answer, once computed, is checked again
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from teacher_server.errors import InvalidRequestError
 from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
 from teacher_server.transform_rows import prob_dtype, value_dtype
-from teacher_server.transforms import OutputTransform, scoreable
+from teacher_server.transforms import OutputTransform, Transform, scoreable
 from teacher_server.work import Work
 
 __all__ = ["FRAME_BYTES", "FRAME_BYTES_PER_DIM", "FRAME_BYTES_PER_OUTPUT", "AnswerTensor", "answer_bytes",
@@ -109,34 +110,56 @@ def _per_sample(spec: TensorSpec, length: int | None) -> tuple[int, ...]:
     return tuple((length if spec.per_position and length is not None else 1) if d == -1 else d for d in spec.shape)
 
 
-def _output_tensors(want: OutputTransform, spec: TensorSpec, batch: int, length: int | None,
-                    score_ids: int) -> list[AnswerTensor]:
-    """The tensors one wanted output becomes (`outputs.transform_output`'s names, shapes, dtypes)."""
-    per_sample = _per_sample(spec, length)
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The tensors one wanted output becomes, each as (name, datatype, dimensions after the
+    output's rows of positions), what they take a row, and their framing margin."""
+
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    row_bytes: int
+    frame: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(want: OutputTransform, spec: TensorSpec, active: tuple[Transform, ...], classes: int,
+            score_ids: int) -> _Layout:
+    """`outputs.transform_output`'s names, shapes and dtypes for `want` of `spec` when the
+    registry entries `active` run (cached: requests repeat a few kinds of wants)."""
     floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
-    active = [t for t in want.active(score_ids > 0 and scoreable(spec)) if t.apply is not None]
     fp32 = floating and any(t.floating for t in active)
-    computed = torch.float32 if fp32 else spec.torch_dtype
-    o = _Output(want, spec, per_sample[-1] if per_sample else 1, score_ids, floating, computed)
-    lead = (batch, *per_sample[:-1])
-    out = [AnswerTensor(spec.name + suffix, datatype_of(dtype).name, (*lead, *trailing))
-           for t in active for suffix, trailing, dtype in _EMITTED.get(t.name, lambda _: [])(o)]
+    o = _Output(want, spec, classes, score_ids, floating, torch.float32 if fp32 else spec.torch_dtype)
+    emitted = [(spec.name + suffix, dtype, trailing) for t in active if t.apply is not None
+               for suffix, trailing, dtype in _EMITTED.get(t.name, lambda _: [])(o)]
     if not any(t.reduces for t in active):
-        full = o.values() if floating else spec.torch_dtype
-        out.insert(0, AnswerTensor(spec.name, datatype_of(full).name, (batch, *per_sample)))
+        emitted.insert(0, (spec.name, o.values() if floating else spec.torch_dtype, (classes,) if spec.shape else ()))
+    rank = max(len(spec.shape), 1)  # the batch and the positions: the dimensions before `trailing`
+    tensors = tuple((name, datatype_of(dtype).name, trailing) for name, dtype, trailing in emitted)
+    return _Layout(tensors,
+                   sum(math.prod(trailing) * datatype_of(dtype).itemsize for _, dtype, trailing in emitted),
+                   sum(FRAME_BYTES_PER_OUTPUT + len(name) + FRAME_BYTES_PER_DIM * (rank + len(trailing))
+                       for name, _, trailing in tensors))
+
+
+def _layouts(work: Work, io: ModelIO) -> list[tuple[_Layout, tuple[int, ...]]]:
+    """Each wanted output's layout and its rows of positions (the batch, then the positions)."""
+    scores = work.aux.get("SCORE_IDS")
+    m = int(scores.shape[-1]) if scores is not None and scores.dim() == 3 else 0
+    out = []
+    for want in work.outputs:
+        spec = io.output(want.name)
+        if spec is None:
+            continue
+        per_sample = _per_sample(spec, work.length)
+        active = tuple(want.active(m > 0 and scoreable(spec)))
+        layout = _layout(want, spec, active, per_sample[-1] if per_sample else 1, m)
+        out.append((layout, (work.batch_size, *per_sample[:-1])))
     return out
 
 
 def answer_tensors(work: Work, io: ModelIO) -> list[AnswerTensor]:
     """Every tensor the answer to `work` (a validated request) carries, in the order it is sent."""
-    scores = work.aux.get("SCORE_IDS")
-    m = int(scores.shape[-1]) if scores is not None and scores.dim() == 3 else 0
-    tensors: list[AnswerTensor] = []
-    for want in work.outputs:
-        spec = io.output(want.name)
-        if spec is not None:
-            tensors += _output_tensors(want, spec, work.batch_size, work.length, m)
-    return tensors
+    return [AnswerTensor(name, datatype, (*rows, *trailing))
+            for layout, rows in _layouts(work, io) for name, datatype, trailing in layout.tensors]
 
 
 def answer_bytes(tensors: list[AnswerTensor], names: int = 0) -> int:
@@ -148,8 +171,12 @@ def answer_bytes(tensors: list[AnswerTensor], names: int = 0) -> int:
 
 def check_answer_size(work: Work, io: ModelIO, limit: int, names: int = 0) -> None:
     """InvalidRequestError when the answer to `work` would exceed `limit` bytes, naming its size,
-    its largest outputs, the limit and what to change; nothing otherwise."""
-    _refuse_over(answer_tensors(work, io), limit, names, "so it is not computed")
+    its largest outputs, the limit and what to change; nothing otherwise. `answer_bytes` of
+    `answer_tensors`, summed here without building them, as this runs for every request."""
+    layouts = _layouts(work, io)
+    size = FRAME_BYTES + names + sum(math.prod(rows) * layout.row_bytes + layout.frame for layout, rows in layouts)
+    if size > limit:
+        _refuse_over(answer_tensors(work, io), limit, names, "so it is not computed")
 
 
 def check_answer_sent(outputs: Sequence[EncodedOutput], limit: int, names: int = 0) -> None:
