@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from distill.errors import BatchRejectedError, InputRefusal
-from distill.outputs import AUX_INPUTS
+from distill.errors import BatchRejectedError, InputRefusal, NonFiniteOutputError
+from distill.outputs import AUX_INPUTS, VALID_ROWS
 from distill.teacher_client import MalformedAnswerError
 from distill.types import FieldArray, OutputCache, ParameterValue, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
@@ -203,6 +203,11 @@ class Delivery:
         self.services = tuple(services)
         self.pin_memory = pin_memory
         self.cache: OutputCache | None = None  # the teacher-output store, when the reader has one
+        # A batch a teacher answered with inf or NaN in some rows fails (NonFiniteOutputError) or,
+        # with hard labels, goes on without that service's outputs; else it is delivered with
+        # VALID_ROWS marking them (ReaderOptions.nonfinite, set by the dispatcher).
+        self.refuse_nonfinite = True
+        self.hard_labels = False
         self.epoch = 0
         self.ready: dict[int, Job] = {}
         self.next_seq = 0
@@ -249,21 +254,28 @@ class Delivery:
         return (chunk.size == job.size and not self.pin_memory
                 and (cached is None or len(cached.miss_indices) == job.size))
 
-    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor], owned: bool = False) -> None:
+    def fill(self, chunk: Chunk, outputs: dict[str, torch.Tensor], owned: bool = False) -> bool:
         """Copy an answer into the batch's tensors (`owned`: the client returned tensors the batch may
-        keep, asked for when the chunk is `whole`)."""
+        keep, asked for when the chunk is `whole`). True when this completed the batch and refused it
+        for rows of inf or NaN (count it as rejected)."""
         job = chunk.job
         if job.epoch != self.epoch or job.delivered or job.error is not None:
-            return
+            return False
         dest = job.outputs.setdefault(chunk.service, {})
         if dest is None:  # this service already fell back to hard labels for the batch
-            return
+            return False
+        if (valid := outputs.get(VALID_ROWS)) is not None:  # rows holding inf or NaN: kept as a mask
+            outputs = {n: v for n, v in outputs.items() if n != VALID_ROWS}
+            if not bool(valid.all()):  # (a bundle's answer marks the rows of all its batches)
+                mask = dest.get(VALID_ROWS)
+                if mask is None:
+                    mask = dest[VALID_ROWS] = torch.ones(job.size, dtype=torch.bool)
+                mask[self._batch_rows(chunk)] = valid
         if self.whole(chunk):
             for name, value in outputs.items():
                 dest[name] = value if owned else _owned_copy(value)
             job.remaining[chunk.service] -= chunk.size
-            self.maybe_complete(job)
-            return
+            return self.maybe_complete(job)
         cached = job.cached
         rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
@@ -280,7 +292,15 @@ class Delivery:
             else:
                 buf[rows] = value
         job.remaining[chunk.service] -= chunk.size
-        self.maybe_complete(job)
+        return self.maybe_complete(job)
+
+    def _batch_rows(self, chunk: Chunk) -> slice | torch.Tensor:
+        """Where the chunk's rows sit in its batch: a span, or with a store's partial hit the
+        missing rows it carries."""
+        cached = chunk.job.cached
+        if cached is None or len(cached.miss_indices) == chunk.job.size:
+            return slice(chunk.start, chunk.stop)
+        return torch.from_numpy(cached.miss_indices[chunk.start:chunk.stop])
 
     def reject(self, chunk: Chunk, reason: str, *, hard_labels: bool) -> bool:
         """The teachers refused `chunk`: its batch fails alone (`BatchRejectedError` in its place in
@@ -345,9 +365,29 @@ class Delivery:
             if self.on_row_bytes is not None:
                 self.on_row_bytes()
 
-    def maybe_complete(self, job: Job) -> None:
+    def _refused_nonfinite(self, job: Job) -> bool:
+        """Whether a service answered rows of the completed `job` with inf or NaN; if so the batch
+        fails naming them all, or under hard labels goes on without that service's outputs."""
+        refused = False
+        for service, outs in list(job.outputs.items()):
+            mask = None if outs is None else outs.get(VALID_ROWS)
+            if mask is None or job.error is not None:
+                continue
+            error = NonFiniteOutputError(service, job.seq, tuple((~mask).nonzero().flatten().tolist()))
+            refused = True
+            log.warning("%s%s", error, " It goes on with hard labels." if self.hard_labels else "")
+            if self.hard_labels:
+                job.outputs[service] = None
+            else:
+                job.error = error
+        return refused
+
+    def maybe_complete(self, job: Job) -> bool:
+        """Hand a batch whose answers are all in to the sink (in order); True when it was refused
+        for rows of inf or NaN."""
         if job.delivered or any(job.remaining.values()):
-            return
+            return False
+        refused = self.refuse_nonfinite and job.error is None and self._refused_nonfinite(job)
         self._measure(job)
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
         self._write_back(job)
@@ -357,6 +397,7 @@ class Delivery:
             self._deliver(job)
             self.next_seq += 1
         self.flush()
+        return refused
 
     def _write_back(self, job: Job) -> None:
         """The teachers' rows of a completed batch go to the store's writer thread (never blocking)."""
@@ -367,7 +408,12 @@ class Delivery:
         if not answered:
             return  # hard labels: nothing to store
         miss = torch.from_numpy(cached.miss_indices)
-        cache.write_back(cached.missing_keys(), {n: t.index_select(0, miss) for n, t in answered.items()})
+        keys = cached.missing_keys()
+        if (valid := answered.get(VALID_ROWS)) is not None:  # rows with inf or NaN are never stored
+            kept = valid.index_select(0, miss).nonzero().squeeze(1)
+            miss = miss.index_select(0, kept)
+            keys = keys[kept.numpy()] if isinstance(keys, np.ndarray) else [keys[i] for i in kept.tolist()]
+        cache.write_back(keys, {n: t.index_select(0, miss) for n, t in answered.items() if n != VALID_ROWS})
 
     def flush(self) -> None:
         if self.ordered:

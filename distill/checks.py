@@ -20,6 +20,7 @@ from discovery.keys import validate_name
 __all__ = [
     "CACHE_MODES",
     "FALLBACKS",
+    "NONFINITE",
     "OUTPUT_DTYPES",
     "cache_mode_choice",
     "checked",
@@ -28,6 +29,7 @@ __all__ = [
     "model_name",
     "non_negative_float",
     "non_negative_int",
+    "nonfinite_choice",
     "normalize_inputs",
     "output_dtype_choice",
     "positive_float",
@@ -45,6 +47,10 @@ InputSpec = str | Sequence[str] | Mapping[str, str | int]
 FALLBACKS: tuple[str, ...] = ("error", "hard_labels")
 """What the reader does after ``no_teacher_timeout`` seconds without any teacher: raise, or yield
 batches with ``None`` teacher outputs (train on hard labels, see ``KDLoss``)."""
+
+NONFINITE: tuple[str, ...] = ("error", "mask")
+"""What the reader does with a batch a teacher answered with inf or NaN in some rows: raise
+``NonFiniteOutputError`` naming the batch and rows, or deliver it with ``VALID_ROWS`` marking them."""
 
 OUTPUT_DTYPES: tuple[str, ...] = ("FP32", "FP16", "BF16")
 """The float types a reader may ask teachers to send their outputs in (FP16 / BF16 halve the bytes)."""
@@ -147,6 +153,12 @@ def non_negative_int(text: str | int) -> int:
     if value < 0:
         raise ValueError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def nonfinite_choice(text: str) -> str:
+    if text not in NONFINITE:
+        raise ValueError(f"must be one of {', '.join(NONFINITE)}, got {text!r}")
+    return text
 
 
 def fallback_choice(text: str) -> str:

@@ -67,6 +67,9 @@ class Dispatcher:
                  fatal: Callable[[BaseException], None]) -> None:
         self.opts = options
         self.delivery = delivery
+        # What a completed batch with rows of inf or NaN becomes (`Delivery.fill`): the options' to say.
+        delivery.refuse_nonfinite = options.nonfinite == "error"
+        delivery.hard_labels = options.fallback == "hard_labels"
         self.watch = watch
         self._spawn = spawn
         self._fatal = fatal
@@ -386,7 +389,7 @@ class Dispatcher:
             for other in list(chunk.sends):
                 if other is not me and self._finished(other):
                     other.cancel()
-            self.delivery.fill(chunk, part, owned=request.owned)
+            self.rejected_batches += self.delivery.fill(chunk, part, owned=request.owned)
 
     def _retry_all(self, svc: Service, chunks: list[Chunk]) -> None:
         for chunk in reversed(chunks):  # pushed at the head: the first goes first again

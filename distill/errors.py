@@ -87,3 +87,23 @@ class ReaderInUseError(DistillError):
 class StaleIteratorError(DistillError):
     """This iterator's pass over the loader was replaced by a newer `iter(reader)`; only the newest
     iterator of a reader yields batches."""
+
+
+class NonFiniteOutputError(BatchRejectedError):
+    """A teacher answered this batch with outputs that hold inf or NaN at `rows` (rows of the batch
+    as the loader or `submit` gave it): a teacher whose forward pass overflowed on those inputs (as
+    fp16/bf16 models do on some). One such row turns a distillation loss, and the student's weights
+    with it, into NaN, so by default (`nonfinite="error"`) the batch is not delivered; like any
+    `BatchRejectedError` only this batch is lost. `nonfinite="mask"` delivers it instead, with
+    `teacher["VALID_ROWS"]` marking the rows to leave out of the soft loss."""
+
+    def __init__(self, service: str, batch: int, rows: tuple[int, ...]) -> None:
+        super().__init__(
+            f"service {service!r} answered rows {list(rows)} of batch {batch} of this pass with outputs that hold "
+            "inf or NaN: its model overflowed on those inputs. Only this batch is lost and the "
+            "teachers keep serving: check those rows' inputs or the teacher's precision, catch BatchRejectedError "
+            "around next() to skip such batches, or pass nonfinite='mask' (--distill_nonfinite mask) to train on "
+            "them with teacher['VALID_ROWS'] leaving those rows out of the soft loss (KDLoss/TokenKDLoss valid=).")
+        self.service = service
+        self.batch = batch
+        self.rows = rows

@@ -24,6 +24,7 @@ from discovery.options import etcd_options
 from distill.checks import (
     CACHE_MODES,
     FALLBACKS,
+    NONFINITE,
     cache_mode_choice,
     checked,
     fallback_choice,
@@ -31,6 +32,7 @@ from distill.checks import (
     model_name,
     non_negative_float,
     non_negative_int,
+    nonfinite_choice,
     normalize_inputs,
     output_dtype_choice,
     positive_float,
@@ -144,6 +146,11 @@ class ReaderOptions:
         check=fallback_choice,
         flag=Flag(choices=FALLBACKS, required=True, help="with no teacher for --distill_no_teacher_timeout: raise "
                   "(error) or yield batches with no teacher outputs (hard_labels)"))
+    nonfinite: str = option(
+        "error", help="a batch a teacher answered with inf or NaN in some rows (an overflowing model): raise "
+        "NonFiniteOutputError naming the batch and rows ('error'), or deliver it with teacher['VALID_ROWS'] False at "
+        "those rows ('mask', for KDLoss/TokenKDLoss valid=); such rows are never stored in the teacher-output store",
+        check=nonfinite_choice, flag=Flag(choices=NONFINITE))
     max_teachers: int = option(
         0, help="use at most N teachers, chosen by deterministic subsetting so that many students spread over the "
         "pool; 0 = all", check=non_negative_int, flag=Flag(metavar="N", required=True))

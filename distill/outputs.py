@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 from distill.types import ParameterValue, TensorMeta
 
-__all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "base_output", "derived_names",
-           "ids_output", "per_sample_shape", "wanted_outputs"]
+__all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "VALID_ROWS", "base_output",
+           "derived_names", "ids_output", "per_sample_shape", "wanted_outputs"]
 
 TOPK = "_TOPK_"
 TOPK_PARTS = ("VALUES", "INDICES", "TAIL")
@@ -34,6 +34,10 @@ SCORED = "_SCORED_LOGPROBS"
 """Suffix of the log-probabilities at the ids of input SCORE_IDS."""
 AUX_INPUTS = {"SCORE_IDS": "INT32"}
 """Inputs a teacher reads besides its model's (not in its metadata), with their wire datatype."""
+VALID_ROWS = "VALID_ROWS"
+"""The key of a batch's per-row validity mask (``[B]`` bool, False where a teacher's outputs hold
+inf or NaN) among its teacher outputs, with ``nonfinite="mask"``: there only when some row is
+invalid. ``KDLoss`` and ``TokenKDLoss`` take it as ``valid=``."""
 
 
 def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue],

@@ -28,11 +28,12 @@ import torch
 
 from distill.config import ClientTLS
 from distill.errors import InputRefusal
-from distill.outputs import per_sample_shape, wanted_outputs
+from distill.outputs import VALID_ROWS, per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
     BY_LENGTH_PARAMETER,
     DATATYPES,
+    NONFINITE_ROWS_PARAMETER,
     RAW_INPUT_FIELD,
     REFUSAL_METADATA,
     Datatype,
@@ -296,7 +297,25 @@ def decode_response(resp: service_pb2.ModelInferResponse, req: ChunkRequest) -> 
                 f"output {name!r} came as {got} per sample; the teacher's metadata declares {list(want)}")
         raw, dt = raws[name]
         out[name] = _tensor(raw, dt, shape, req.owned)
+    if NONFINITE_ROWS_PARAMETER in resp.parameters:
+        out[VALID_ROWS] = _valid_rows(resp.parameters[NONFINITE_ROWS_PARAMETER].string_param, req.size)
     return out
+
+
+def _valid_rows(text: str, size: int) -> torch.Tensor:
+    """The answer's per-row validity mask from the rows a teacher named as holding inf or NaN
+    (`NONFINITE_ROWS_PARAMETER`); MalformedAnswerError for a list that does not fit the request."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise MalformedAnswerError(f"response parameter {NONFINITE_ROWS_PARAMETER!r} is {text!r}, not row "
+                                   "numbers") from None
+    if not rows or any(not 0 <= r < size for r in rows):
+        raise MalformedAnswerError(f"response parameter {NONFINITE_ROWS_PARAMETER!r} names rows {text!r} of a "
+                                   f"request of {size}")
+    valid = torch.ones(size, dtype=torch.bool)
+    valid[rows] = False
+    return valid
 
 
 class InferenceClient(Protocol):

@@ -26,6 +26,7 @@ KEYS = {
     "headers",
     "timeout",
     "fallback",
+    "nonfinite",
     "no_teacher_timeout",
     "max_teachers",
     "prefetch",
@@ -63,6 +64,7 @@ def test_static_teachers_with_defaults() -> None:
         "model": None,
         "timeout": 10.0,
         "fallback": "error",
+        "nonfinite": "error",
         "no_teacher_timeout": 60.0,
         "max_teachers": 0,
         "prefetch": None,
@@ -91,6 +93,7 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_service", "cifar-teacher",
             "--distill_timeout", "2.5",
             "--distill_fallback", "hard_labels",
+            "--distill_nonfinite", "mask",
             "--distill_no_teacher_timeout", "30",
             "--distill_max_teachers", "3",
             "--distill_prefetch", "8",
@@ -112,6 +115,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["service"] == "cifar-teacher"
     assert opts["timeout"] == 2.5
     assert opts["fallback"] == "hard_labels"
+    assert opts["nonfinite"] == "mask"
     assert opts["no_teacher_timeout"] == 30.0
     assert opts["max_teachers"] == 3
     assert opts["prefetch"] == 8
@@ -145,6 +149,7 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_service",
         "--distill_timeout",
         "--distill_fallback",
+        "--distill_nonfinite",
         "--distill_no_teacher_timeout",
         "--distill_max_teachers",
         "--distill_prefetch",

@@ -65,3 +65,20 @@ def _reduce(per_sample: Tensor, reduction: str) -> Tensor:
     if reduction == "sum":
         return per_sample.sum()
     return per_sample
+
+
+def _kept_rows(valid: Tensor | None, rows: int, what: str) -> Tensor | None:
+    """The indices (int64, on ``valid``'s device) of the rows a per-row validity mask keeps; None
+    when there is no mask or it keeps every row, so the common case costs nothing. The reader
+    delivers such a mask (``distill.outputs.VALID_ROWS``) for rows whose teacher outputs are not
+    finite, with ``nonfinite="mask"``."""
+    if valid is None:
+        return None
+    if valid.dtype != torch.bool or tuple(valid.shape) != (rows,):
+        raise ValueError(
+            f"valid must be a bool tensor of shape [{rows}] (one flag per row of {what}), got "
+            f"{valid.dtype} {tuple(valid.shape)}; pass the reader's teacher['VALID_ROWS'] as it is"
+        )
+    if bool(valid.all()):
+        return None
+    return valid.nonzero().squeeze(1)

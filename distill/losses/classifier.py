@@ -36,6 +36,7 @@ from distill.losses._common import (
     _check_temperature,
     _compute,
     _compute_dtype,
+    _kept_rows,
     _number,
     _reduce,
 )
@@ -163,6 +164,11 @@ class KDLoss(nn.Module):
     ``labels`` (``[N]`` class ids) are needed when ``alpha > 0`` or the teacher is None; with
     ``alpha = 1`` the teacher is shape-checked but not used.
 
+    ``valid`` (``[N]`` bool, the reader's ``teacher["VALID_ROWS"]`` with ``nonfinite="mask"``)
+    leaves the rows it marks False out of the soft term: their teacher values (inf, NaN) are never
+    read, the soft term's mean is over the valid rows (``"none"``: 0 at the others), and with no
+    valid row it is 0, not NaN. The hard term counts every row, as without it.
+
     Args:
         temperature: ``T > 0``; softens both distributions in the soft term only.
         alpha: weight of the hard-label CE in ``[0, 1]``; ``1 - alpha`` weighs the soft term.
@@ -183,9 +189,11 @@ class KDLoss(nn.Module):
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}, alpha={self.alpha}, reduction={self.reduction!r}"
 
-    def forward(self, student_logits: Tensor, teacher: TeacherTargets, labels: Tensor | None = None) -> Tensor:
+    def forward(self, student_logits: Tensor, teacher: TeacherTargets, labels: Tensor | None = None,
+                valid: Tensor | None = None) -> Tensor:
         _check_student(student_logits)
         teachers = self._teacher_list(student_logits, teacher)
+        keep = _kept_rows(valid, student_logits.shape[0], "the student logits")
         if teachers is None:
             if labels is None:
                 raise ValueError(
@@ -204,7 +212,7 @@ class KDLoss(nn.Module):
             assert labels is not None
             loss = self.alpha * self._cross_entropy(student_logits, labels)
         if self.alpha < 1:
-            soft = (1.0 - self.alpha) * self._soft(student_logits, teachers)
+            soft = (1.0 - self.alpha) * self._valid_soft(student_logits, teachers, keep)
             loss = soft if loss is None else loss + soft
         assert loss is not None
         return loss
@@ -252,6 +260,21 @@ class KDLoss(nn.Module):
         per_sample = F.cross_entropy(s, labels.to(s.device, torch.int64, non_blocking=True), reduction="none")
         return _reduce(per_sample, self.reduction)
 
+    def _valid_soft(self, student_logits: Tensor, teachers: list[Tensor | SparseTargets],
+                    keep: Tensor | None) -> Tensor:
+        """The soft term over the rows `keep` indexes (None: all)."""
+        if keep is None:
+            return self._soft(student_logits, teachers)
+        n = student_logits.shape[0]
+        if keep.numel() == 0:  # 0 (per row with "none"), attached to the graph, reading nothing
+            zero = _compute(student_logits.narrow(-1, 0, 0)).sum(dim=-1)
+            return zero if self.reduction == "none" else zero.sum()
+        keep = keep.to(student_logits.device, non_blocking=True)
+        soft = self._soft(student_logits.index_select(0, keep), [_rows(t, keep) for t in teachers])
+        if self.reduction != "none":
+            return soft
+        return soft.new_zeros(n).index_put((keep,), soft)
+
     def _soft(self, student_logits: Tensor, teachers: list[Tensor | SparseTargets]) -> Tensor:
         t = self.temperature
         if len(teachers) == 1 and isinstance(teachers[0], SparseTargets):
@@ -267,3 +290,12 @@ class KDLoss(nn.Module):
         ]
         p = probs[0] if len(probs) == 1 else torch.stack(probs).mean(dim=0)
         return kd_kl_div(student_logits, p, t, self.reduction)
+
+
+def _rows(teacher: Tensor | SparseTargets, keep: Tensor) -> Tensor | SparseTargets:
+    """The rows `keep` indexes of one teacher's targets."""
+    if isinstance(teacher, Tensor):
+        return teacher.index_select(0, keep.to(teacher.device))
+    at = keep.to(teacher.values.device)
+    tail = None if teacher.tail is None else teacher.tail.index_select(0, at)
+    return SparseTargets(teacher.values.index_select(0, at), teacher.indices.index_select(0, at), tail, teacher.kind)

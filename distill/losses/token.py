@@ -57,6 +57,7 @@ from distill.losses._common import (
     _check_temperature,
     _compute,
     _compute_dtype,
+    _kept_rows,
     _number,
 )
 from distill.losses._divergence import dense_rows, sparse_rows
@@ -351,6 +352,11 @@ class TokenKDLoss(nn.Module):
         ignore_index: the label value of positions that do not count.
         reduction: ``"token_mean"`` (default), ``"sum"`` or ``"none"``.
         chunk_size: positions per chunk (memory bound ``[chunk_size, V]`` float32 intermediates).
+
+    ``valid`` (``[B]`` bool, the reader's ``teacher["VALID_ROWS"]`` with ``nonfinite="mask"``)
+    leaves the sequences it marks False out of the soft term: their teacher values (inf, NaN) are
+    never read, the soft term's token mean is over the valid sequences' positions, and with no
+    valid sequence it is 0, not NaN. The hard term counts every sequence, as without it.
     """
 
     def __init__(
@@ -393,8 +399,10 @@ class TokenKDLoss(nn.Module):
         teacher: TokenTeacherTargets,
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
+        valid: Tensor | None = None,
     ) -> Tensor:
         _check_inputs(student_logits, teacher, labels, attention_mask, self.beta)
+        keep = _kept_rows(valid, student_logits.shape[0], "the student logits")
         t = self.temperature
         if teacher is None:
             if labels is None:
@@ -410,8 +418,25 @@ class TokenKDLoss(nn.Module):
                     "pass labels, or use alpha=0 for pure distillation"
                 )
             soft_w, hard_w = (1.0 - self.alpha) * t * t, self.alpha
+        if teacher is None or keep is None or soft_w == 0.0:
+            return self._loss(student_logits, teacher, labels, attention_mask, soft_w, hard_w)
+        # The soft term over the valid sequences' positions only, the hard term over all of them.
+        assert valid is not None
+        rows = valid.detach().to("cpu").reshape(-1, *([1] * (student_logits.dim() - 2)))
+        counted = rows.expand(student_logits.shape[:-1])
+        if attention_mask is not None:
+            counted = counted & (attention_mask.detach().to("cpu") != 0)
+        soft = self._loss(student_logits, teacher, labels, counted, soft_w, 0.0)
+        if hard_w == 0.0:
+            return soft
+        return soft + self._loss(student_logits, None, labels, attention_mask, 0.0, hard_w)
+
+    def _loss(self, student_logits: Tensor, teacher: TokenTeacherTargets, labels: Tensor | None,
+              attention_mask: Tensor | None, *weights: float) -> Tensor:
+        """`_token_loss` with this module's settings and `weights` (soft, hard)."""
+        soft_w, hard_w = weights
         return _token_loss(
-            student_logits, teacher, labels, attention_mask, kind=self.teacher_kind, temperature=t,
+            student_logits, teacher, labels, attention_mask, kind=self.teacher_kind, temperature=self.temperature,
             beta=self.beta, soft_weight=soft_w, hard_weight=hard_w, ignore_index=self.ignore_index,
             reduction=self.reduction, chunk_size=self.chunk_size,
         )
