@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint unit venv clean protos bench
+.PHONY: demo test lint unit venv clean protos bench docs docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,17 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile
 
-test: lint unit
+test: lint docs-check unit
+
+# The reference pages are generated from the declarations; the site is built with --strict, so a
+# broken link, a missing anchor or a page outside the navigation fails.
+docs: $(STAMP)
+	$(PY) docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+docs-check: $(STAMP)
+	$(PY) docs/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos protos/registry.proto
@@ -36,4 +46,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.serving
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .mypy_cache .ruff_cache .pytest_cache
