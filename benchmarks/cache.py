@@ -19,6 +19,13 @@ Three questions, each answered with real teacher-server processes on loopback:
   record   `distill.cache.record` samples/s against the same teachers' serving throughput: a reader
            without a store drained as fast as it goes (no student step), interleaved per repetition,
            a fresh store per recording (goal >= 0.9).
+  integrity  What the store's checksums cost, in-process, no servers: a store of top-32 bf16 values
+           and uint16 ids (1 to 63 tokens per sample) written in appends of 256 samples (MB/s, each
+           append hashed), then read in order through lookups of 256 keys on a fresh instance, each
+           lookup's outputs copied as a consumer would (the first pass verifies each record it
+           touches and faults the mapped pages in; the second reads verified records), and
+           `store.verify()` over the whole store. `--integrity-only` runs just this section, so the
+           same code can time a tree without checksums.
 
 Every ratio is the median of per-repetition paired ratios; a quiet gate waits (boundedly) for
 other processes to leave the cores alone before each measurement, as in benchmarks/mesh.py.
@@ -80,8 +87,10 @@ class Settings:
     llm_lengths: tuple[int, ...] = (32, 64, 96, 128)  # each batch one length (a length-grouped sampler)
     llm_vocab: int = 4096
     llm_top_k: int = 20
+    integrity_samples: int = 20_000
     quiet_budget_s: float = 30.0
     quick: bool = False
+    integrity_only: bool = False
 
 
 class KeyedW1Loader:
@@ -259,13 +268,73 @@ def run_llm_bytes(s: Settings, stack: contextlib.ExitStack, work: Path) -> dict[
             "recorded_samples_per_s": round(result.samples_per_s, 1)} | _info(path)
 
 
+# ---- checksums: write, first (verifying) and second read pass, verify() ----------------------------------------
+def run_integrity(s: Settings, gate: QuietGate, work: Path) -> dict[str, Any]:
+    from distill.cache import Namespace, Ragged
+
+    ns = Namespace("bench", model_version="1", outputs=("VALUES", "IDS"), dtype="bfloat16", top_k=32)
+    gen = torch.Generator().manual_seed(0)
+    batch = 256
+    appends = []
+    for start in range(0, s.integrity_samples, batch):
+        keys = torch.arange(start, min(start + batch, s.integrity_samples))
+        lengths = torch.randint(1, 64, (len(keys),), generator=gen)
+        tokens = int(lengths.sum())
+        appends.append((keys, {"VALUES": Ragged(torch.randn(tokens, 32, generator=gen).to(torch.bfloat16), lengths),
+                               "IDS": Ragged(torch.randint(0, 50_000, (tokens, 32), generator=gen)
+                                             .to(torch.uint16), lengths)}))
+    per_rep: dict[str, list[float]] = {"write": [], "first_pass": [], "second_pass": [], "verify": []}
+    nbytes = 0
+    for rep in range(s.reps):
+        path = work / f"integrity-{rep}"
+        gate.wait_blocking()
+        started = time.perf_counter()
+        with TeacherOutputStore.open(path, ns, mode="a") as store, store.writer() as w:
+            for keys, outputs in appends:
+                w.append(keys, outputs)
+        per_rep["write"].append(time.perf_counter() - started)
+        with TeacherOutputStore.open(path) as store:
+            nbytes = store.info().bytes
+            for name in ("first_pass", "second_pass"):
+                started = time.perf_counter()
+                for keys, _ in appends:
+                    found = store.lookup(keys)
+                    assert found.all_hit
+                    for output in ("VALUES", "IDS"):  # a consumer's copy: reads every page the lookup mapped
+                        found.ragged(output).values.clone()
+                per_rep[name].append(time.perf_counter() - started)
+        if hasattr(TeacherOutputStore, "verify"):  # only a store with checksums has verify()
+            with TeacherOutputStore.open(path) as store:
+                started = time.perf_counter()
+                assert store.verify().ok
+                per_rep["verify"].append(time.perf_counter() - started)
+        shutil.rmtree(path)
+        print(f"  rep {rep + 1}/{s.reps} " + "  ".join(f"{k} {v[-1] * 1e3:7.1f} ms" for k, v in per_rep.items() if v),
+              flush=True)
+    mb = nbytes / 1e6
+    return {
+        "samples": s.integrity_samples, "appends": len(appends), "store_bytes": nbytes,
+        "median_s": {k: round(median(v), 4) for k, v in per_rep.items() if v},
+        "median_mb_per_s": {k: round(mb / median(v), 1) for k, v in per_rep.items() if v},
+        "per_rep_s": {k: [round(x, 4) for x in v] for k, v in per_rep.items()},
+    }
+
+
 # ---- the run ----------------------------------------------------------------------------------------------------
 def run(s: Settings) -> dict[str, Any]:
     torch.set_num_threads(1)
     gate = QuietGate(max_foreign_cores=0.25, budget_s=s.quiet_budget_s)
-    doc: dict[str, Any] = {"benchmark": "cache (teacher-output store: loop, bytes, record)",
+    doc: dict[str, Any] = {"benchmark": "cache (teacher-output store: loop, bytes, record, integrity)",
                            "machine": machine_info(1), "settings": asdict(s)}
     work = Path(tempfile.mkdtemp(prefix="distill-cache-bench-"))
+    if s.integrity_only:
+        try:
+            print("checksums: write, read passes, verify()", flush=True)
+            doc["integrity"] = run_integrity(s, gate, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        doc["quiet_gate"] = gate.as_dict()
+        return doc
     try:
         with contextlib.ExitStack() as stack:
             ms = _mesh_settings(s)
@@ -284,13 +353,25 @@ def run(s: Settings) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             print("store bytes: LLM top-k", flush=True)
             doc["llm_bytes"] = run_llm_bytes(s, stack, work)
+        print("checksums: write, read passes, verify()", flush=True)
+        doc["integrity"] = run_integrity(s, gate, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc["quiet_gate"] = gate.as_dict()
     return doc
 
 
+def _integrity_report(doc: dict[str, Any]) -> str:
+    i = doc["integrity"]
+    rates = i["median_mb_per_s"]
+    return (f"integrity ({i['samples']:,} samples in {i['appends']} appends, {i['store_bytes'] / 1e6:.1f} MB): "
+            + ", ".join(f"{k.replace('_', ' ')} {i['median_s'][k] * 1e3:.1f} ms ({rates[k]:,.0f} MB/s)"
+                        for k in i["median_s"]))
+
+
 def report(doc: dict[str, Any]) -> str:
+    if "loop" not in doc:  # --integrity-only
+        return _integrity_report(doc)
     s, loop, rec = doc["settings"], doc["loop"], doc["record"]
     cv, llm = doc["cv_bytes"], doc["llm_bytes"]
     lines = [f"W1 setting: batch {s['batch']}, teacher {s['teacher_ms']:g} ms, student {s['student_ms']:g} ms, "
@@ -306,12 +387,13 @@ def report(doc: dict[str, Any]) -> str:
                  f"(goal >= {GOAL_RECORD_VS_SERVING})")
     lines.append(f"CV store: {cv['bytes_per_sample']:.1f} B/sample ({cv['samples']} samples, {cv['outputs']})")
     lines.append(f"LLM store: {llm['bytes_per_token']:.1f} B/token ({llm['tokens']} tokens, {llm['outputs']})")
+    lines.append(_integrity_report(doc))
     return "\n".join(lines)
 
 
 def ok(doc: dict[str, Any]) -> bool:
     """Correctness, not speed: the store and the live teachers gave the in-process model's outputs."""
-    return not any(doc["loop"]["wrong_outputs"].values())
+    return "loop" not in doc or not any(doc["loop"]["wrong_outputs"].values())
 
 
 def parse_args(argv: list[str] | None) -> Settings:
@@ -319,11 +401,12 @@ def parse_args(argv: list[str] | None) -> Settings:
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per loop repetition (default 60)")
     p.add_argument("--quick", action="store_true", help="a smoke run (2 reps, short epochs, small stores)")
+    p.add_argument("--integrity-only", action="store_true", help="only the checksums' cost (no servers)")
     a = p.parse_args(argv)
-    s = Settings()
+    s = Settings(integrity_only=a.integrity_only)
     if a.quick:
-        s = replace(s, reps=2, warmup=5, steps=20, record_batches=30, llm_sequences=64, quiet_budget_s=5.0,
-                    quick=True)
+        s = replace(s, reps=2, warmup=5, steps=20, record_batches=30, llm_sequences=64, integrity_samples=5_000,
+                    quiet_budget_s=5.0, quick=True)
     if a.reps is not None:
         s = replace(s, reps=a.reps)
     if a.steps is not None:
@@ -335,7 +418,8 @@ def parse_args(argv: list[str] | None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
-    return run_and_report(lambda: run(s), "cache_quick" if s.quick else "cache", report, ok)
+    name = ("cache_integrity" if s.integrity_only else "cache") + ("_quick" if s.quick else "")
+    return run_and_report(lambda: run(s), name, report, ok)
 
 
 if __name__ == "__main__":
