@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 
 from distill import DistillReader
+from distill.cache.store import TeacherOutputStore
 from distill.errors import BatchRejectedError, NonFiniteOutputError
 from distill.losses import KDLoss, SparseTargets, TokenKDLoss
 from distill.outputs import VALID_ROWS
@@ -163,6 +165,23 @@ def test_the_answer_names_the_rows_over_grpc_and_http_and_an_fp16_overflow_is_ca
         counted = _nonfinite_counter(s)
     assert list(errors) == [0] and isinstance(errors[0], NonFiniteOutputError) and errors[0].rows == (1,)
     assert counted == 3  # gRPC, HTTP and the reader's request: one row each
+
+
+def test_the_store_never_records_a_row_answered_with_inf_or_nan(tmp_path: Path) -> None:
+    data = _affine_data()
+    for i, b in enumerate(data):
+        b["index"] = torch.arange(i * 12, (i + 1) * 12)
+    with _server("tests.bad_models:overflow") as s, DistillReader(
+            data, teachers=s.url, inputs=["X"], outputs=["Y"], teacher_batch_size=8, nonfinite="mask",
+            cache=str(tmp_path / "kd"), cache_mode="read_write", key="index", no_teacher_timeout=10) as reader:
+        got, errors = _pass(reader)
+    assert not errors and len(got) == 6  # closing the reader wrote what it queued for the store
+    with TeacherOutputStore.open(tmp_path / "kd") as store:
+        assert len(store) == 6 * 12 - 2
+        stored = store.contains(np.arange(36, 48))
+        assert stored.tolist() == [i not in (2, 9) for i in range(12)], "batch 3's rows 2 and 9 were stored"
+        y = store.lookup(np.arange(36, 48)[stored], ["Y"]).outputs["Y"]
+        assert isinstance(y, torch.Tensor) and bool(torch.isfinite(y).all())
 
 
 # ---- a language model served as top-k ------------------------------------------------------------
