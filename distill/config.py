@@ -44,7 +44,7 @@ class RouterConfig:
     # so one that comes back (restarted, its model loaded) takes work again within a few seconds.
     backoff_max_s: float = 4.0
     probe_timeout_s: float = 1.0
-    outpaced_eject: int = 3
+    lost_races_eject: int = 3
     stale_after_s: float = 1.0
     overload_backoff_base_s: float = 0.05  # first cool-down after an overload answer; doubles per repeat
     overload_backoff_max_s: float = 2.0

@@ -324,7 +324,7 @@ class Dispatcher:
         for chunk in chunks:
             svc.release(chunk)
         if all(chunk.done and chunk.winner != t.key for chunk in chunks):
-            svc.router.outpaced(t)
+            svc.router.lost_race(t)
             if not self.closed:
                 svc.pool.probe_if_ejected(t)
         else:
@@ -370,7 +370,7 @@ class Dispatcher:
             self._retry_all(svc, chunks)
             return
         except MalformedAnswerError as e:
-            router.lied(t, str(e))
+            router.answer_malformed(t, str(e))
             self._retry_all(svc, chunks)
             return
         router.succeeded(t, time.perf_counter() - started, request.size)
@@ -379,7 +379,7 @@ class Dispatcher:
             for key in chunk.refusals:  # it refused what this teacher accepted
                 refuser = router.teachers.get(key)
                 if refuser is not None and refuser is not t:
-                    router.struck(refuser)
+                    router.refused_what_another_accepted(refuser)
             chunk.refusals.clear()
             svc.release(chunk)
             if chunk.done:

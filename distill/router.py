@@ -32,7 +32,7 @@ teacher accepts the same input. An ejected teacher gets real work again only aft
 a cheap readiness probe answers in time: a hung teacher (stopped process, dead GPU, partition)
 accepts connections but never answers, and without the probe every retry would cost a deadline.
 A teacher that keeps losing hedge races is treated as slow: its limit halves, and after
-`outpaced_eject` losses in a row it is ejected like a failing one.
+`lost_races_eject` lost races in a row it is ejected like a failing one.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class Router:
         t.ok += 1
         t.samples += samples
         t.streak = 0
-        t.outpaced = 0
+        t.races_lost = 0
         t.overloads = 0
         t.strikes = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
@@ -310,13 +310,14 @@ class Router:
         self.notify()
 
     def rejected(self, t: TeacherState, message: str) -> None:
-        """The teacher refused this request's input: no judgement of the teacher yet (see `struck`)."""
+        """The teacher refused this request's input: no judgement of the teacher yet (that comes if
+        another teacher accepts the same input: `refused_what_another_accepted`)."""
         t.in_flight -= 1
         t.errors += 1
         t.last_error = message[:300]
         self.notify()
 
-    def struck(self, t: TeacherState) -> None:
+    def refused_what_another_accepted(self, t: TeacherState) -> None:
         """Another teacher accepted an input `t` refused: after `reject_strikes` in a row `t` is the
         odd one out and is marked incompatible."""
         t.strikes += 1
@@ -324,7 +325,7 @@ class Router:
             self.mark_incompatible(t, f"it refused {t.strikes} requests in a row that other teachers accepted "
                                       f"(last: {t.last_error})")
 
-    def lied(self, t: TeacherState, message: str) -> None:
+    def answer_malformed(self, t: TeacherState, message: str) -> None:
         """The teacher's answer contradicts the request or its own metadata: incompatible, named in the
         log, until it registers new metadata."""
         t.in_flight -= 1
@@ -390,14 +391,14 @@ class Router:
         t.in_flight -= 1
         self.notify()
 
-    def outpaced(self, t: TeacherState) -> None:
+    def lost_race(self, t: TeacherState) -> None:
         """Another teacher answered this chunk first (a hedge race): treat `t` as slow."""
         t.in_flight -= 1
-        t.outpaced += 1
+        t.races_lost += 1
         t.limit = max(1.0, t.limit / 2)
-        if t.outpaced >= self.config.outpaced_eject:
-            t.outpaced = 0
-            t.last_error = f"lost {self.config.outpaced_eject} hedge races in a row"
+        if t.races_lost >= self.config.lost_races_eject:
+            t.races_lost = 0
+            t.last_error = f"lost {self.config.lost_races_eject} hedge races in a row"
             self._eject(t)
         self.notify()
 

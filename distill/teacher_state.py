@@ -35,7 +35,7 @@ class TeacherState:
     incompatible: str | None = None
     needs_probe: bool = False
     probing: bool = False
-    outpaced: int = 0
+    races_lost: int = 0  # hedge races lost in a row (another teacher answered the chunk first)
     cool_until: float = 0.0  # overloaded: no new chunk before this (still usable)
     overloads: int = 0  # overload answers in a row
     strikes: int = 0  # inputs refused in a row that another teacher then accepted
