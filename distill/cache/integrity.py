@@ -127,6 +127,7 @@ class RecordChecks:
         self.ends = np.cumsum(np.asarray(rows, dtype=np.int64))
         self.crcs = crcs
         self.checked = np.zeros(len(rows), dtype=bool)
+        self._done = False  # every record checked: asked on each lookup, so kept rather than recounted
 
     @classmethod
     def of(cls, batch: pa.RecordBatch, index: int, custom: Any) -> RecordChecks:
@@ -143,7 +144,7 @@ class RecordChecks:
 
     @property
     def done(self) -> bool:
-        return bool(self.checked.all())
+        return self._done
 
     def records_of(self, rows: np.ndarray) -> np.ndarray:
         """The records holding ``rows`` (each once)."""
@@ -165,6 +166,7 @@ class RecordChecks:
             self.checked[r] = True
             if not ok:
                 bad.append(r)
+        self._done = bool(self.checked.all())
         return bad
 
     def keys(self, record: int) -> list[Any]:

@@ -21,6 +21,10 @@ Why this shape (see docs/cache.md for the longer argument):
   into a returned tensor changes only its own private copy of the page, never the file.
 * The index is three numpy arrays (sorted keys, segment, row), built at open with one
   ``np.unique`` over the shards' key columns; a lookup is one ``np.searchsorted``.
+* Each record (the rows of one append) carries a CRC-32, verified the first time a lookup
+  touches it (:mod:`distill.cache.integrity`); a damaged record is never served
+  (:class:`DamagedRecordError`, or a miss to recompute), and :meth:`TeacherOutputStore.verify`
+  checks a whole store.
 
 This module opens the store, keeps its index and answers lookups; the format's names, dtypes
 and key handling are in :mod:`distill.cache.format`, the returned types in
@@ -283,7 +287,7 @@ class TeacherOutputStore:
         return hit, seg_ids[pos_c[hit]], rows[pos_c[hit]]
 
     def contains(self, keys: Any) -> np.ndarray:
-        """Boolean mask: which of ``keys`` are stored."""
+        """Boolean mask: which of ``keys`` are stored (their records are verified by :meth:`lookup`, not here)."""
         self._check_open()
         return self._find(keys)[0]
 
