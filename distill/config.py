@@ -27,10 +27,9 @@ class RouterConfig:
     batches from the rows queued, so the more it holds, the fewer and fuller its batches. A student
     keeps up to `by_length_rows` rows in flight to it: from a quarter of them, each answer within
     half the reader's timeout adds its rows, and each slower one takes a tenth off (the deadline
-    is the only latency that counts), overload answers halve it. On an emulated GPU with the H100's
-    45 ms a forward pass, the reader path with every default reached 0.906 of length-sorted batches
-    with 512 rows against 0.821 with 16 calls of 16 rows (`benchmarks.batching_sim`), and on the
-    H100 itself 512 rows gave 1.08 of one request per row against 0.73 with 256. Such a teacher's
+    is the only latency that counts), overload answers halve it. A few hundred rows in flight let
+    such a teacher form batches of like lengths; a few calls of a student's batch each do not (the
+    benchmarks page, docs/benchmarks.md, measures it). Such a teacher's
     queue holds 2,048 rows by default (`--max-queue-size`), four students' worth: past it, it
     sheds.
     """

@@ -184,8 +184,8 @@ class Engine:
     def read_ahead(self) -> int:
         """Batches to read ahead: `prefetch` when set; else `PREFETCH`, or more where a service's
         teachers batch padded rows by length: the router keeps `RouterConfig.by_length_rows` rows in
-        flight to each (they fill their batches from the rows queued: on an emulated GPU, 4 batches
-        of 16 rows in flight gave 0.840 of length-sorted batches, 16 gave 0.928), so the reader reads
+        flight to each (they fill their batches from the rows queued, so a few batches in flight
+        leave them small, poorly matched batches), so the reader reads
         that many rows ahead for each, in batches of the most rows one has had. A large pool of such
         teachers would have the reader hold thousands of batches, answered ones waiting for a slower
         training loop among them, so `read_ahead_mb` bounds what they hold, counted at the most bytes

@@ -7,7 +7,7 @@ without it) is described here once, for the client that checks an answer
 (``distill.teacher_client``) and the store that keeps it (``distill.cache.reader_side``).
 The request parameters are read by their wire names (``ReaderOptions.request_parameters``).
 
-Scoring given tokens (issue 22's wire contract, ``teacher_server.transforms``): ``token_logprobs``
+Scoring given tokens (the wire contract is ``teacher_server.transforms``'): ``token_logprobs``
 adds ``<OUT>_TOKEN_LOGPROBS`` (the declared shape without its class dimension), and a batch that
 sends the auxiliary input ``SCORE_IDS`` (`AUX_INPUTS`: a teacher reads it without declaring it in
 its metadata) gets ``<OUT>_SCORED_LOGPROBS`` (the class dimension cut to the m ids per position).

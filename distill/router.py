@@ -17,10 +17,9 @@ several): from a quarter of `RouterConfig.by_length_rows`, each answer within ha
 `timeout` adds its own rows (twice the rows a round trip) up to all of them, however long the
 answer took within that, and each slower one takes a tenth off (a CPU teacher draining 512 long
 rows would take longer than the 10 s default); overload answers halve it. Other teachers' floor is
-`RouterConfig.min_limit`. (Measuring latency against its usual level instead of the best seen would
-serve both without the declaration, but it costs W4's students 1% of their samples while the pool
-scales up, 0.946 against 0.955: a saturated CV teacher's deeper queue is backlog when new teachers
-arrive.)
+`RouterConfig.min_limit`. The gradient measures latency against the best seen, not the usual
+level: against a saturated CV teacher a deeper queue is backlog that new teachers then inherit,
+which is why a teacher that wants a deep queue has to say so.
 
 Failures eject a teacher with exponential backoff (connection and deadline errors), or mark it
 incompatible (wrong model, an answer that contradicts its own metadata, or refusing inputs that

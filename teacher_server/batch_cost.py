@@ -2,12 +2,11 @@
 fitted from the batches the server has run.
 
 The padding floor (`BatchingConfig.min_padding_efficiency`) trades padding against forward passes.
-Counted in positions alone it assumes a pass costs nothing beyond them. On an H100 the device stood
-idle 42-60 ms between W6's batches whatever their size, on top of 1/85,000 s a position, and an
-emulated device with 45 ms a pass reproduces the H100's W6 figure (`benchmarks/batching_sim.py`):
-the server made 60-65 forward passes where length-sorted batches make 35, because too few short
-sequences are queued at once to fill the token budget at the floor, and each small batch paid the
-45 ms. `BatchCost` measures the two parts, and the batcher lowers the floor by the share of a full
+Counted in positions alone it assumes a pass costs nothing beyond them, but a GPU pays tens of
+milliseconds a forward pass whatever its size (launches, synchronisation, the host between
+batches). Where too few short sequences are queued at once to fill the token budget at the floor,
+the server then runs many small batches, each paying that fixed cost. `BatchCost` measures the two
+parts, and the batcher lowers the floor by the share of a full
 batch's time the fixed part takes (`BatchRules.padding_floor`) and lets a batch still smaller than
 its fixed cost is worth take any request that raises its useful share of device time
 (`BatchRules.admits`), so a device with a large fixed cost runs fewer, fuller batches, and one
@@ -27,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 WINDOW = 64
-"""Batches the fit keeps (about 15 s of W6 on an H100), so it follows a changed device (another
-instance started, memory grown tight) without being swayed by one batch."""
+"""Batches the fit keeps (seconds of a busy GPU), so it follows a changed device (another instance
+started, memory grown tight) without being swayed by one batch."""
 
 MIN_BATCHES = 12
 """Batches needed before the fit is used; until then the floor is the configured one."""

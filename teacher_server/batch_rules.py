@@ -16,13 +16,14 @@ QUEUE_SIZE = 512
 
 BY_LENGTH_QUEUE_ROWS = 2048
 """Rows allowed to wait by default where a model batches padded rows by length: four students'
-512 (`distill.RouterConfig.by_length_rows`). On an emulated GPU with the H100's 45 ms a forward
-pass, two students sharing the teacher reached 0.961 of length-sorted batches with 2,048 and 0.854
-with 512, where it shed their rows (`benchmarks.batching_sim --students 2`)."""
+512 (`distill.RouterConfig.by_length_rows`), because such a model needs many rows queued to form
+batches of like lengths, and a bound of one student's rows would shed the second student's."""
 
 TYPICAL_LENGTH = 64
 """Positions per sequence the default token budget of a padded model assumes: max_batch_size 256
-gives 16,384 tokens a batch, the budget that served 7B and 1.5B teachers best on an H100 (issue 26)."""
+gives 16,384 tokens a batch, large enough to keep a GPU's kernels full, small enough that its
+activations fit beside a 7B teacher's weights (on a GPU `teacher_server.token_budget` caps it to
+the free memory)."""
 
 
 @dataclass(frozen=True)
@@ -37,21 +38,18 @@ class BatchingConfig:
     # Padded models: lower that floor by the share of a full batch's device time that the batches'
     # measured fixed cost takes (`teacher_server.batch_cost`), and let a batch smaller than that cost
     # take requests that raise its useful share of device time (`BatchRules.admits`); None: for models
-    # on an accelerator. On an emulated GPU with the H100's 45 ms a forward pass, W6 reached 0.886 of
-    # length-sorted batches instead of 0.852, and with 5 ms it was unchanged. Not on CPU, where the
-    # instances share the cores with the server's own per-request work: W6 on 2 cores 0.98 of the
-    # floor as set (the lowered floor alone), padding 0.83.
+    # on an accelerator, where each forward pass has a fixed cost worth batching away. Not on CPU,
+    # where the server's own per-request work shares the instances' cores and the fit would count it
+    # as the batches' fixed cost.
     cost_aware_floor: bool | None = None
     # Batches finished (host copies awaited, cut, encoded) off the instance's thread; None: where the
-    # model runs on an accelerator (a GPU then computes the next batch meanwhile: W6 on an H200 1.25x),
-    # not on CPU, where the finishing thread only competes with the instances for the cores (W6 on 2
-    # cores: 0.79 of in-process with it, 0.89 without).
+    # model runs on an accelerator (the device computes the next batch meanwhile), not on CPU, where
+    # the finishing thread would only compete with the instances for the cores.
     async_outputs: bool | None = None
     # Batches an instance may hold formed and not yet answered (staged, computing, being finished);
     # 0: what its device wants (1 on CPU, 2 with asynchronous outputs, one more with a stager: 3 on a
-    # GPU). Fewer batches ahead are formed later, from more queued requests: on an emulated GPU
-    # (benchmarks/batching_sim.py) 2 instead of 3 gave W6 62 forward passes instead of 66 with one
-    # instance, 69 instead of 75 with two.
+    # GPU). Fewer batches ahead are formed later, from more queued requests, and so fewer and fuller;
+    # more keep the device fed through the host's pauses.
     batches_ahead: int = 0
 
     def __post_init__(self) -> None:
@@ -129,9 +127,8 @@ class BatchRules:
         / `new_computed` may join it: the batch keeps its padding efficiency at `floor` or above;
         or, while the batch computes fewer positions than being a batch costs the device (`fixed`,
         in positions: `BatchCost.fixed_positions`), the request raises the batch's useful share of
-        its device time, as a short sequence does for a batch of a few others (on an emulated GPU
-        with 45 ms a pass: W6 0.886 of length-sorted batches against 0.873 with the lowered floor
-        alone and 0.852 with neither; with 5 ms, 0.954 against 0.955-0.958)."""
+        its device time, as a short sequence does for a batch of a few others. The benchmarks page
+        (docs/benchmarks.md) has what these rules measured."""
         if new_useful >= floor * new_computed:
             return True
         return computed < fixed and new_useful * (computed + fixed) > useful * (new_computed + fixed)

@@ -39,11 +39,10 @@ CHUNK_BYTES = 256 << 20
 """fp32 bytes of values per chunk of positions (one `[n, V]` float32 slice).
 
 The chunk trades host work for memory. Each chunk costs its ATen calls (16, most of them kernel
-launches on a GPU) and a read of the output projection; at 64 MiB a 16k-token batch of a 152k
-vocabulary took 149 chunks, 1,493 calls that are not views against the forward pass's 984
-(`benchmarks/launches.py`); at 256 MiB, 38 chunks and 383 calls. Its transforms peak at about
-twice the chunk (the fp32 logits and their log-softmax), 519 MiB at 256 (`benchmarks/teacher_memory.py`),
-about what the forward pass of an 8k-token sequence of a 1.5B model holds at once anyway."""
+launches on a GPU) and a read of the output projection, so smaller chunks mean more launches per
+batch; its transforms peak at about twice the chunk (the fp32 logits and their log-softmax). At
+256 MiB a chunk's transforms hold about what the forward pass of an 8k-token sequence of a 1.5B
+model holds at once anyway (`benchmarks.teacher_memory` measures it)."""
 
 
 @dataclass(frozen=True)

@@ -360,9 +360,8 @@ def check_tls_files(cfg: ServerConfig) -> None:
 
 
 GPU_INSTANCES = 2
-"""Instances (a thread and a CUDA stream each) on a GPU by default. Measured on an H200
-(`benchmarks.instances`, ResNet-50 in FP16, 64 clients x 32 images): 1 instance 4,565 img/s, 2
-instances 8,352 (1.83x), 3 instances 7,808. While one instance's thread does a batch's host work
+"""Instances (a thread and a CUDA stream each) on a GPU by default, the count `benchmarks.instances`
+measured best (docs/benchmarks.md). While one instance's thread does a batch's host work
 (gathering inputs, launching, encoding answers), the other's batch keeps the GPU busy; a third adds
 contention, not overlap. The weights are shared, so a second instance costs only its activations."""
 
@@ -372,7 +371,7 @@ def default_instances(device: str | None) -> int:
 
     On CPU, one instance with a thread per core loses a whole batch step whenever the event loop or
     gRPC takes a core: every intra-op sync point waits for the descheduled thread. Independent
-    single-threaded instances only lose that thread's share (W2 on 2 cores: 0.80 -> 0.94 of in-process).
+    single-threaded instances only lose that thread's share.
     """
     named = device not in (None, "", "auto")
     if (torch.device(str(device)).type if named else resolve_device(device).type) != "cpu":

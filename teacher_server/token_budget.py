@@ -1,20 +1,20 @@
 """A padded model's default token budget on a GPU, from the model's shape and the device's memory.
 
 The default budget (`BatchingConfig.token_budget`: max_batch_size x 64 positions, 16,384 at the
-defaults) served 1.5B and 7B teachers best on an 80 GB H100, but it is a number of positions, not
-of bytes: a 7B teacher in bf16 on a 24 GB card has about 8 GB left beside its weights, and each of
-its instances computes a batch at a time. So when the budget is left at its default, a `hf:`
-transformer on CUDA gets it capped to what its instances' batches can hold in the free memory:
+defaults) is a number of positions, not of bytes: a 7B teacher in bf16 on a 24 GB card has about 8
+GB left beside its weights, and each of its instances computes a batch at a time. So when the budget
+is left at its default, a `hf:` transformer on CUDA gets it capped to what its instances' batches
+can hold in the free memory:
 
     positions <= (HEADROOM x free - instances x CHUNKS x chunk bytes) / (instances x bytes a position)
 
-with bytes a position estimated from the model's shape, `ACTIVATION_MARGIN` x element size x
-(3 x intermediate + 6 x hidden): a forward pass without a KV cache keeps one layer's activations
-at a time, and the output projection runs a chunk of positions at a time (`outputs.CHUNK_BYTES`),
-so its logits never exist whole. On an H200 a Qwen2.5-1.5B shape measured 66-75 KB a position
-for one sequence of 4,096 and 8,192 tokens (`benchmarks/teacher_memory.py`); the formula gives 72.
-A budget set with --max-batch-tokens is the user's and is never changed; nor are models whose
-shape is unknown, or CPU models (host memory is not the limit there: the cores are).
+with bytes a position estimated from the model's shape, `ACTIVATION_MARGIN` x element size x (3 x
+intermediate + 6 x hidden): a forward pass without a KV cache keeps one layer's activations at a
+time, and the output projection runs a chunk of positions at a time (`outputs.CHUNK_BYTES`), so its
+logits never exist whole. The estimate is checked against what `benchmarks.teacher_memory` measured
+on a GPU (`tests/test_token_budget.py`). A budget set with --max-batch-tokens is the user's and is
+never changed; nor are models whose shape is unknown, or CPU models (host memory is not the limit
+there: the cores are).
 """
 
 from __future__ import annotations
