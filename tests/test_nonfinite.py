@@ -89,6 +89,13 @@ def test_by_default_the_batch_fails_naming_its_rows_and_the_teacher_counts_them(
         got, errors = _pass(reader)
         counted = _nonfinite_counter(s)
         rejected = reader.stats().rejected_batches
+        with DistillReader(_affine_data(), teachers=s.url, inputs=["X"], teacher_batch_size=8,
+                           fallback="hard_labels", no_teacher_timeout=10) as hard:
+            labels_only, hard_errors = _pass(hard)
+            hard_rejected = hard.stats().rejected_batches
+    # Under hard labels the batch comes without teacher outputs instead, counted as rejected.
+    assert not hard_errors and [t is None for _, t in labels_only] == [i == 3 for i in range(6)]
+    assert hard_rejected == 1
     assert list(errors) == [3], errors
     error = errors[3]
     assert isinstance(error, NonFiniteOutputError)
