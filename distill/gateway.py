@@ -47,6 +47,7 @@ from protos.vllm import (
     error_body,
     models_body,
     parse_completion,
+    resolve_prompt_logprobs,
 )
 
 __all__ = ["Gateway", "GatewayConfig", "run_gateway"]
@@ -94,7 +95,8 @@ class GatewayConfig:
         if self.teachers is not None and self.service is not None:
             raise ValueError("--service applies only with --registry; drop it when using --teachers")
         if not 1 <= self.max_logprobs <= 1024:
-            raise ValueError(f"max_logprobs must be in 1..1024, got {self.max_logprobs}")
+            raise ValueError(f"--max-logprobs must be in 1..1024 (the top-k asked of the teachers), got "
+                             f"{self.max_logprobs}")
 
     @property
     def name(self) -> str:
@@ -212,6 +214,9 @@ class Gateway:
             if context is not None and len(ids) > context:
                 raise APIError(400, f"prompt {i} has {len(ids)} tokens; the maximum context length is {context} "
                                     "tokens (max_model_len): shorten it", "prompt")
+        # -1 (the whole vocabulary) is refused: the gateway holds no model to know its vocabulary by,
+        # and its teachers answer --max-logprobs per position
+        resolve_prompt_logprobs(req.prompt_logprobs, None, k_max)
         results = await self.scorer.score(prompts, req.temperature)
         entries = sum(len(p) for p in prompts) * ((req.prompt_logprobs or 0) + 1)
         if entries > OFFLOAD_ENTRIES:

@@ -164,14 +164,11 @@ def parse_completion(raw: bytes, max_prompt_logprobs: int = MAX_PROMPT_LOGPROBS)
                             "generates exactly one greedy token; send max_tokens: 1 with prompt_logprobs", "max_tokens")
     k = body.get("prompt_logprobs")
     if k is not None:
-        if k == -1:
-            k = max_prompt_logprobs
-        if not _int(k) or k < 0:
-            raise APIError(400, f"prompt_logprobs must be a non-negative integer, got {echo(k)}", "prompt_logprobs")
-        if k > max_prompt_logprobs:
-            raise APIError(400, f"prompt_logprobs {k} exceeds this teacher's maximum of {max_prompt_logprobs} "
-                                "per position; ask for fewer (the binary KServe v2 path with top_k has no such cap)",
-                           "prompt_logprobs")
+        if not _int(k) or k < -1:
+            raise APIError(400, f"prompt_logprobs must be a non-negative integer or -1 (the whole vocabulary), got "
+                                f"{echo(k)}", "prompt_logprobs")
+        if max_prompt_logprobs != -1 and k > max_prompt_logprobs:
+            raise too_many_logprobs(k, max_prompt_logprobs)
     temperature = body.get("temperature")
     if temperature is None:
         temperature = 1.0
@@ -196,6 +193,34 @@ def parse_completion(raw: bytes, max_prompt_logprobs: int = MAX_PROMPT_LOGPROBS)
         flags[key] = value
     return CompletionRequest(prompts, text, k, float(temperature) or 1.0, model,
                              bool(flags["return_token_ids"]), flags["add_special_tokens"] is not False)
+
+
+def too_many_logprobs(asked: int, limit: int, whole: bool = False) -> APIError:
+    """The 400 for `asked` log-probs per position (`whole`: prompt_logprobs -1, the vocabulary's
+    size) over the server's `limit`, in vLLM's words, naming the flag that raises the limit."""
+    what = f"prompt_logprobs -1 asks for the whole vocabulary, {asked} tokens: " if whole else ""
+    return APIError(400, f"{what}Requested prompt logprobs of {asked}, which is greater than max allowed: {limit}; "
+                         f"start the server with --max-logprobs {asked} (or more), or ask for at most {limit}",
+                    "prompt_logprobs")
+
+
+def resolve_prompt_logprobs(k: int | None, vocab: int | None, limit: int) -> int | None:
+    """The log-probs per position a body's `prompt_logprobs` asks for: `k` itself, or for -1 (vLLM's
+    whole vocabulary) the vocabulary's size `vocab`, within `limit` (the server's --max-logprobs;
+    -1: the vocabulary). APIError 400 naming --max-logprobs over it, or for -1 without a `vocab`."""
+    if limit == -1:
+        limit = vocab if vocab is not None else -1
+    if k != -1:
+        if k is not None and limit != -1 and k > limit:
+            raise too_many_logprobs(k, limit)
+        return k
+    if vocab is None:
+        most = f"at most {limit} (--max-logprobs)" if limit != -1 else "a number of"
+        raise APIError(400, "prompt_logprobs -1 asks for the whole vocabulary, whose size this server does not know; "
+                            f"ask for {most} log-probs per position", "prompt_logprobs")
+    if limit != -1 and vocab > limit:
+        raise too_many_logprobs(vocab, limit, whole=True)
+    return vocab
 
 
 def check_prompt(index: int, ids: Sequence[int], vocab: int | None, context: int | None) -> None:
@@ -232,9 +257,10 @@ Decoder = Callable[[Sequence[int]], Mapping[int, str]]
 
 
 def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, decode: Decoder | None,
-           return_token_ids: bool) -> str:
-    """One prompt's entry of `choices`, as JSON text: the greedy token and, when asked, vLLM's
-    prompt_logprobs."""
+           return_token_ids: bool, text: str | None = None) -> str:
+    """One prompt's entry of `choices`, as JSON text, with vLLM's keys in vLLM's order: the greedy
+    token (`text`: its text as it continues the prompt; default its decoded name) and, when
+    asked, vLLM's prompt_logprobs; the fields not asked for are null, as vLLM writes them."""
     greedy = int(result.top_ids[-1, 0])
     names: Mapping[int, str] = {}
     if decode is not None:
@@ -243,16 +269,16 @@ def choice(index: int, ids: Sequence[int], result: Scored, *, k: int | None, dec
             wanted.update(int(i) for i in np.unique(result.top_ids[:-1, :k]))
             wanted.update(ids)
         names = decode(sorted(wanted))
-    entry: dict[str, Any] = {"index": index, "text": names.get(greedy, ""), "logprobs": None,
-                             "finish_reason": "length", "stop_reason": None}
-    if return_token_ids:
-        entry["prompt_token_ids"] = list(ids)
-        entry["token_ids"] = [greedy]
-    text = json.dumps(entry, separators=(",", ":"))
-    if k is None:
-        return text
-    quoted = {i: json.dumps(n) for i, n in names.items()} if decode is not None else None
-    return f'{text[:-1]},"prompt_logprobs":{prompt_logprobs(ids, result, k, quoted)}}}'
+    entry: dict[str, Any] = {"index": index, "text": names.get(greedy, "") if text is None else text,
+                             "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                             "token_ids": [greedy] if return_token_ids else None}
+    head = json.dumps(entry, separators=(",", ":"))
+    prompt_ids = json.dumps(list(ids) if return_token_ids else None, separators=(",", ":"))
+    scores = "null"
+    if k is not None:
+        quoted = {i: json.dumps(n) for i, n in names.items()} if decode is not None else None
+        scores = prompt_logprobs(ids, result, k, quoted)
+    return f'{head[:-1]},"prompt_logprobs":{scores},"prompt_token_ids":{prompt_ids},"routed_experts":null}}'
 
 
 def _number(x: float) -> str:
@@ -261,9 +287,12 @@ def _number(x: float) -> str:
 
 def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[int, str] | None) -> str:
     """vLLM's layout as JSON text: null for the first token, then per token i a map from token id
-    (a string) to `{"logprob", "rank", "decoded_token"}` holding position i - 1's top-k and token i
-    itself with its true rank. Written directly, not through dicts and json.dumps: a quarter of
-    the CPU for the ~20 entries per token this answer carries. `names`: JSON-quoted decoded tokens."""
+    (a string) to `{"logprob", "rank", "decoded_token"}`: token i itself first, with its true rank,
+    then position i - 1's top-k in rank order. A token among the top-k is listed once, first, with
+    its top-k rank (vLLM builds the map from [token i, top-k...], so the top-k entry overwrites the
+    value of the key the token placed first). Written directly, not through dicts and json.dumps:
+    a quarter of the CPU for the ~20 entries per token this answer carries. `names`: JSON-quoted
+    decoded tokens."""
     top_values = np.maximum(result.top_values[:, :k], LOGPROB_FLOOR)
     own_values = np.maximum(result.token_logprobs, LOGPROB_FLOOR)
     finite = bool(np.isfinite(top_values).all() and np.isfinite(own_values).all())
@@ -273,28 +302,41 @@ def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[i
         own = [_number(x) for x in own]
     top = result.top_ids[:, :k].tolist()
     ranks = result.token_ranks.tolist()
+    quoted = names if names is not None else _NULL_NAMES
     parts = ["null"]
     for t in range(len(ids) - 1):
         token = int(ids[t + 1])
-        if names is None:
-            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":null}}'
-                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
-            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":null}}')
-        else:
-            entries = [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{names[i]}}}'
-                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token]
-            entries.append(f'"{token}":{{"logprob":{own[t]},"rank":{ranks[t]},"decoded_token":{names[token]}}}')
+        value, rank = own[t], ranks[t]
+        if token in top[t]:
+            r = top[t].index(token)
+            value, rank = values[t][r], r + 1
+        entries = [f'"{token}":{{"logprob":{value},"rank":{rank},"decoded_token":{quoted[token]}}}']
+        entries.extend(f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{quoted[i]}}}'
+                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token)
         parts.append("{" + ",".join(entries) + "}")
     return "[" + ",".join(parts) + "]"
 
 
+class _Nulls(dict[int, str]):
+    """Every token's decoded name is JSON null (no tokenizer)."""
+
+    def __missing__(self, key: int) -> str:
+        return "null"
+
+
+_NULL_NAMES: Mapping[int, str] = _Nulls()
+
+
 def completion_body(model: str, choices: list[str], prompt_tokens: int) -> bytes:
-    """The whole `/v1/completions` answer, around the choices' JSON text."""
+    """The whole `/v1/completions` answer, around the choices' JSON text, with vLLM's keys in
+    vLLM's order (those this server has no value for are null; `system_fingerprint` too)."""
     head = json.dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                        "model": model}, separators=(",", ":"))
     usage = json.dumps({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(choices),
-                        "completion_tokens": len(choices)}, separators=(",", ":"))
-    return f'{head[:-1]},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
+                        "completion_tokens": len(choices), "prompt_tokens_details": None,
+                        "completion_tokens_details": None}, separators=(",", ":"))
+    return (f'{head[:-1]},"choices":[{",".join(choices)}],"service_tier":null,"system_fingerprint":null,'
+            f'"usage":{usage},"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}}').encode()
 
 
 def models_body(name: str, max_model_len: int | None) -> dict[str, Any]:

@@ -132,7 +132,8 @@ class OutputSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class HTTPLimits:
-    """What one HTTP client may hold of the teacher: time for a body to arrive, idle time, connections."""
+    """What one HTTP client may hold of the teacher: time for a body to arrive, idle time, connections,
+    log-probs per position on vLLM's /v1/completions."""
 
     http_request_timeout_s: float = setting(
         30.0, "seconds an HTTP request body may take to arrive; beyond it: 408 and the connection is closed "
@@ -145,6 +146,11 @@ class HTTPLimits:
     http_max_connections: int = setting(
         256, "HTTP connections held at once; a connection beyond them is answered 503 and closed, those held "
         "are served on (default: %(default)s)", group="network", type=int, check=at_least(1))
+    max_logprobs: int = setting(
+        20, "most prompt_logprobs per position on /v1/completions (vLLM's flag and default; a body's -1 asks "
+        "for the whole vocabulary, answered when this allows it); -1: the whole vocabulary (default: "
+        "%(default)s)", group="network", type=int, metavar="K",
+        check=lambda v: None if v == -1 or v >= 1 else f"must be >= 1 or -1 (the whole vocabulary), got {v}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -91,9 +91,10 @@ def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLCon
 class HTTPService:
     """The REST handlers for the one model a RequestLifecycle serves; holds no request state."""
 
-    def __init__(self, lifecycle: RequestLifecycle, bodies: BodyReader) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, bodies: BodyReader, max_logprobs: int = 20) -> None:
         self._lifecycle = lifecycle
         self._bodies = bodies
+        self._max_logprobs = max_logprobs  # vLLM's --max-logprobs, for /v1/completions
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[_json_errors], client_max_size=self._bodies.max_body)
@@ -107,7 +108,7 @@ class HTTPService:
             app.router.add_get(f"{base}/config", self.model_config)
             app.router.add_get(f"{base}/stats", self.model_stats)
             app.router.add_post(f"{base}/infer", self.infer)
-        add_vllm_routes(app, self._lifecycle, self._bodies)  # /health, /v1/models, /v1/completions
+        add_vllm_routes(app, self._lifecycle, self._bodies, self._max_logprobs)  # /health, /v1/models, /v1/completions
         return app
 
     # ---- health and metadata -------------------------------------------------------------
@@ -240,7 +241,7 @@ class HTTPFrontEnd:
                  shutdown_timeout_s: float = 1.0, limits: HTTPLimits | None = None) -> None:
         self._limits = limits or HTTPLimits()
         bodies = BodyReader(max_body_bytes, self._limits.http_request_timeout_s)
-        self._app = HTTPService(lifecycle, bodies).application()
+        self._app = HTTPService(lifecycle, bodies, self._limits.max_logprobs).application()
         self._ssl = ssl_context
         # Compressed bodies are inflated by BodyReader, off the loop and bounded, not by aiohttp's parser.
         self._runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=shutdown_timeout_s,

@@ -14,7 +14,8 @@ path, 413 body too large, 429 queue full, 503 loading or draining, 500 model fai
 Text prompts need the teacher's tokenizer: an `hf:DIR` holding tokenizer files has one (loaded
 once, on first use, off the event loop, from the directory only); otherwise text is refused with
 a 400 that says to send token ids. Bodies are bounded like the KServe routes' (--max-message-mb),
-prompts by the model's context and vocabulary, `prompt_logprobs` by `max_logprobs`.
+prompts by the model's context and vocabulary, `prompt_logprobs` by `max_logprobs` (vLLM's
+--max-logprobs; -1 asks for the whole vocabulary, as in vLLM).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from protos.vllm import (
     error_body,
     models_body,
     parse_completion,
+    resolve_prompt_logprobs,
 )
 from teacher_server.errors import InferError, capped
 from teacher_server.hf_model import PREFIX as HF_PREFIX
@@ -115,6 +118,16 @@ class Tokenizer:
         with self._use:
             texts = self._tokenizer.batch_decode([[i] for i in ids])
         return dict(zip(ids, texts, strict=True))
+
+    def continuation(self, prompt: Sequence[int], token: int) -> str:
+        """The text `token` adds after `prompt`, as vLLM's incremental detokenizer writes a generated
+        token (a word-level tokenizer's space between words included), special tokens skipped."""
+        with self._use:
+            before = self._tokenizer.decode(list(prompt), skip_special_tokens=True)
+            after = self._tokenizer.decode([*prompt, token], skip_special_tokens=True)
+            if after.startswith(before):
+                return str(after[len(before):])
+            return str(self._tokenizer.decode([token], skip_special_tokens=True))
 
 
 class VLLMRoutes:
@@ -203,6 +216,8 @@ class VLLMRoutes:
         spec = io.inputs[index]
         for i, ids in enumerate(prompts):
             check_prompt(i, ids, spec.max_value, spec.max_length)
+        req = replace(req, prompt_logprobs=resolve_prompt_logprobs(req.prompt_logprobs, spec.max_value,
+                                                                   self._max_logprobs))
         top_k = max(req.prompt_logprobs or 0, 1)
         requests = [infer_request(name, ids, input_name=spec.name, datatype=spec.datatype, output_name=output.name,
                                   top_k=top_k, temperature=req.temperature)
@@ -230,9 +245,12 @@ class VLLMRoutes:
     def _render(self, req: CompletionRequest, prompts: list[Sequence[int]], results: list[list[EncodedOutput]],
                 output: str, tokenizer: Any) -> bytes:
         decode = self._tokenizer.decode if tokenizer is not None else None
-        choices = [choice(i, ids, scored(outs, output), k=req.prompt_logprobs, decode=decode,
-                          return_token_ids=req.return_token_ids)
-                   for i, (ids, outs) in enumerate(zip(prompts, results, strict=True))]
+        choices = []
+        for i, (ids, outs) in enumerate(zip(prompts, results, strict=True)):
+            result = scored(outs, output)
+            text = None if tokenizer is None else self._tokenizer.continuation(ids, int(result.top_ids[-1, 0]))
+            choices.append(choice(i, ids, result, k=req.prompt_logprobs, decode=decode,
+                                  return_token_ids=req.return_token_ids, text=text))
         return completion_body(self._lifecycle.model.name, choices, sum(len(p) for p in prompts))
 
 
@@ -273,6 +291,8 @@ async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[En
     return [t.result().outputs for t in tasks]
 
 
-def add_vllm_routes(app: web.Application, lifecycle: RequestLifecycle, bodies: BodyReader) -> None:
-    """Serve vLLM's scoring subset on `app` (the KServe v2 HTTP application) for `lifecycle`."""
-    VLLMRoutes(lifecycle, bodies).register(app)
+def add_vllm_routes(app: web.Application, lifecycle: RequestLifecycle, bodies: BodyReader,
+                    max_logprobs: int = MAX_PROMPT_LOGPROBS) -> None:
+    """Serve vLLM's scoring subset on `app` (the KServe v2 HTTP application) for `lifecycle`, at
+    most `max_logprobs` (--max-logprobs) prompt_logprobs per position."""
+    VLLMRoutes(lifecycle, bodies, max_logprobs).register(app)

@@ -50,7 +50,7 @@ def reference(llama_dir: Path) -> torch.nn.Module:
 def teacher(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The real command line: teacher-server --model hf:DIR --http-port 0 (and a metrics port)."""
     args = ["--model", f"hf:{llama_dir}", "--name", "tiny-llama", "--device", "cpu", "--http-port", "0",
-            "--metrics-port", "0"]
+            "--metrics-port", "0", "--max-logprobs", "50"]
     with teacher_process(args, tmp_path_factory.mktemp("trl-teacher")) as (_, info):
         yield info
 
@@ -92,8 +92,11 @@ def test_get_sequence_logprobs_equals_the_model(client: Any, teacher: dict[str, 
 
 
 def test_a_refusal_reaches_trls_client_as_its_error(client: Any) -> None:
-    with pytest.raises(Exception, match=r"Request failed: 400.*maximum of 20"):
-        client.get_sequence_logprobs([[1, 2, 3]], [1], top_logprobs=21)
+    """TRL's default top_logprobs (100) over the teacher's --max-logprobs (50 here): the 400 says
+    which flag lifts the limit, and to what."""
+    with pytest.raises(Exception, match=r"Request failed: 400.*max allowed: 50; start the server with "
+                                        r"--max-logprobs 100"):
+        client.get_sequence_logprobs([[1, 2, 3]], [1])
 
 
 def test_the_async_rollout_workers_teacher_scoring(teacher: dict[str, Any], reference: torch.nn.Module,

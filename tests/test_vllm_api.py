@@ -83,6 +83,8 @@ def _check_position(entry: dict[str, Any], logp: torch.Tensor, token: int, k: in
     top = torch.topk(logp, k)
     want_ids = {str(i) for i in top.indices.tolist()} | {str(token)}
     assert set(entry) == want_ids
+    assert next(iter(entry)) == str(token)  # vLLM's order: the prompt's own token first, then the top-k
+    assert [i for i in entry if i != str(token)] == [str(i) for i in top.indices.tolist() if i != token]
     for r, (i, v) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True), 1):
         if i != token:
             assert entry[str(i)]["rank"] == r
@@ -139,7 +141,8 @@ def test_prompt_logprobs_match_the_model(server: ServerThread, reference: torch.
                                   "temperature": temperature, "return_token_ids": True})
     assert status == 200, body
     assert body["object"] == "text_completion" and body["model"] == "llama"
-    assert body["usage"] == {"prompt_tokens": 20, "total_tokens": 23, "completion_tokens": 3}
+    assert body["usage"] == {"prompt_tokens": 20, "total_tokens": 23, "completion_tokens": 3,
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for ids, c in zip(prompts, body["choices"], strict=True):
         logp = reference_logprobs(reference, ids, temperature)
@@ -190,7 +193,11 @@ def test_without_a_tokenizer_text_is_refused_and_tokens_are_not_decoded(bare_ser
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"prompt": [1, 2], "max_tokens": 16}, 400, "max_tokens", "generates exactly one greedy token"),
     ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens", "send max_tokens: 1"),
-    ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 21}, 400, "prompt_logprobs", "maximum of 20"),
+    ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 21}, 400, "prompt_logprobs",
+     "Requested prompt logprobs of 21, which is greater than max allowed: 20; start the server with --max-logprobs 21"),
+    ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": -1}, 400, "prompt_logprobs",
+     "the whole vocabulary, 97 tokens: Requested prompt logprobs of 97, which is greater than max allowed: 20; "
+     "start the server with --max-logprobs 97"),
     ({"prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": -2}, 400, "prompt_logprobs", "non-negative"),
     ({"prompt": [[1, 2], [3, 97]], "max_tokens": 1}, 400, "prompt", "prompt 1: token id 97 at position 1"),
     ({"prompt": [1, -1], "max_tokens": 1}, 400, "prompt", "outside the vocabulary (ids must be in 0..96)"),
@@ -314,3 +321,28 @@ def test_a_body_of_more_prompts_than_the_queue_holds_is_answered(bare_dir: Path)
         status, body = _post(s, {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 1})
         assert status == 200, body
         assert [len(c["prompt_logprobs"]) for c in body["choices"]] == [len(p) for p in prompts]
+
+
+def test_minus_one_is_the_whole_vocabulary_within_max_logprobs(bare_dir: Path, reference: torch.nn.Module) -> None:
+    """prompt_logprobs -1 is vLLM's whole vocabulary: answered by a teacher whose --max-logprobs
+    allows it (-1 itself: the vocabulary), every token of it per position, the prompt's own first
+    and the rest in rank order; a bare body carries vLLM's keys, those not asked for null."""
+    with ServerThread(ServerConfig(model=f"hf:{bare_dir}", name="bare", device="cpu", http_port=0,
+                                   max_logprobs=-1)) as s:
+        ids = [5, 9, 30]
+        status, body = _post(s, {"prompt": ids, "max_tokens": 1, "prompt_logprobs": -1})
+        assert status == 200, body
+        pl = body["choices"][0]["prompt_logprobs"]
+        logp = reference_logprobs(reference, ids)
+        for i in (1, 2):
+            assert len(pl[i]) == VOCAB
+            _check_position(pl[i], logp[i - 1], ids[i], VOCAB, names=False)
+            assert pl[i][str(ids[i])]["rank"] == int((logp[i - 1] > logp[i - 1, ids[i]]).sum()) + 1
+        status, body = _post(s, {"prompt": ids, "max_tokens": 1, "prompt_logprobs": VOCAB + 1})
+        assert status == 400 and "max allowed: 97; start the server with --max-logprobs 98" in body["error"]["message"]
+        status, body = _post(s, {"prompt": ids, "max_tokens": 1})
+        assert status == 200
+        assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
+                              "usage", "kv_transfer_params", "ec_transfer_params", "metrics"]
+        assert body["system_fingerprint"] is None
+        assert body["choices"][0]["prompt_logprobs"] is None and body["choices"][0]["token_ids"] is None
