@@ -230,7 +230,7 @@ class Gateway:
 
 
 async def serve_until_stopped(config: GatewayConfig) -> None:
-    """Serve until SIGINT or SIGTERM, then close the server and every reader."""
+    """Serve until SIGINT or SIGTERM, then close the server and the reader."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -9,10 +9,11 @@ ranks (`protos.vllm.scoring_parameters`), reduced on the teacher's device and ca
 KServe v2; `protos.vllm` turns them into vLLM's answer.
 
 The wire top-k is the gateway's `max_logprobs` whatever a body asks (a body's `prompt_logprobs: k`
-is a slice of it), so one reader serves every body of a temperature: a trainer (TRL) scores at one
-temperature for a whole run, and gets one reader, one student record and one demand figure in the
-registry (student id `<host-pid>-gateway-t<T>`). Readers of other temperatures are made on first
-use, at most `MAX_READERS`, the least recently used closed first.
+is a slice of it), and each prompt carries its body's `temperature` as a request parameter
+(`reader.submit(batch, temperature=T)`; the teachers apply it per request), so one reader serves
+every body at every temperature at once: one student record and one demand figure in the registry
+(student id `<host-pid>-gateway`), and no reader is ever closed under a request while the gateway
+serves.
 """
 
 from __future__ import annotations
@@ -21,25 +22,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from distill.errors import BatchRejectedError, DistillError, NoTeacherError
+from distill.errors import BatchRejectedError, DistillError, InputRefusal, NoTeacherError
 from distill.gateway_cli import READER_FLAGS
 from distill.options import ReaderOptions, default_student_id
 from distill.reader import DistillReader
-from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored
+from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored, prompt_too_long, token_out_of_vocabulary
 
-__all__ = ["MAX_READERS", "Scorer", "ScoringSettings"]
+__all__ = ["Scorer", "ScoringSettings"]
 
 log = logging.getLogger("distill.gateway")
-
-MAX_READERS = 4
-"""Readers (one per temperature asked) kept open at once."""
 
 RETRY_START_S = 1.0
 """Pause between attempts to start a reader while no teacher is there yet."""
@@ -63,48 +60,50 @@ class ScoringSettings:
     max_in_flight: int = 64
     student_id: str = ""
 
-    def reader_options(self, temperature: float) -> ReaderOptions:
-        """The options of the reader serving bodies at `temperature` (validated by ReaderOptions)."""
+    def reader_options(self) -> ReaderOptions:
+        """The options of the reader serving every body (validated by ReaderOptions); temperature 1
+        is stated, and a body at another sends its own with each prompt."""
         return ReaderOptions(
             inputs=[self.input_name], outputs=[self.output_name], teachers=self.teachers, registry=self.registry,
             service=self.service, registry_options=self.registry_options, model=self.model, timeout=self.timeout,
             no_teacher_timeout=self.no_teacher_timeout, hedge_after=self.hedge_after, ordered=False,
             prefetch=self.max_in_flight,
-            top_k=self.max_logprobs, logprobs=True, temperature=temperature, topk_tail=False, output_dtype="FP32",
+            top_k=self.max_logprobs, logprobs=True, temperature=1.0, topk_tail=False, output_dtype="FP32",
             token_logprobs=True, token_ranks=True, flag_names=READER_FLAGS,
-            student_id=f"{self.student_id or default_student_id()}-gateway-t{temperature:g}")
+            student_id=f"{self.student_id or default_student_id()}-gateway")
 
 
 class Scorer:
-    """Owns the readers; `score` answers prompts, `ready` says whether a teacher is usable. Lives on
-    the gateway's event loop; every blocking reader call runs on a worker thread."""
+    """Owns the reader; `score` answers prompts, `ready` says whether a teacher is usable. Lives on
+    the gateway's event loop; every blocking reader call runs on a worker thread. The reader is
+    replaced only once its engine gave up (no teacher for `no_teacher_timeout`), which has failed
+    everything in flight on it already, and closed only then or by `close()`."""
 
     def __init__(self, settings: ScoringSettings) -> None:
         self.settings = settings
-        self._readers: OrderedDict[float, DistillReader] = OrderedDict()
-        self._starting: dict[float, asyncio.Task[DistillReader]] = {}
+        self._reader: DistillReader | None = None
+        self._starting: asyncio.Task[DistillReader] | None = None
         self._window = asyncio.Semaphore(settings.max_in_flight)
         self._closed = False
         self._ready_checked = 0.0
         self._ready = False
 
     async def start(self) -> None:
-        """Start the reader of temperature 1 in the background: /health turns 200 once it has a teacher."""
-        self._reader_task(1.0)
+        """Start the reader in the background: /health turns 200 once it has a teacher."""
+        self._reader_task()
 
-    def _reader_task(self, temperature: float) -> asyncio.Task[DistillReader]:
-        task = self._starting.get(temperature)
+    def _reader_task(self) -> asyncio.Task[DistillReader]:
+        task = self._starting
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.get_running_loop().create_task(self._start_reader(temperature),
-                                                          name=f"gateway-reader-t{temperature:g}")
+            task = asyncio.get_running_loop().create_task(self._start_reader(), name="gateway-reader")
             task.add_done_callback(_log_failure)
-            self._starting[temperature] = task
+            self._starting = task
         return task
 
-    async def _start_reader(self, temperature: float) -> DistillReader:
+    async def _start_reader(self) -> DistillReader:
         """A started reader; retried while no teacher or no registry is there (the gateway may start
         before the teachers do). A setup error (wrong model name, access refused) is not retried."""
-        options = self.settings.reader_options(temperature)
+        options = self.settings.reader_options()
         while True:
             reader = DistillReader(None, options)  # no loader: prompts come through submit()
             try:
@@ -125,24 +124,14 @@ class Scorer:
             if self._closed:
                 await asyncio.to_thread(reader.close)
                 raise asyncio.CancelledError
-            self._readers[temperature] = reader
-            await self._evict()
+            self._reader = reader
             return reader
 
-    async def _evict(self) -> None:
-        while len(self._readers) > MAX_READERS:
-            temperature, old = self._readers.popitem(last=False)
-            self._starting.pop(temperature, None)  # asked again, it is started afresh
-            await asyncio.to_thread(old.close)
-
-    async def _reader(self, temperature: float) -> DistillReader:
-        reader = self._readers.get(temperature)
-        if reader is not None:
-            self._readers.move_to_end(temperature)
-            return reader
+    async def _current(self) -> DistillReader:
+        if self._reader is not None:
+            return self._reader
         try:
-            return await asyncio.wait_for(asyncio.shield(self._reader_task(temperature)),
-                                          self.settings.no_teacher_timeout)
+            return await asyncio.wait_for(asyncio.shield(self._reader_task()), self.settings.no_teacher_timeout)
         except TimeoutError:
             raise APIError(503, f"no teacher is usable (waited {self.settings.no_teacher_timeout:g} s): "
                                 f"{self._where()}; retry once teachers are up") from None
@@ -154,26 +143,21 @@ class Scorer:
         return f"service {s.service!r} in {s.registry}" if s.registry else f"teachers {s.teachers}"
 
     async def ready(self) -> bool:
-        """Whether some reader has a usable teacher now (checked at most every 0.2 s)."""
+        """Whether the reader has a usable teacher now (checked at most every 0.2 s)."""
         now = time.monotonic()
         if now - self._ready_checked < 0.2:
             return self._ready
-        readers = list(self._readers.values())
-        if not readers and not self._closed:
-            self._reader_task(1.0)  # every reader was dropped (its teachers went away): look for them again
-        ready = False
-        for reader in readers:
-            stats = await asyncio.to_thread(reader.stats)
-            if stats.teachers_in_use > 0:
-                ready = True
-                break
+        reader = self._reader
+        if reader is None and not self._closed:
+            self._reader_task()  # the reader was dropped (its teachers went away): look for them again
+        ready = reader is not None and (await asyncio.to_thread(reader.stats)).teachers_in_use > 0
         self._ready, self._ready_checked = ready, time.monotonic()
         return ready
 
     async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:
         """Every prompt's reduced outputs, through the mesh; APIError with the status to answer."""
-        reader = await self._reader(temperature)
-        tasks = [asyncio.ensure_future(self._one(reader, temperature, ids)) for ids in prompts]
+        reader = await self._current()
+        tasks = [asyncio.ensure_future(self._one(reader, temperature, i, ids)) for i, ids in enumerate(prompts)]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:  # the first refusal answers the body (or the caller left): the other prompts are dropped
@@ -188,22 +172,22 @@ class Scorer:
                 raise error
         return [task.result() for task in tasks]
 
-    async def _one(self, reader: DistillReader, temperature: float, ids: Sequence[int]) -> Scored:
+    async def _one(self, reader: DistillReader, temperature: float, index: int, ids: Sequence[int]) -> Scored:
         batch = {self.settings.input_name: np.asarray([ids], dtype=np.int64)}
         async with self._window:
             try:
-                outputs = await asyncio.wrap_future(reader.submit(batch))
+                outputs = await asyncio.wrap_future(reader.submit(batch, temperature=temperature))
             except BatchRejectedError as e:
-                raise APIError(400, f"the teachers refused this prompt: {e}", "prompt") from None
+                raise refused(index, e, self.settings.input_name) from None
             except NoTeacherError as e:
-                self._drop(temperature, reader)
+                self._drop(reader)
                 raise APIError(503, f"no teacher is usable: {e}") from None
             except TimeoutError:
                 raise APIError(503, "no teacher answered this prompt within the gateway's deadline (--timeout, "
                                     "--no-teacher-timeout); retry") from None
-            except DistillError as e:  # the reader was closed under the request (the gateway is stopping)
-                self._drop(temperature, reader)
-                raise APIError(503, f"scoring failed: {e}") from None
+            except DistillError as e:  # the reader's engine gave up under the request, or the gateway is stopping
+                self._drop(reader)
+                raise APIError(503, f"scoring failed: {e}; retry") from None
         name = self.settings.output_name
 
         def get(suffix: str) -> np.ndarray:
@@ -211,22 +195,37 @@ class Scorer:
 
         return Scored(get("_TOPK_VALUES"), get("_TOPK_INDICES"), get("_TOKEN_LOGPROBS"), get("_TOKEN_RANKS"))
 
-    def _drop(self, temperature: float, reader: DistillReader) -> None:
-        """A reader whose engine gave up (no teacher for its timeout) is replaced on the next body."""
-        if self._readers.get(temperature) is reader:
-            del self._readers[temperature]
-            self._starting.pop(temperature, None)
+    def _drop(self, reader: DistillReader) -> None:
+        """A reader whose engine gave up (no teacher for its timeout; that failed everything in flight
+        on it) is replaced on the next body."""
+        if self._reader is reader:
+            self._reader = None
+            self._starting = None
             asyncio.get_running_loop().run_in_executor(None, reader.close)
 
     async def close(self) -> None:
-        """Stop starting readers and close every one (off the event loop)."""
+        """Stop starting the reader and close it (off the event loop)."""
         self._closed = True
-        for task in self._starting.values():
-            task.cancel()
-        await asyncio.gather(*self._starting.values(), return_exceptions=True)
-        readers, self._readers = list(self._readers.values()), OrderedDict()
-        for reader in readers:
+        if self._starting is not None:
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
+        reader, self._reader = self._reader, None
+        if reader is not None:
             await asyncio.to_thread(reader.close)
+
+
+def refused(index: int, error: BatchRejectedError, input_name: str) -> APIError:
+    """The 400 for prompt `index` of a body (its place in `prompt`) that the teachers refused, said of
+    the HTTP request, from the refusal's facts: a token id out of the vocabulary at a position of
+    that prompt, or a prompt past the context. Without facts (a teacher that sends none), the
+    teachers' own words. Each prompt is a batch of one row, so a position is the index's last."""
+    r: InputRefusal | None = error.refusal
+    if r is not None and r.input == input_name:
+        if r.kind in ("vocabulary", "classes") and len(r.index) == 2:
+            return token_out_of_vocabulary(index, r.value, r.index[1], r.limit)
+        if r.kind == "context":
+            return prompt_too_long(index, r.value, r.limit)
+    return APIError(400, f"prompt {index}: {error.reason}", "prompt")
 
 
 async def _started(reader: DistillReader) -> None:

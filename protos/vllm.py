@@ -226,14 +226,28 @@ def resolve_prompt_logprobs(k: int | None, vocab: int | None, limit: int) -> int
 def check_prompt(index: int, ids: Sequence[int], vocab: int | None, context: int | None) -> None:
     """One prompt's length and ids against the model's context and vocabulary (APIError 400)."""
     if context is not None and len(ids) > context:
-        raise APIError(400, f"prompt {index} has {len(ids)} tokens; this model's maximum context length is "
-                            f"{context} tokens (max_model_len): shorten it", "prompt")
-    limit = vocab if vocab is not None else 1 << 31  # without a declared vocabulary: what INT32 ids can hold
+        raise prompt_too_long(index, len(ids), context)
+    limit = vocab if vocab is not None else 1 << 31
     low, high = min(ids), max(ids)
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
-        raise APIError(400, f"prompt {index}: token id {bad} at position {list(ids).index(bad)} is outside the "
-                            f"vocabulary (ids must be in 0..{limit - 1})", "prompt")
+        raise token_out_of_vocabulary(index, bad, list(ids).index(bad), vocab)
+
+
+def prompt_too_long(index: int, length: int, context: int) -> APIError:
+    """The 400 for prompt `index` (its place in the body's `prompt` list) of `length` tokens, past
+    the model's `context`."""
+    return APIError(400, f"prompt {index} has {length} tokens; this model's maximum context length is {context} "
+                         "tokens (max_model_len): shorten it", "prompt")
+
+
+def token_out_of_vocabulary(index: int, token: int, position: int, vocab: int | None) -> APIError:
+    """The 400 for token id `token` at `position` of prompt `index`, outside the model's `vocab`
+    (None: undeclared, and ids must fit INT32)."""
+    limit = vocab if vocab is not None else 1 << 31
+    size = f"; the model's vocabulary has {vocab} tokens" if vocab is not None else ""
+    return APIError(400, f"prompt {index}: token id {token} at position {position} is outside the vocabulary (ids "
+                         f"must be in 0..{limit - 1}){size}", "prompt")
 
 
 def scoring_parameters(top_k: int, temperature: float) -> dict[str, object]:
@@ -302,29 +316,23 @@ def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[i
         own = [_number(x) for x in own]
     top = result.top_ids[:, :k].tolist()
     ranks = result.token_ranks.tolist()
-    quoted = names if names is not None else _NULL_NAMES
     parts = ["null"]
     for t in range(len(ids) - 1):
-        token = int(ids[t + 1])
+        token, row, row_values = int(ids[t + 1]), top[t], values[t]
         value, rank = own[t], ranks[t]
-        if token in top[t]:
-            r = top[t].index(token)
-            value, rank = values[t][r], r + 1
-        entries = [f'"{token}":{{"logprob":{value},"rank":{rank},"decoded_token":{quoted[token]}}}']
-        entries.extend(f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{quoted[i]}}}'
-                       for r, (i, x) in enumerate(zip(top[t], values[t], strict=True), 1) if i != token)
+        if token in row:
+            r = row.index(token)
+            value, rank = row_values[r], r + 1
+        if names is None:
+            entries = [f'"{token}":{{"logprob":{value},"rank":{rank},"decoded_token":null}}']
+            entries += [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":null}}'
+                        for r, (i, x) in enumerate(zip(row, row_values, strict=True), 1) if i != token]
+        else:
+            entries = [f'"{token}":{{"logprob":{value},"rank":{rank},"decoded_token":{names[token]}}}']
+            entries += [f'"{i}":{{"logprob":{x},"rank":{r},"decoded_token":{names[i]}}}'
+                        for r, (i, x) in enumerate(zip(row, row_values, strict=True), 1) if i != token]
         parts.append("{" + ",".join(entries) + "}")
     return "[" + ",".join(parts) + "]"
-
-
-class _Nulls(dict[int, str]):
-    """Every token's decoded name is JSON null (no tokenizer)."""
-
-    def __missing__(self, key: int) -> str:
-        return "null"
-
-
-_NULL_NAMES: Mapping[int, str] = _Nulls()
 
 
 def completion_body(model: str, choices: list[str], prompt_tokens: int) -> bytes:

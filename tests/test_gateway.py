@@ -3,7 +3,9 @@ its flags; /health (503 with no teacher, 200 once one registers in a real etcd, 
 leaves), /v1/models, the refusals it answers itself in OpenAI's error form, and its demand in the
 registry; TRL's own `VLLMClient.get_sequence_logprobs`, unchanged, through the gateway in front of
 two teachers: the top-k and actual-token log-probs equal the in-process model's, and a teacher
-SIGKILLed during a run of requests fails none of them."""
+SIGKILLed during a run of requests fails none of them; clients at six temperatures at once are all
+answered, each at its own temperature; a prompt the teachers refuse gets a 400 in the request's
+terms (which prompt, position, id, vocabulary)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +205,7 @@ def test_health_is_503_with_no_teacher_and_200_once_one_registers(etcd: LocalEtc
             status, answer = call(base + "/v1/completions", {"prompt": [[5, 9, 30, 2]], "prompt_logprobs": 2,
                                                              "model": "teacher-pool"})
             assert status == 200 and len(answer["choices"][0]["prompt_logprobs"]) == 4, answer
-            wait_for_demand(etcd, service, "-gateway-t1")  # what the autoscaler reads
+            wait_for_demand(etcd, service, "-gateway")  # what the autoscaler reads: one student, any temperature
         # the teacher drained and deregistered: no usable teacher, 503 again
         wait_for_status(base + "/health", 503, START_S)
 
@@ -285,3 +288,47 @@ def test_a_teacher_sigkilled_behind_the_gateway_fails_no_request(
                 assert len(result["logprobs"][b]) == len(seq) - start
         killer.join(10)
         assert procs[0][0].wait(10) == -9  # it was killed, not drained
+
+
+@pytest.mark.timeout(300)
+def test_clients_at_six_temperatures_at_once_all_get_their_own_and_a_refused_prompt_is_named(
+        two_teachers: list[Any], reference: Any) -> None:
+    """Clients at 6 temperatures at once (60 requests, 12 in flight, the temperatures interleaved):
+    every request is answered, each with the teacher's log-probs at its own temperature. A body whose
+    prompt 1 holds an id past the vocabulary gets a 400 that names prompt 1, position 2, the id and
+    the vocabulary's size, and nothing of the reader behind the gateway."""
+    from tests.hf_models import VOCAB, reference_logprobs
+
+    teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in two_teachers)
+    temperatures = [0.5, 0.7, 1.0, 1.3, 2.0, 3.0]
+    prompts = [[5, 9, 30, 2, 77], [12, 3, 40, 41]]
+    k = 2
+    with gateway_process(["--teachers", teachers, "--model", "tiny-llama"]) as (_, base):
+        wait_for_status(base + "/health", 200, START_S)
+
+        def ask(temperature: float) -> tuple[float, int, Any]:
+            status, body = call(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": k,
+                                                           "temperature": temperature}, timeout=120)
+            return temperature, status, body
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, temperatures * 10))
+        status, refusal = call(base + "/v1/completions", {"prompt": [[1, 2], [1, 5, VOCAB]], "prompt_logprobs": 1})
+    assert [(t, s, b) for t, s, b in answers if s != 200] == []
+    want = {(t, i): reference_logprobs(reference, p, t) for t in temperatures for i, p in enumerate(prompts)}
+    for temperature, _, body in answers:
+        for i, (ids, c) in enumerate(zip(prompts, body["choices"], strict=True)):
+            logp = want[temperature, i]
+            for position in range(1, len(ids)):
+                entries = c["prompt_logprobs"][position]
+                token = ids[position]
+                assert entries[str(token)]["logprob"] == pytest.approx(float(logp[position - 1, token]), abs=1e-4)
+                top = logp[position - 1].topk(k)
+                for token_id, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                    assert entries[str(token_id)]["logprob"] == pytest.approx(value, abs=1e-4), (temperature, i)
+    assert status == 400 and refusal["error"]["param"] == "prompt", refusal
+    message = refusal["error"]["message"]
+    for said in ("prompt 1:", f"token id {VOCAB}", "at position 2", f"vocabulary has {VOCAB} tokens"):
+        assert said in message, message
+    for unsaid in ("DistillReader", "BatchRejectedError", "fallback", "rows", "batch"):
+        assert unsaid.lower() not in message.lower(), message
