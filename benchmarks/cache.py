@@ -1,4 +1,4 @@
-"""Teacher-output cache (issue #14): what training from a recorded store costs, what a store weighs,
+"""Teacher-output cache (`distill.cache`): what training from a recorded store costs, what a store weighs,
 and how fast `distill record` fills one.
 
     .venv/bin/python -m benchmarks.cache [--reps 5] [--quick]

@@ -1,6 +1,7 @@
 """Shared helpers for every benchmark: the machine, repetitions, statistics, results, signals.
 
-DESIGN.md's benchmark rules are encoded here once so each workload cannot drift from them:
+The benchmark rules of docs/design/workloads.md are encoded here once so each workload cannot
+drift from them:
 ratios come from one run with the variants interleaved per repetition (`interleave`), the
 headline is a median of at least five repetitions (`median`), every result file names the
 machine it was measured on (`machine_info`) and lands in benchmarks/results/ (`write_results`;
@@ -34,7 +35,7 @@ RESULTS_DIR = Path(os.environ.get("DISTILL_BENCH_RESULTS") or Path(__file__).res
 
 T = TypeVar("T")
 
-# ---- the reference workloads' constants (DESIGN.md), stated once for every benchmark ---------
+# ---- the reference workloads' constants (docs/design/workloads.md), stated once for every benchmark
 # Plain values, so that importing this module stays cheap (no torch);
 # tests/test_benchmark_constants.py checks that they agree with the models and the server they describe.
 EMULATED_MODEL_REF = "examples.emulated:build"  # W1, W4, the soak, the store: the emulated accelerator
@@ -104,7 +105,7 @@ def git_revision() -> dict[str, Any]:
 
 # ---- repetitions and statistics -------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
-    """Median, the DESIGN.md headline statistic: robust to the odd repetition a neighbour spoiled."""
+    """Median, the workloads' headline statistic: robust to the odd repetition a neighbour spoiled."""
     if not values:
         raise ValueError("median of no values")
     return float(statistics.median(values))

@@ -10,7 +10,8 @@ Runs a real etcd (LocalEtcd) on loopback and measures, with one EtcdRegistry wat
            snapshot drops it (bounded by the lease TTL: etcd expires it TTL after the last
            keepalive, which the teacher sent up to TTL/3 before it died).
 
-Prints a table, writes ``benchmarks/results/discovery_propagation.json`` and states the machine.
+Prints a table, writes ``benchmarks/results/discovery_propagation.json`` (``$DISTILL_BENCH_RESULTS``
+points it elsewhere, as for every benchmark) and states the machine.
 
     python -m benchmarks.discovery_propagation [--repetitions 20] [--crash-repetitions 5] [--ttl 3]
 """
@@ -30,11 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import RESULTS_DIR
 from discovery import EtcdRegistry, TeacherSet, keys
 from discovery.local_etcd import LocalEtcd, find_etcd
 from protos import registry_pb2
 
-RESULTS = Path(__file__).resolve().parent / "results" / "discovery_propagation.json"
+RESULTS = RESULTS_DIR / "discovery_propagation.json"
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,4 +1,4 @@
-"""How many model instances a teacher should run on one device (issue: the GPU instance default).
+"""How many model instances a teacher should run on one device: the figures behind the GPU default.
 
     .venv/bin/python -m benchmarks.instances --device cuda --compute-dtype FP16 \
         --model benchmarks.cv_teacher:resnet50 [--counts 1,2,3] [--batch 32] [--clients 64]
@@ -11,7 +11,7 @@ for a fixed window after a warm-up. The reference is the best plain PyTorch in t
 batch --inproc-batch (`benchmarks.device.InProcessModel`: on CUDA, inputs on the device,
 cudnn.benchmark, channels_last for images, autocast). Headlines: samples/s per count, over the
 in-process rate and over one instance. The server's GPU default (`default_instances`) is chosen
-from these figures (README, "GPU").
+from these figures (`benchmarks/results/instances_gpu_resnet50.json`).
 """
 
 from __future__ import annotations

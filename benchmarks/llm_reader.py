@@ -1,4 +1,4 @@
-"""W6, the reader path: `python -m benchmarks.llm_serving --mode reader` (DESIGN.md, "On a GPU").
+"""W6, the reader path: `python -m benchmarks.llm_serving --mode reader` (docs/design/workloads.md, W6).
 
 A student's training loop pads its batches: `DistillReader` sends each batch of --student-batch
 sequences (default --batch, which also sets the server's --max-batch-size and token budget),

@@ -1,4 +1,4 @@
-"""W6 LLM teacher serving (DESIGN.md, "Reference workloads" and "Sequence and LLM teachers").
+"""W6 LLM teacher serving (docs/design/workloads.md, "W6: LLM teacher serving").
 
     .venv/bin/python -m benchmarks.llm_serving [--reps 5] [--quick] [--tiny] [--teacher DIR] [--mode reader]
                                                [--device cuda:0 --compute-dtype BF16]

@@ -1,4 +1,4 @@
-"""W1 mesh efficiency and W5 failover (DESIGN.md, "Reference workloads").
+"""W1 mesh efficiency and W5 failover (docs/design/workloads.md).
 
     .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick] [--device cuda:0 --compute-dtype FP16]
 

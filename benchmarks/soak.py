@@ -1,4 +1,4 @@
-"""Soak: 8 students x 4 teachers on a real etcd for 10 minutes (issue 7, "Soak").
+"""Soak: 8 students x 4 teachers on a real etcd for 10 minutes, nothing restarted.
 
     .venv/bin/python -m benchmarks.soak [--minutes 10] [--students 8] [--teachers 4] [--quick]
 

@@ -1,4 +1,4 @@
-"""W4 autoscaling (DESIGN.md, "Reference workloads"): students 1 -> 3 -> 1 on W1 teachers.
+"""W4 autoscaling (docs/design/workloads.md): students 1 -> 3 -> 1 on W1 teachers.
 
     .venv/bin/python -m benchmarks.autoscale [--quick] [--reps N]
 
@@ -18,7 +18,7 @@ Then the same profile runs against a *fixed* pool of the oracle's peak size (3 t
 before the profile, no autoscaler): the right-sized pool the autoscaler has to keep up with. The
 two runs are one repetition (autoscaled first, then fixed); ``--reps N`` interleaves more, and the
 ratios are the medians of the per-repetition ratios. The default is one repetition, not the five
-DESIGN.md asks of ratios, because one repetition already takes ~4.5 of the ~6 minutes this
+docs/design/workloads.md asks of ratios, because one repetition already takes ~4.5 of the ~6 minutes this
 benchmark may take; the JSON says so.
 
 The oracle

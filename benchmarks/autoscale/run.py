@@ -44,8 +44,8 @@ def run(s: Settings) -> dict[str, Any]:
                    "subprocesses; three student subprocesses (DistillReader on the registry, emulated 25 ms step) "
                    "following the profile; the same profile against a fixed pool of the oracle's peak size. "
                    f"{s.reps} repetition(s), autoscaled then fixed in each; ratios are medians of per-repetition "
-                   "ratios (one repetition by default to fit the ~6 min budget; DESIGN.md asks 5 for ratios: "
-                   "use --reps 5)."),
+                   "ratios (one repetition by default to fit the ~6 min budget; docs/design/workloads.md asks 5 "
+                   "for ratios: use --reps 5)."),
         "runs": [],
         "summaries": [],
     }
