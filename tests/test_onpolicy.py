@@ -175,7 +175,8 @@ def test_submitted_batches_carry_their_own_temperature_and_a_refusal_its_facts(
     """One reader, batches submitted together at four temperatures (the reader's own among them):
     each is answered at its own, so none shared a request with a batch of another. A batch with an id
     past the vocabulary in its sixth row (past the teacher's 4-row batches) fails with the facts of
-    it: the input, the row and position in the batch, the id and the vocabulary."""
+    it: the input, the row and position in the batch, the id and the vocabulary; so do a sequence
+    past the context and a score id past the classes."""
     temperatures = [None, 0.5, 1.0, 3.0]
     with DistillReader(None, teachers=f"127.0.0.1:{teacher['port']}", inputs=INPUTS, outputs=["LOGITS"],
                        token_logprobs=True, temperature=TEMPERATURE, timeout=30.0, prefetch=8) as reader:
@@ -189,6 +190,15 @@ def test_submitted_batches_carry_their_own_temperature_and_a_refusal_its_facts(
             reader.score(bad, temperature=0.5)
         assert refused.value.refusal == InputRefusal("vocabulary", "INPUT_IDS", VOCAB, VOCAB, (5, 3))
         assert f"id {VOCAB} at [1, 3]" in refused.value.reason  # the teacher's words: its request's rows
+        long = _padded_batch((CONTEXT + 6,), seed=31)
+        with pytest.raises(BatchRejectedError) as refused:
+            reader.score(long)
+        assert refused.value.refusal == InputRefusal("context", "INPUT_IDS", CONTEXT + 6, CONTEXT, ())
+        scored = _padded_batch((5, 6), seed=32)
+        scored["score_ids"][1, 2, 3] = VOCAB
+        with pytest.raises(BatchRejectedError) as refused:
+            reader.score(scored)
+        assert refused.value.refusal == InputRefusal("classes", "SCORE_IDS", VOCAB, VOCAB, (1, 2, 3))
         with pytest.raises(ValueError, match="temperature: must be > 0"):
             reader.submit(batches[0], temperature=0)
 
