@@ -1,7 +1,7 @@
 """W2 serving efficiency and W3 small requests (DESIGN.md, "Reference workloads").
 
     .venv/bin/python -m benchmarks.serving [--reps 7] [--quick] [--threads N --instances N --delay-us N]
-                                           [--device cuda:0 --compute-dtype FP16]
+                                           [--pytriton | --no-pytriton] [--device cuda:0 --compute-dtype FP16]
 
 W2: how much of the machine's in-process RefTeacher throughput at batch 256 survives the trip
 through teacher-server. A = `model(x)` in this process; B = the server kept saturated by a few
@@ -10,6 +10,17 @@ concurrent batch-256 requests. Headline: B / A (goal >= 0.90 in DESIGN.md, 0.95 
 W3: what dynamic batching buys 64 concurrent clients that each send batch-8 requests. Server
 with batching on vs off (`--no-dynamic-batching`), and the in-process batch-8 rate, which is
 what a client would get by running the teacher itself. Headlines: on / off and on / batch-8.
+
+PyTriton side (W2 and W3): NVIDIA's PyTriton (the real Triton core) serves the same RefTeacher
+(`examples.refteacher:build`, same seed, FP32, CPU) from its own cached virtualenv
+(`benchmarks/pytriton_env.py`), laid out like the batching teacher-server: as many model
+instances, the same torch threads, max batch size --max-batch and a dynamic batcher whose queue
+delay is --delay-us. The same load generator drives it with the same requests, interleaved with
+the other variants in every repetition. Headlines: W2 server / PyTriton (goal >= 1.3) and W3
+batching on / PyTriton (goal > 1.0). It runs when PyTriton's virtualenv is built already (the
+test suite builds it) and the run is on the CPU in FP32; `--pytriton` insists (and builds the
+virtualenv, about 2 minutes once), `--no-pytriton` leaves it out. --server-arg flags are
+teacher-server's only; --server-env applies to PyTriton too.
 
 The in-process baselines run the model exactly as the server is told to (`--threads` torch
 threads, and `--instances` concurrent model(x) loops on their own threads; by default all cores
@@ -41,6 +52,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -61,7 +73,10 @@ from benchmarks.common import (
 )
 from benchmarks.cpu import QuietGate
 from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
+from benchmarks.pytriton_env import PyTritonServer, cached_venv, pytriton_server, pytriton_venv
 from benchmarks.serving_measure import (
+    CLASSES,
+    INPUT_SHAPE,
     MODEL_NAME,
     Measurement,
     check_server_output,
@@ -78,6 +93,8 @@ MODEL_REF = REF_MODEL_REF
 W2_GOAL = 0.95  # this benchmark's bar; DESIGN.md's W2 goal is 0.90
 W3_GOAL_VS_OFF = 3.0  # DESIGN.md
 W3_GOAL_VS_INPROC = 4.5
+W2_GOAL_VS_PYTRITON = 1.3  # DESIGN.md: at least 1.3x PyTriton serving the same model
+W3_GOAL_VS_PYTRITON = 1.0  # DESIGN.md: ahead of PyTriton (strictly above)
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,7 @@ class Settings:
     out: str = "serving"  # results file name under benchmarks/results/
     device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
     compute_dtype: str = "FP32"
+    pytriton: str = "auto"  # on | off | auto: on when its venv is built and the run is CPU FP32
 
     @property
     def choice(self) -> DeviceChoice:
@@ -126,6 +144,11 @@ class Settings:
         return self.w2_in_flight or 2 * self.server_instances
 
     @property
+    def server_env_pairs(self) -> list[tuple[str, str]]:
+        """--server-env as (key, value) pairs."""
+        return [(k, v) for k, _, v in (e.partition("=") for e in self.server_env)]
+
+    @property
     def baseline_threads(self) -> int:
         return self.inproc_threads or self.server_threads
 
@@ -139,6 +162,34 @@ def server_args(s: Settings, batching: bool) -> list[str]:
     ]
     args += ["--max-queue-delay-us", str(s.delay_us)] if batching else ["--no-dynamic-batching"]
     return [*args, *s.extra_server_args]
+
+
+def pytriton_venv_for(s: Settings) -> tuple[Path | None, str]:
+    """The PyTriton venv to serve from, or None; and why, for the JSON and the console.
+
+    "auto" never builds the venv (a two-minute pip install is not something a benchmark run should
+    start unasked); "on" builds it when missing and fails where PyTriton cannot run.
+    """
+    if s.pytriton == "off":
+        return None, "left out (--no-pytriton)"
+    if s.pytriton == "on":
+        return pytriton_venv(), "on (--pytriton)"
+    if s.device != "cpu" or s.compute_dtype != "FP32":
+        return None, "left out: the PyTriton side runs on the CPU in FP32 only"
+    venv = cached_venv()
+    if venv is None:
+        return None, ("left out: PyTriton's virtualenv is not built or cannot run here; --pytriton builds it "
+                      "(about 2 minutes, once) and says why it cannot run where it cannot")
+    return venv, "on (its virtualenv is built)"
+
+
+def pytriton_args(s: Settings, venv: Path, env: dict[str, str]) -> dict[str, Any]:
+    """pytriton_server() keywords: the batching teacher-server's model and layout under PyTriton."""
+    return {
+        "model": MODEL_NAME, "torch_model": MODEL_REF, "input_shape": INPUT_SHAPE, "classes": CLASSES,
+        "max_batch_size": s.max_batch, "max_queue_delay_us": s.delay_us, "instances": s.server_instances,
+        "threads": s.server_threads, "env": env, "venv": venv,
+    }
 
 
 def print_rep(rep: int, name: str, m: Measurement) -> None:
@@ -164,23 +215,39 @@ async def run(s: Settings) -> dict[str, Any]:
     want_w2 = s.only in ("all", "w2")
     want_w3 = s.only in ("all", "w3")
 
+    pt_venv, pt_why = pytriton_venv_for(s)
+    print(f"PyTriton side: {pt_why}", flush=True)
+    pt: PyTritonServer | None = None
     with contextlib.ExitStack() as stack:
-        env = dict(os.environ) | dict(e.split("=", 1) for e in s.server_env)
-        on = stack.enter_context(TeacherProcess(server_args(s, batching=True), label="batching-on", env=env,
-                                                       cwd=REPO_ROOT, stop_grace=20.0))
-        off = None
+        env = dict(os.environ) | dict(s.server_env_pairs)
+        servers = {"batching_on": TeacherProcess(server_args(s, batching=True), label="batching-on", env=env,
+                                                 cwd=REPO_ROOT, stop_grace=20.0)}
         if want_w3:
-            off = stack.enter_context(TeacherProcess(server_args(s, batching=False), label="batching-off", env=env,
-                                                            cwd=REPO_ROOT, stop_grace=20.0))
-        servers = {"batching_on": on, **({"batching_off": off} if off else {})}
+            servers["batching_off"] = TeacherProcess(server_args(s, batching=False), label="batching-off", env=env,
+                                                     cwd=REPO_ROOT, stop_grace=20.0)
+        for p in servers.values():  # cleanups first: an error while any is starting stops them all
+            stack.callback(p.cleanup)
+        for p in servers.values():
+            p.launch()
+        if pt_venv is not None:  # PyTriton starts while the teacher-servers load
+            pt = stack.enter_context(pytriton_server(**pytriton_args(s, pt_venv, dict(s.server_env_pairs))))
+        for p in servers.values():
+            p.wait_ready()
         pids = [p.pid for p in servers.values()]
         print("servers: " + ", ".join(f"{k} pid {p.pid} at {p.endpoint}" for k, p in servers.items()), flush=True)
+        endpoints = {k: p.endpoint for k, p in servers.items()}
+        if pt is not None:
+            endpoints["pytriton"] = pt.grpc_url
+            pids += pt.pids()
+            print(f"pytriton: pids {pt.pids()} at {pt.grpc_url}, log {pt.log}", flush=True)
 
-        chans = {k: [open_channel(p.endpoint) for _ in range(max(1, s.channels))] for k, p in servers.items()}
+        chans = {k: [open_channel(e) for _ in range(max(1, s.channels))] for k, e in endpoints.items()}
         try:
             stubs = {k: [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in cs] for k, cs in chans.items()}
-            for k in servers:
+            output_diffs: dict[str, float] = {}
+            for k in endpoints:
                 diff = await check_server_output(stubs[k][0], model, 1e-3 if s.compute_dtype == "FP32" else 5e-2)
+                output_diffs[k] = diff
                 print(f"{k}: output matches the in-process model (max |diff| {diff:.2e})", flush=True)
             w2_req, _ = make_request(s.w2_batch)
             w3_req, _ = make_request(s.w3_batch)
@@ -196,8 +263,11 @@ async def run(s: Settings) -> dict[str, Any]:
                 variants["w2_server_256"] = lambda: measure_server(
                     stubs["batching_on"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
                     warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                if pt is not None:
+                    variants["w2_pytriton_256"] = lambda: measure_server(
+                        stubs["pytriton"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
+                        warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
             if want_w3:
-                assert off is not None
                 variants["w3_inprocess_8"] = lambda: inprocess(s.w3_batch)
                 variants["w3_on"] = lambda: measure_server(
                     stubs["batching_on"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
@@ -205,8 +275,12 @@ async def run(s: Settings) -> dict[str, Any]:
                 variants["w3_off"] = lambda: measure_server(
                     stubs["batching_off"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
                     warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                if pt is not None:
+                    variants["w3_pytriton"] = lambda: measure_server(
+                        stubs["pytriton"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
+                        warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
-            contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos)
+            contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos) if s.max_foreign_cores > 0 else None
 
             discarded: dict[str, list[Measurement]] = {}
             per_rep = await ainterleave(
@@ -218,8 +292,14 @@ async def run(s: Settings) -> dict[str, Any]:
                 for c in cs:
                     await c.close()
         exit_codes = {k: p.stop() for k, p in servers.items()}
+    if pt is not None:  # stopped when the stack closed
+        exit_codes["pytriton"] = pt.process.returncode
 
     doc = summarise(s, per_rep, exit_codes)
+    doc["output_max_abs_diff"] = output_diffs
+    doc["pytriton"] = {"enabled": pt is not None, "why": pt_why, "venv": str(pt_venv) if pt_venv else None} | (
+        {"instances": pt.instances, "torch_threads": s.server_threads, "max_batch_size": pt.max_batch_size,
+         "max_queue_delay_us": s.delay_us, "log": str(pt.log)} if pt is not None else {})
     doc["quiet_gate"] = gate.as_dict()
     doc["discarded"] = {k: [m.as_dict() for m in v] for k, v in discarded.items()}
     return doc
@@ -250,7 +330,8 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         medians[k] = median(q) if len(q) >= MIN_QUIET_PAIRS else medians_all[k]
     ratios: dict[str, dict[str, Any]] = {}
 
-    def add_ratio(name: str, num: str, den: str, goal: float) -> None:
+    def add_ratio(name: str, num: str, den: str, goal: float, above: bool = False) -> None:
+        """`above`: the goal is to be strictly above `goal` (ahead of), not at least it."""
         if num not in rates or den not in rates:
             return
         paired = paired_ratios(rates[num], rates[den])
@@ -267,13 +348,16 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
             "trusted": trusted,
             "per_rep": [round(r, 4) for r in paired],
             "goal": goal,
-            "verdict": ("PASS" if headline >= goal else "below goal") if trusted else (
+            "goal_op": ">" if above else ">=",
+            "verdict": ("PASS" if (headline > goal if above else headline >= goal) else "below goal") if trusted else (
                 "smoke test only" if s.quick else f"noisy: fewer than {MIN_QUIET_PAIRS} quiet pairs"),
         }
 
     add_ratio("w2_server_over_inprocess", "w2_server_256", "w2_inprocess_256", W2_GOAL)
     add_ratio("w3_on_over_off", "w3_on", "w3_off", W3_GOAL_VS_OFF)
     add_ratio("w3_on_over_inprocess_8", "w3_on", "w3_inprocess_8", W3_GOAL_VS_INPROC)
+    add_ratio("w2_server_over_pytriton", "w2_server_256", "w2_pytriton_256", W2_GOAL_VS_PYTRITON)
+    add_ratio("w3_on_over_pytriton", "w3_on", "w3_pytriton", W3_GOAL_VS_PYTRITON, above=True)
     cpu_medians = {
         k: {
             "client_cores": median([m.cpu.client_cores for m in v if m.cpu]),
@@ -308,6 +392,8 @@ def report(doc: dict[str, Any]) -> str:
         "w3_inprocess_8": "W3 in-process model(x), batch 8",
         "w3_on": "W3 server batching ON, 64 x batch 8",
         "w3_off": "W3 server batching OFF, 64 x batch 8",
+        "w2_pytriton_256": "W2 PyTriton saturated, batch 256",
+        "w3_pytriton": "W3 PyTriton batching, 64 x batch 8",
     }
     rows = []
     for k, label in labels.items():
@@ -321,13 +407,15 @@ def report(doc: dict[str, Any]) -> str:
         "w2_server_over_inprocess": "W2 server / in-process (batch 256)",
         "w3_on_over_off": "W3 batching on / off",
         "w3_on_over_inprocess_8": "W3 batching on / in-process batch 8",
+        "w2_server_over_pytriton": "W2 server / PyTriton (batch 256)",
+        "w3_on_over_pytriton": "W3 batching on / PyTriton (64 x batch 8)",
     }
     for k, label in names.items():
         if k in doc["ratios"]:
             r = doc["ratios"][k]
             quiet = r["median_of_quiet_pairs"]
             rrows.append([label, float("nan") if quiet is None else quiet, f"{r['quiet_pairs']}/{r['pairs']}",
-                          r["median_of_all_pairs"], f">= {r['goal']}", r["verdict"]])
+                          r["median_of_all_pairs"], f"{r.get('goal_op', '>=')} {r['goal']}", r["verdict"]])
     out.append(format_table(["ratio", "median, quiet pairs", "quiet", "median, all pairs", "goal", "verdict"],
                             rrows))
     m = doc["machine"]
@@ -338,6 +426,10 @@ def report(doc: dict[str, Any]) -> str:
                f"torch {m['torch_version']}")
     out.append(f"layout: in-process {m['inprocess_loops']} model(x) loop(s) x {m['torch_threads']} torch thread(s); "
                f"server {m['server_instances']} instance(s) x {m['server_torch_threads']} torch thread(s)")
+    pt = doc.get("pytriton") or {}
+    out.append(f"PyTriton side: {pt.get('why', 'not recorded')}" + (
+        f"; {pt['instances']} instance(s) x {pt['torch_threads']} torch thread(s), max batch {pt['max_batch_size']}, "
+        f"queue delay {pt['max_queue_delay_us']} us" if pt.get("enabled") else ""))
     return "\n".join(out)
 
 
@@ -380,6 +472,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the servers, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     p.add_argument("--out", default="serving", help="results file: benchmarks/results/<OUT>.json (default serving)")
+    p.add_argument("--pytriton", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the model with PyTriton too and compare (default: when its virtualenv is built "
+                   "and the run is CPU FP32; --pytriton builds the virtualenv, about 2 minutes once)")
     add_device_args(p)
     a = p.parse_args(argv)
     reps = _pick(a.reps, a.quick, 2, Settings.reps)
@@ -387,6 +482,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--reps must be >= 1")
     if any("=" not in e for e in a.server_env):
         p.error("--server-env takes KEY=VALUE")
+    if a.pytriton and (a.device != "cpu" or a.compute_dtype != "FP32"):
+        p.error("--pytriton serves the model on the CPU in FP32: drop --device/--compute-dtype, or --pytriton")
     return Settings(
         reps=reps,
         warmup_s=_pick(a.warmup, a.quick, 0.3, Settings.warmup_s),
@@ -398,6 +495,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         max_redos=_pick(a.max_redos, a.quick, 2, Settings.max_redos),
         extra_server_args=tuple(a.server_arg), server_env=tuple(a.server_env), out=a.out,
         device=a.device, compute_dtype=a.compute_dtype,
+        pytriton={True: "on", False: "off", None: "auto"}[a.pytriton],
     )
 
 
