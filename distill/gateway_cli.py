@@ -19,11 +19,7 @@ from discovery.options import add_registry_security_args, registry_security_opti
 from distill.checks import positive_float, positive_int, registry_address, service_name, teacher_list
 from distill.flags import _argtype
 
-__all__ = ["READER_FLAGS", "add_parser", "config_from_args", "run"]
-
-READER_FLAGS = {"model": "--model", "timeout": "--timeout", "no_teacher_timeout": "--no-teacher-timeout"}
-"""The gateway's flag for each reader option it sets: the gateway's readers name these where a message
-says which setting fixes it (`ReaderOptions.flag_names`), not the reader's own --distill_* flags."""
+__all__ = ["add_parser", "config_from_args", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -29,14 +29,18 @@ from typing import Any
 import numpy as np
 
 from distill.errors import BatchRejectedError, DistillError, InputRefusal, NoTeacherError
-from distill.gateway_cli import READER_FLAGS
 from distill.options import ReaderOptions, default_student_id
 from distill.reader import DistillReader
 from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored, prompt_too_long, token_out_of_vocabulary
 
-__all__ = ["Scorer", "ScoringSettings"]
+__all__ = ["READER_FLAGS", "Scorer", "ScoringSettings"]
 
 log = logging.getLogger("distill.gateway")
+
+READER_FLAGS = {"model": "--model", "timeout": "--timeout", "no_teacher_timeout": "--no-teacher-timeout"}
+"""The gateway's flag (`distill.gateway_cli`) for each reader option it sets: the gateway's reader
+names these where a message says which setting fixes it (`ReaderOptions.flag_names`), not the
+reader's own --distill_* flags."""
 
 RETRY_START_S = 1.0
 """Pause between attempts to start a reader while no teacher is there yet."""
