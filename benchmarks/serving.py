@@ -1,15 +1,17 @@
-"""W2 serving efficiency and W3 small requests (DESIGN.md, "Reference workloads").
+"""W2 serving efficiency and W3 small requests (docs/design/workloads.md).
 
     .venv/bin/python -m benchmarks.serving [--reps 7] [--quick] [--threads N --instances N --delay-us N]
                                            [--pytriton | --no-pytriton] [--device cuda:0 --compute-dtype FP16]
 
 W2: how much of the machine's in-process RefTeacher throughput at batch 256 survives the trip
 through teacher-server. A = `model(x)` in this process; B = the server kept saturated by a few
-concurrent batch-256 requests. Headline: B / A (goal >= 0.90 in DESIGN.md, 0.95 for this run).
+concurrent batch-256 requests. Headline: B / A (goal >= 0.95).
 
 W3: what dynamic batching buys 64 concurrent clients that each send batch-8 requests. Server
-with batching on vs off (`--no-dynamic-batching`), and the in-process batch-8 rate, which is
-what a client would get by running the teacher itself. Headlines: on / off and on / batch-8.
+with batching on vs off (`--no-dynamic-batching`), and against the in-process batch-256 rate, the
+most batching can reach (the in-process batch-8 rate, what a client would get by running the
+teacher itself, is measured beside them). Headlines: on / off (goal >= 3) and on / in-process
+batch 256 (goal >= 0.85).
 
 PyTriton side (W2 and W3): NVIDIA's PyTriton (the real Triton core) serves the same RefTeacher
 (`examples.refteacher:build`, same seed, FP32, CPU) from its own cached virtualenv
@@ -90,11 +92,12 @@ from teacher_server.launch import TeacherProcess
 from teacher_server.server import default_instances
 
 MODEL_REF = REF_MODEL_REF
-W2_GOAL = 0.95  # this benchmark's bar; DESIGN.md's W2 goal is 0.90
-W3_GOAL_VS_OFF = 3.0  # DESIGN.md
-W3_GOAL_VS_INPROC = 4.5
-W2_GOAL_VS_PYTRITON = 1.3  # DESIGN.md: at least 1.3x PyTriton serving the same model
-W3_GOAL_VS_PYTRITON = 1.0  # DESIGN.md: ahead of PyTriton (strictly above)
+# The goals of docs/design/workloads.md.
+W2_GOAL = 0.95
+W3_GOAL_VS_OFF = 3.0
+W3_GOAL_VS_INPROC_256 = 0.85  # batch-8 requests batched, against the in-process batch-256 rate
+W2_GOAL_VS_PYTRITON = 1.3  # at least 1.3x PyTriton serving the same model
+W3_GOAL_VS_PYTRITON = 1.0  # ahead of PyTriton (strictly above)
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,7 @@ async def run(s: Settings) -> dict[str, Any]:
     return doc
 
 
-MIN_QUIET_PAIRS = 5  # DESIGN.md: median of at least 5 repetitions
+MIN_QUIET_PAIRS = 5  # a headline is the median of at least 5 repetitions (docs/design/workloads.md)
 
 
 def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: dict[str, int | None]) -> dict[str, Any]:
@@ -355,7 +358,7 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
 
     add_ratio("w2_server_over_inprocess", "w2_server_256", "w2_inprocess_256", W2_GOAL)
     add_ratio("w3_on_over_off", "w3_on", "w3_off", W3_GOAL_VS_OFF)
-    add_ratio("w3_on_over_inprocess_8", "w3_on", "w3_inprocess_8", W3_GOAL_VS_INPROC)
+    add_ratio("w3_on_over_inprocess_256", "w3_on", "w2_inprocess_256", W3_GOAL_VS_INPROC_256)
     add_ratio("w2_server_over_pytriton", "w2_server_256", "w2_pytriton_256", W2_GOAL_VS_PYTRITON)
     add_ratio("w3_on_over_pytriton", "w3_on", "w3_pytriton", W3_GOAL_VS_PYTRITON, above=True)
     cpu_medians = {
@@ -406,7 +409,7 @@ def report(doc: dict[str, Any]) -> str:
     names = {
         "w2_server_over_inprocess": "W2 server / in-process (batch 256)",
         "w3_on_over_off": "W3 batching on / off",
-        "w3_on_over_inprocess_8": "W3 batching on / in-process batch 8",
+        "w3_on_over_inprocess_256": "W3 batching on / in-process batch 256",
         "w2_server_over_pytriton": "W2 server / PyTriton (batch 256)",
         "w3_on_over_pytriton": "W3 batching on / PyTriton (64 x batch 8)",
     }
