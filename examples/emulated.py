@@ -1,4 +1,4 @@
-"""The emulated accelerator of DESIGN.md's W1 (and W4/W5): a teacher, a student step and a loader.
+"""The emulated accelerator of W1 (and W4/W5; docs/design/workloads.md): a teacher, a student step and a loader.
 
 W1 asks what the mesh costs a training loop, not how fast a CPU runs a network, so the expensive
 parts are emulated by sleeps: the teacher spends a fixed time per batch of up to 256 samples and

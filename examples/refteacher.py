@@ -1,4 +1,4 @@
-"""RefTeacher, the reference workload of DESIGN.md (W2/W3): an MLP 3072→2048→2048→100 with GELU.
+"""RefTeacher, the reference model of W2/W3 (docs/design/workloads.md): an MLP 3072→2048→2048→100 with GELU.
 
 Serve it with `teacher-server --model examples.refteacher:build --name ref_teacher`. Its tensors
 are declared on the module (`io_spec`), so no --input/--output flags are needed.
