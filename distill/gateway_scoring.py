@@ -28,10 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from distill.errors import BatchRejectedError, DistillError, InputRefusal, NoTeacherError
+from distill.errors import BatchRejectedError, DistillError, InputRefusal, NonFiniteOutputError, NoTeacherError
 from distill.options import ReaderOptions, default_student_id
 from distill.reader import DistillReader
-from protos.vllm import MAX_PROMPT_LOGPROBS, APIError, Scored, prompt_too_long, token_out_of_vocabulary
+from protos.vllm import (
+    MAX_PROMPT_LOGPROBS,
+    APIError,
+    Scored,
+    outputs_not_finite,
+    prompt_too_long,
+    token_out_of_vocabulary,
+)
 
 __all__ = ["READER_FLAGS", "Scorer", "ScoringSettings"]
 
@@ -181,6 +188,8 @@ class Scorer:
         async with self._window:
             try:
                 outputs = await asyncio.wrap_future(reader.submit(batch, temperature=temperature))
+            except NonFiniteOutputError:  # the reader's default, nonfinite="error": one row, this prompt
+                raise outputs_not_finite([index]) from None
             except BatchRejectedError as e:
                 raise refused(index, e, self.settings.input_name) from None
             except NoTeacherError as e:

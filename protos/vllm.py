@@ -250,6 +250,13 @@ def token_out_of_vocabulary(index: int, token: int, position: int, vocab: int | 
                          f"must be in 0..{limit - 1}){size}", "prompt")
 
 
+def outputs_not_finite(prompts: Sequence[int]) -> APIError:
+    """The 500 for a body whose `prompts` (their places in `prompt`) the model answered with inf or
+    NaN: never a log-probability of inf or NaN in a 200 answer."""
+    return APIError(500, f"the model's outputs for prompt(s) {list(prompts)} are not finite (inf or NaN): it "
+                         "overflowed on them; check those prompts, or serve the model in a wider dtype", "prompt")
+
+
 def scoring_parameters(top_k: int, temperature: float) -> dict[str, object]:
     """The transform parameters of one prompt's request: everything reduced on the device."""
     return {"logprobs": True, "top_k": top_k, "temperature": temperature, "token_logprobs": True,

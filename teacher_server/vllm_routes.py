@@ -40,6 +40,7 @@ from protos.vllm import (
     completion_body,
     error_body,
     models_body,
+    outputs_not_finite,
     parse_completion,
     resolve_prompt_logprobs,
 )
@@ -286,8 +287,7 @@ async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[En
             raise e
     bad = [i for i, t in enumerate(tasks) if t.result().nonfinite_rows]
     if bad:  # never a log-probability of inf or NaN in a 200 answer
-        raise APIError(500, f"the model's outputs for prompt(s) {bad} are not finite (inf or NaN): it overflowed on "
-                       "them; check those prompts, or serve the model in a wider dtype", "prompt")
+        raise outputs_not_finite(bad)
     return [t.result().outputs for t in tasks]
 
 
