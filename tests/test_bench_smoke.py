@@ -1,0 +1,161 @@
+"""The workload benchmarks end to end at their smallest settings: each runs its own entry point as
+a subprocess (real teacher-server processes, a real etcd where the workload has one), writes its
+JSON to a temporary directory (``DISTILL_BENCH_RESULTS``, so the measured files are never
+replaced), and the figures in it must be sane: counts as asked, rates and ratios positive and
+finite, nothing lost, duplicated or wrong, the machine recorded. Speed is the benchmarks' business:
+no figure is compared with a goal here.
+
+W1/W5 (`benchmarks.mesh`), W2/W3 (`benchmarks.serving`), W4 (`benchmarks.autoscale`), the
+teacher-output store (`benchmarks.cache`), discovery (`benchmarks.discovery_propagation`) and the
+soak (`benchmarks.soak`). The other benchmarks' smoke tests are in their own files
+(benchmarks/README.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def _run(module: str, args: list[str], results: Path, *, name: str, timeout: float,
+         exit_codes: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    """``python -m benchmarks.<module> <args>`` with its results under ``results``; its exit status
+    (each benchmark's own verdict) must be one of ``exit_codes``, and ``<name>.json`` is returned."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(results))
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode in exit_codes, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc: dict[str, Any] = json.loads((results / f"{name}.json").read_text())
+    doc["exit_code"] = proc.returncode
+    return doc
+
+
+def _positive(values: dict[str, Any]) -> None:
+    bad = {k: v for k, v in values.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)}
+    assert not bad, f"not a positive finite figure: {bad}"
+
+
+def _machine(doc: dict[str, Any]) -> None:
+    m = doc["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["platform"]
+
+
+@pytest.mark.timeout(330)
+def test_mesh_w1_and_w5_run_and_report_sane_figures(tmp_path: Path) -> None:
+    doc = _run("mesh", ["--quick", "--reps", "1", "--steps", "10"], tmp_path, name="mesh_quick", timeout=300)
+    _machine(doc)
+    assert len(doc["machine"]["load_average_at_start"]) == 3
+    w1 = doc["w1"]
+    assert set(w1["medians_samples_per_s"]) == {"pure", "inline", "service"}
+    _positive(w1["medians_samples_per_s"])
+    _positive(w1["ratios"])
+    assert w1["outputs_checked"] > 0 and w1["wrong_outputs"] == 0
+    assert w1["server_exit_codes"] == [0, 0]
+    # W5: the teacher with work in flight is SIGKILLed; every batch arrives once, in order, correct.
+    w5 = doc["w5"]
+    assert w5["signal"] == "SIGKILL" and w5["victim_exit_code"] == -9
+    assert w5["delivered"] == w5["batches"] == 60
+    assert (w5["lost"], w5["duplicated"], w5["out_of_order"], w5["wrong_outputs"]) == (0, 0, 0, 0)
+    assert 0 < w5["longest_gap_ms"] < math.inf
+
+
+@pytest.mark.timeout(300)
+def test_serving_w2_and_w3_run_and_report_sane_figures(tmp_path: Path) -> None:
+    # Windows of 2 s: a batch of 256 takes a few hundred ms on a busy 2-core machine, and a window
+    # no request finished in would say 0 samples/s. No quiet gate (--max-foreign-cores 0).
+    doc = _run("serving", ["--quick", "--reps", "1", "--warmup", "0.5", "--duration", "2", "--max-foreign-cores", "0",
+                           "--out", "serving_smoke"], tmp_path, name="serving_smoke", timeout=270)
+    _machine(doc)
+    assert doc["settings"]["reps"] == 1 and doc["settings"]["device"] == "cpu"
+    medians = doc["medians_samples_per_s"]
+    assert {"w2_inprocess_256", "w2_server_256", "w3_inprocess_8", "w3_on", "w3_off"} <= set(medians)
+    _positive(medians)
+    for name in ("w2_server_over_inprocess", "w3_on_over_off", "w3_on_over_inprocess_256"):
+        _positive({name: doc["ratios"][name]["headline"]})
+    for name, reps in doc["per_rep"].items():
+        assert all(r["errors"] == 0 for r in reps), f"{name}: requests failed"
+    assert set(doc["server_exit_codes"].values()) == {0}
+
+
+@pytest.mark.timeout(330)
+def test_cache_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    doc = _run("cache", ["--quick", "--reps", "1"], tmp_path, name="cache_quick", timeout=300)
+    _machine(doc)
+    loop = doc["loop"]
+    _positive(loop["medians_samples_per_s"])
+    _positive(loop["ratios"])
+    assert loop["wrong_outputs"] == {"store": 0, "live": 0}
+    assert loop["outputs_checked"]["store"] > 0 and loop["store"]["duplicates"] == 0
+    _positive({"record_vs_serving": doc["record"]["record_vs_serving"]})
+    # The CV example's 10 fp16 logits are 20 bytes a sample; the LLM's top-20 fp16 values and int16
+    # ids 80 bytes a token; the store's keys and framing come on top.
+    assert 20 < doc["cv_bytes"]["bytes_per_sample"] < 100
+    assert 80 < doc["llm_bytes"]["bytes_per_token"] < 160
+    _positive(doc["integrity"]["median_mb_per_s"])
+
+
+@pytest.mark.timeout(120)
+def test_discovery_propagation_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    doc = _run("discovery_propagation", ["--repetitions", "3", "--crash-repetitions", "1", "--ttl", "1"], tmp_path,
+               name="discovery_propagation", timeout=100)
+    assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["etcd"].startswith("etcd Version")
+    for name in ("join", "join_raw_put", "leave_on_exit"):
+        assert doc[name]["n"] == 3 and len(doc["raw_s"][name]) == 3
+        _positive({k: doc[name][k] for k in ("median_ms", "max_ms", "min_ms")})
+    assert doc["crash"]["n"] == 1 and doc["crash"]["ttl_s"] == 1.0
+    _positive({"crash": doc["crash"]["median_ms"]})
+
+
+@pytest.mark.timeout(270)
+def test_soak_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    # Exit status 1 is the soak's RSS verdict, which 15 s cannot decide (a fresh etcd still grows by
+    # a few percent); every other verdict must hold.
+    doc = _run("soak", ["--quick", "--minutes", "0.25", "--warmup", "5", "--interval", "5", "--students", "2",
+                        "--teachers", "2"], tmp_path, name="soak_quick", timeout=240, exit_codes=(0, 1))
+    _machine(doc)
+    assert doc["verdict"]["errors_ok"]
+    assert doc["exit_code"] == 0 or not doc["verdict"]["rss_ok"]
+    totals = doc["totals"]
+    assert {k: totals[k] for k in ("errors", "exceptions", "lost", "duplicated", "wrong_output")} == dict.fromkeys(
+        ("errors", "exceptions", "lost", "duplicated", "wrong_output"), 0)
+    assert set(doc["students"]) == {"student0", "student1"} and not doc["students_without_final_report"]
+    assert totals["samples"] == sum(st["samples"] for st in doc["students"].values()) > 0
+    assert totals["samples"] == 32 * totals["batches"]
+    assert len(doc["timeline"]) == 3  # 15 s in windows of 5 s
+    _positive({f"window {i}": w["samples_per_s"] for i, w in enumerate(doc["timeline"])})
+    assert {r["process"] for r in doc["rss"]} == {"etcd", "teacher0", "teacher1", "student0", "student1"}
+    _positive({r["process"]: r["rss_end_mb"] for r in doc["rss"]})
+    assert (tmp_path / "soak_quick.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(330)
+def test_autoscale_w4_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+    # Phases of 3 / 6 / 6 s: too short for the goals (the scale-up takes a teacher's start-up), long
+    # enough for both pools to train every phase.
+    doc = _run("autoscale", ["--quick", "--phases", "3,6,6"], tmp_path, name="autoscale_quick", timeout=300)
+    _machine(doc)
+    assert doc["settings"]["phases_s"] == [3.0, 6.0, 6.0] and doc["oracle"]["needed"] == [1, 3, 1]
+    assert [s["mode"] for s in doc["summaries"]] == ["autoscaled", "fixed"]
+    for s in doc["summaries"]:
+        assert s["reader_failures"] == 0 and s["errors"] == [], s["mode"]
+        _positive({f"{s['mode']} phase {i}": n for i, n in enumerate(s["samples_per_phase"])})
+        _positive({f"{s['mode']} capacity": s["measured_teacher_capacity"], "teacher-s": s["teacher_seconds"]})
+    autoscaled, fixed = doc["runs"]
+    # The autoscaler brought the empty pool to its minimum of 1 and published why; that teacher registered.
+    first = autoscaled["decisions"][0]
+    assert (first["action"], first["from"], first["desired"]) == ("up", 0, 1) and first["reason"]
+    assert any(e["event"] == "registered" for e in autoscaled["registry_events"])
+    assert len(fixed["teachers"]) == 3
+    _positive({"throughput_vs_fixed": doc["comparison"]["headline"]["throughput_vs_fixed"]})
+    assert (tmp_path / "autoscale_quick.png").stat().st_size > 0
