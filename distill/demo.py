@@ -1,8 +1,8 @@
 """``distill-demo``: run the demo (``examples/demo.py``) from a source checkout.
 
 Why a launcher and not the demo itself: the wheel does not install ``examples`` (a top-level
-package of that name in site-packages would collide with any other project's ``examples``; see the
-README's "What the wheel installs"), but the demo trains and serves the example models that live
+package of that name in site-packages would collide with any other project's ``examples``; see
+docs/getting-started/install.md), but the demo trains and serves the example models that live
 there, and its teacher-servers import them by name (``--model examples.cv.teacher:build``). So
 this command finds the checkout (the one this package was installed from in editable mode, as
 ``make demo`` does, or the current directory) and runs ``python -m examples.demo`` from it, with
