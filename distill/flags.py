@@ -46,6 +46,7 @@ __all__ = [
     "HeaderArg",
     "add_distill_args",
     "add_transform_args",
+    "argument_type",
     "checked",
     "distill_options_from_args",
     "fallback_choice",
@@ -65,8 +66,10 @@ _T = TypeVar("_T")
 distill_options_from_args = options_from_args
 
 
-def _argtype(check: Callable[[Any], _T], name: str) -> Callable[[str], _T]:
-    """Wrap a checker as an argparse ``type``: argparse shows ArgumentTypeError messages verbatim."""
+def argument_type(check: Callable[[Any], _T], name: str) -> Callable[[str], _T]:
+    """A checker (``distill.checks``) as an argparse ``type``, for commands that declare flags of
+    their own (``distill gateway``): argparse shows its ArgumentTypeError message verbatim, so a bad
+    value is refused with the checker's own words and the flag's name."""
 
     def parse(text: str) -> _T:
         try:
@@ -89,7 +92,7 @@ def _add(group: Any, d: Declared, flag: Flag, name: str) -> None:
         kwargs["choices"] = flag.choices
     else:
         if parse is not None:
-            kwargs["type"] = _argtype(parse, d.name)
+            kwargs["type"] = argument_type(parse, d.name)
         kwargs["metavar"] = flag.metavar
     if flag.repeat:
         kwargs["action"] = "append"

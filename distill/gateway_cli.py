@@ -17,7 +17,7 @@ from typing import Any
 
 from discovery.options import add_registry_security_args, registry_security_options
 from distill.checks import positive_float, positive_int, registry_address, service_name, teacher_list
-from distill.flags import _argtype
+from distill.flags import argument_type
 
 __all__ = ["add_parser", "config_from_args", "run"]
 
@@ -32,11 +32,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "request answered through the mesh (teachers from the registry or a list, binary KServe v2, routing, "
         "failover, hedging, demand for the autoscaler). Point the trainer at http://HOST:PORT.")
     where = p.add_argument_group("teachers (one of --teachers, or --registry with --service)")
-    where.add_argument("--teachers", type=_argtype(teacher_list, "teachers"), metavar="HOST:PORT[,HOST:PORT]",
+    where.add_argument("--teachers", type=argument_type(teacher_list, "teachers"), metavar="HOST:PORT[,HOST:PORT]",
                        help="a fixed list of teacher servers (gRPC ports)")
-    where.add_argument("--registry", type=_argtype(registry_address, "registry"), metavar="etcd://HOST:PORT",
+    where.add_argument("--registry", type=argument_type(registry_address, "registry"), metavar="etcd://HOST:PORT",
                        help="etcd endpoints where teachers register")
-    where.add_argument("--service", type=_argtype(service_name, "service"), metavar="NAME",
+    where.add_argument("--service", type=argument_type(service_name, "service"), metavar="NAME",
                        help="the service the teachers register under")
     add_registry_security_args(where)
     p.add_argument("--port", type=int, default=8000, help="port to serve on (0: a free one; default: %(default)s)")
@@ -47,23 +47,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the name /v1/models reports and requests' model must match (default: --model, else "
                    "--service, else 'teacher')")
-    p.add_argument("--max-logprobs", type=_argtype(positive_int, "max_logprobs"), default=20, metavar="K",
+    p.add_argument("--max-logprobs", type=argument_type(positive_int, "max_logprobs"), default=20, metavar="K",
                    help="most prompt_logprobs per position, and the top-k asked of the teachers (default: "
                    "%(default)s, vLLM's)")
-    p.add_argument("--max-model-len", type=_argtype(positive_int, "max_model_len"), default=None, metavar="N",
+    p.add_argument("--max-model-len", type=argument_type(positive_int, "max_model_len"), default=None, metavar="N",
                    help="the context length /v1/models reports; longer prompts are refused here (default: "
                    "unreported, the teachers refuse what exceeds their context)")
     p.add_argument("--input", default="INPUT_IDS", metavar="NAME", help="the teachers' token-id input "
                    "(default: %(default)s)")
     p.add_argument("--output", default="LOGITS", metavar="NAME", help="the teachers' per-position output "
                    "(default: %(default)s)")
-    p.add_argument("--timeout", type=_argtype(positive_float, "timeout"), default=30.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=argument_type(positive_float, "timeout"), default=30.0, metavar="SECONDS",
                    help="deadline for one prompt at one teacher before it is re-sent to another (default: "
                    "%(default)s)")
-    p.add_argument("--no-teacher-timeout", type=_argtype(positive_float, "no_teacher_timeout"), default=30.0,
+    p.add_argument("--no-teacher-timeout", type=argument_type(positive_float, "no_teacher_timeout"), default=30.0,
                    metavar="SECONDS", help="how long a request waits for a usable teacher before 503 (default: "
                    "%(default)s)")
-    p.add_argument("--max-body-mb", type=_argtype(positive_float, "max_body_mb"), default=64.0, metavar="MB",
+    p.add_argument("--max-body-mb", type=argument_type(positive_float, "max_body_mb"), default=64.0, metavar="MB",
                    help="largest request body (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
