@@ -1,38 +1,38 @@
 """Which outputs an answer carries and their per-sample shapes, given the transforms asked for.
 
-A transform that changes values only (log-softmax, a temperature, a dtype) leaves the output's
-name and shape alone. One that changes what comes back (top-k: ``<OUT>_TOPK_VALUES`` and
-``<OUT>_TOPK_INDICES`` with the last dimension cut to k, and the optional ``<OUT>_TOPK_TAIL``
-without it) is described here once, for the client that checks an answer
-(``distill.teacher_client``) and the store that keeps it (``distill.cache.reader_side``).
-The request parameters are read by their wire names (``ReaderOptions.request_parameters``).
-
-Scoring given tokens (the wire contract is ``teacher_server.transforms``'): ``token_logprobs``
-adds ``<OUT>_TOKEN_LOGPROBS`` (the declared shape without its class dimension), and a batch that
-sends the auxiliary input ``SCORE_IDS`` (`AUX_INPUTS`: a teacher reads it without declaring it in
-its metadata) gets ``<OUT>_SCORED_LOGPROBS`` (the class dimension cut to the m ids per position).
-Top-k, token log-probs and scores each replace the full ``<OUT>``: it comes only when none is asked.
+The outputs a transform adds are declared once, for the teacher and the student, in
+``protos.outputs`` (suffix, shape relative to the output they come from, datatype, and the request
+parameters or auxiliary input that bring them); everything here is derived from those declarations,
+for the client that checks an answer (``distill.teacher_client``) and the store that keeps it
+(``distill.cache.reader_side``). The request parameters are read by their wire names
+(``ReaderOptions.request_parameters``). A transform that changes values only (log-softmax, a
+temperature, a dtype) leaves an output's name and shape alone; one that adds outputs replaces the
+full ``<OUT>`` when the teacher's registry says it reduces it, so the full output comes only when no
+derived output is asked for. An output declared from outside (``protos.outputs.declare``) is
+recognised here like the built-in ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from distill.types import ParameterValue, TensorMeta
+from protos import outputs as declared_outputs
+from protos.outputs import SCORED_LOGPROBS, TOPK_INDICES, TOPK_TAIL, TOPK_VALUES
 
 __all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "VALID_ROWS", "base_output",
-           "derived_names", "ids_output", "per_sample_shape", "wanted_outputs"]
+           "derived_names", "ids_output", "per_sample_shape", "register", "wanted_outputs"]
 
-TOPK = "_TOPK_"
-TOPK_PARTS = ("VALUES", "INDICES", "TAIL")
+_TOPK = "_TOPK_"
+TOPK_PARTS = tuple(d.suffix.removeprefix(_TOPK) for d in (TOPK_VALUES, TOPK_INDICES, TOPK_TAIL))
 """The outputs top-k makes of one output: values, their class ids, and the mass outside them."""
-TOKEN_LOGPROBS = "_TOKEN_LOGPROBS"
+TOKEN_LOGPROBS = declared_outputs.TOKEN_LOGPROBS.suffix
 """Suffix of the log-probability of each position's next token (request parameter token_logprobs)."""
-TOKEN_RANKS = "_TOKEN_RANKS"
+TOKEN_RANKS = declared_outputs.TOKEN_RANKS.suffix
 """Suffix of the rank of each position's next token among the classes (request parameter token_ranks)."""
-SCORED = "_SCORED_LOGPROBS"
+SCORED = SCORED_LOGPROBS.suffix
 """Suffix of the log-probabilities at the ids of input SCORE_IDS."""
-AUX_INPUTS = {"SCORE_IDS": "INT32"}
+AUX_INPUTS = declared_outputs.INPUT_DATATYPES
 """Inputs a teacher reads besides its model's (not in its metadata), with their wire datatype."""
 VALID_ROWS = "VALID_ROWS"
 """The key of a batch's per-row validity mask (``[B]`` bool, False where a teacher's outputs hold
@@ -40,22 +40,20 @@ inf or NaN) among its teacher outputs, with ``nonfinite="mask"``: there only whe
 invalid. ``KDLoss`` and ``TokenKDLoss`` take it as ``valid=``."""
 
 
+def register(*outputs: declared_outputs.DerivedOutput) -> None:
+    """Recognise the outputs of a transform registered on the teachers from outside the library: the
+    same declarations the teachers' ``register`` was given (one call, in the student's process)."""
+    declared_outputs.declare(*outputs)
+
+
 def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue],
-                   scored: bool = False) -> list[str]:
-    """The output names an answer must carry: the outputs asked for, or with top-k their values and
-    indices, and the tail mass when asked for (a tail a server sends by default, unasked, is dropped);
-    with token_logprobs / token_ranks each output's token log-probs / ranks, and when the request sends SCORE_IDS
-    (`scored`) its scored log-probs."""
-    suffixes: list[str] = []
-    if parameters.get("top_k"):
-        parts = TOPK_PARTS if parameters.get("topk_tail") else TOPK_PARTS[:2]
-        suffixes += [f"{TOPK}{part}" for part in parts]
-    if parameters.get("token_logprobs"):
-        suffixes.append(TOKEN_LOGPROBS)
-    if parameters.get("token_ranks"):
-        suffixes.append(TOKEN_RANKS)
-    if scored:
-        suffixes.append(SCORED)
+                   scored: bool = False, inputs: Collection[str] = ()) -> list[str]:
+    """The output names an answer must carry: the outputs asked for, or, when the parameters (and
+    the auxiliary inputs sent: `scored` is SCORE_IDS) bring derived outputs, those of each output
+    (top-k values and indices, the tail mass when asked for: a tail a server sends by default,
+    unasked, is dropped; token log-probs, ranks, scored log-probs, ...)."""
+    sent = {*inputs, *(("SCORE_IDS",) if scored else ())}
+    suffixes = [d.suffix for d in declared_outputs.DERIVED if d.active(parameters, sent)]
     if not suffixes:
         return list(outputs)
     return [f"{n}{suffix}" for n in outputs for suffix in suffixes]
@@ -64,45 +62,32 @@ def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterV
 def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],
                      parameters: Mapping[str, ParameterValue]) -> tuple[int, ...] | None:
     """The per-sample shape of answer output `name` (-1: any size), from the teacher's declared
-    outputs; None if unknown. A top-k output keeps the declared shape with its last dimension cut
-    to k; the tail mass has one value per position (the class dimension is gone)."""
-    for suffix, last in ((TOKEN_LOGPROBS, ()), (TOKEN_RANKS, ()), (SCORED, (-1,))):
-        if name.endswith(suffix):
-            meta = declared.get(name[: -len(suffix)])
-            return None if meta is None or not meta.shape else (*meta.shape[:-1], *last)
-    k = parameters.get("top_k")
-    if not k:
-        meta = declared.get(name)
-        return None if meta is None else meta.shape
-    base, _, part = name.rpartition(TOPK)
-    meta = declared.get(base)
-    if meta is None or not meta.shape:
-        return None
-    if part == "TAIL":
-        return tuple(meta.shape[:-1])
-    return (*meta.shape[:-1], int(k))
+    outputs; None if unknown. A derived output's shape follows from its base output's by its
+    declaration (top-k: the last dimension cut to k; tail, token log-probs and ranks: one value per
+    position; scores: -1 ids per position)."""
+    found = declared_outputs.derived_from(name)
+    if found is not None and found[1] in declared:
+        derived, base = found
+        return derived.shape(declared[base].shape, parameters)
+    meta = declared.get(name)
+    return None if meta is None else meta.shape
 
 
 def base_output(name: str) -> str:
     """The teacher output a (possibly transformed) output name comes from."""
-    for suffix in (TOKEN_LOGPROBS, TOKEN_RANKS, SCORED):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    base, sep, part = name.rpartition(TOPK)
-    return base if sep and part in TOPK_PARTS else name
+    found = declared_outputs.derived_from(name)
+    return name if found is None else found[1]
 
 
 def derived_names(name: str) -> tuple[str, ...]:
-    """Every name output `name` may be stored under: itself, its top-k parts and its token scores."""
-    return (name, *(f"{name}{TOPK}{part}" for part in TOPK_PARTS), f"{name}{TOKEN_LOGPROBS}",
-            f"{name}{TOKEN_RANKS}", f"{name}{SCORED}")
+    """Every name output `name` may be stored under: itself and each declared derived output of it."""
+    return (name, *(d.name(name) for d in declared_outputs.DERIVED))
 
 
 def ids_output(name: str) -> str:
     """The name of the class ids of output `name` under top-k (itself when it already is one)."""
-    suffix = f"{TOPK}INDICES"
-    return name if name.endswith(suffix) else f"{name}{suffix}"
+    return name if is_ids_output(name) else TOPK_INDICES.name(name)
 
 
 def is_ids_output(name: str) -> bool:
-    return name.endswith(f"{TOPK}INDICES")
+    return name.endswith(TOPK_INDICES.suffix)

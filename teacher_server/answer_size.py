@@ -9,15 +9,15 @@ queued: nobody else waits on it and the model never runs it.
 
 The tensors' bytes are exact: each output the request gets (`answer_tensors`) with the shape and
 datatype `teacher_server.outputs.transform_output` gives it: the full tensor unless an active
-transform reduces it, `_TOPK_VALUES`/`_TOPK_INDICES` `[.., k]`, `_TOPK_TAIL`, `_TOKEN_LOGPROBS`
-and `_TOKEN_RANKS` `[..]`, `_SCORED_LOGPROBS` `[.., m]`, in the dtypes `transform_rows`'
-`value_dtype`/`prob_dtype` choose. The framing around them is a margin (`FRAME_BYTES` per
+transform reduces it, and each output an active transform adds with the shape and datatype its
+declaration in `protos.outputs` says (`_TOPK_VALUES` `[.., k]`, `_TOKEN_LOGPROBS` `[..]`,
+`_SCORED_LOGPROBS` `[.., m]`, ...), in the dtypes `transform_rows.derived_dtype` gives, which are
+the ones its `apply` sends them in. The framing around them is a margin (`FRAME_BYTES` per
 answer, `FRAME_BYTES_PER_OUTPUT` per output and `FRAME_BYTES_PER_DIM` per dimension of its
 shape), above what gRPC's protobuf fields or the HTTP answer's JSON header (for binary outputs)
 take. Outputs sent as JSON `data` over HTTP are counted at their binary size too.
 
-A dimension the model chooses itself (a -1 that is not a padded model's positions) counts as 1,
-and a transform registered from outside whose outputs `_EMITTED` does not know counts nothing: for
+A dimension the model chooses itself (a -1 that is not a padded model's positions) counts as 1: for
 those the size is a lower bound, and the answer, once computed, is checked again before it is sent
 (`check_answer_sent`), so it is refused with the same words rather than failing in the transport.
 """
@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from protos.kserve import datatype, datatype_of
+from protos.outputs import SCORE_IDS
 from teacher_server.errors import InvalidRequestError
 from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
-from teacher_server.transform_rows import prob_dtype, value_dtype
+from teacher_server.transform_rows import derived_dtype, value_dtype
 from teacher_server.transforms import OutputTransform, Transform, scoreable
 from teacher_server.work import Work
 
@@ -69,39 +70,17 @@ class AnswerTensor:
 
 @dataclass(frozen=True, slots=True)
 class _Output:
-    """What one wanted output's transforms see: its classes `[.., C]`, score ids per position (m),
-    whether it is floating, and the dtype its values are computed in."""
+    """What one wanted output's transforms see: whether it is floating, and the dtype its values are
+    computed in."""
 
     want: OutputTransform
     spec: TensorSpec
-    classes: int
-    score_ids: int
     floating: bool
     computed: torch.dtype
 
     def values(self) -> torch.dtype:
         """The dtype values taken from the output itself are sent as (`transform_rows.value_dtype`)."""
         return value_dtype(self.want, self.spec.datatype, self.floating) or self.computed
-
-
-# (suffix, trailing dimensions after the positions, dtype) of each tensor a transform adds.
-_Emitted = list[tuple[str, tuple[int, ...], torch.dtype]]
-
-
-def _top_k(o: _Output) -> _Emitted:
-    k = min(o.want.top_k, o.classes)
-    return [("_TOPK_VALUES", (k,), o.values()), ("_TOPK_INDICES", (k,), torch.int32)]
-
-
-_EMITTED: dict[str, Callable[[_Output], _Emitted]] = {
-    "top_k": _top_k,
-    "topk_tail": lambda o: [("_TOPK_TAIL", (), prob_dtype(o.want))] if o.floating else [],
-    "token_logprobs": lambda o: [("_TOKEN_LOGPROBS", (), prob_dtype(o.want))],
-    "token_ranks": lambda o: [("_TOKEN_RANKS", (), torch.int32)],
-    "score_ids": lambda o: [("_SCORED_LOGPROBS", (o.score_ids,), prob_dtype(o.want))],
-}
-"""What each registry transform (`teacher_server.transforms.REGISTRY`, by name) adds to an output,
-as its `apply` in `teacher_server.transform_rows` emits it; transforms that add nothing are absent."""
 
 
 def _per_sample(spec: TensorSpec, length: int | None) -> tuple[int, ...]:
@@ -122,14 +101,18 @@ class _Layout:
 
 @functools.lru_cache(maxsize=1024)
 def _layout(want: OutputTransform, spec: TensorSpec, active: tuple[Transform, ...], classes: int,
-            score_ids: int) -> _Layout:
+            widths: tuple[tuple[str, int], ...]) -> _Layout:
     """`outputs.transform_output`'s names, shapes and dtypes for `want` of `spec` when the
-    registry entries `active` run (cached: requests repeat a few kinds of wants)."""
+    registry entries `active` run, each derived output's by its declaration (`protos.outputs`);
+    `widths`: the last dimension of each auxiliary input sent (cached: requests repeat a few kinds
+    of wants)."""
     floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
     fp32 = floating and any(t.floating for t in active)
-    o = _Output(want, spec, classes, score_ids, floating, torch.float32 if fp32 else spec.torch_dtype)
-    emitted = [(spec.name + suffix, dtype, trailing) for t in active if t.apply is not None
-               for suffix, trailing, dtype in _EMITTED.get(t.name, lambda _: [])(o)]
+    o = _Output(want, spec, floating, torch.float32 if fp32 else spec.torch_dtype)
+    parameters, sent = want.parameters, dict(widths)
+    emitted = [(d.name(spec.name), derived_dtype(d, want, spec.datatype, floating) or o.computed,
+                tuple(max(n, 1) for n in d.last.trailing(classes, parameters, sent)))
+               for t in active if t.apply is not None for d in t.outputs if floating or not d.floating_only]
     if not any(t.reduces for t in active):
         emitted.insert(0, (spec.name, o.values() if floating else spec.torch_dtype, (classes,) if spec.shape else ()))
     rank = max(len(spec.shape), 1)  # the batch and the positions: the dimensions before `trailing`
@@ -142,8 +125,8 @@ def _layout(want: OutputTransform, spec: TensorSpec, active: tuple[Transform, ..
 
 def _layouts(work: Work, io: ModelIO) -> list[tuple[_Layout, tuple[int, ...]]]:
     """Each wanted output's layout and its rows of positions (the batch, then the positions)."""
-    scores = work.aux.get("SCORE_IDS")
-    m = int(scores.shape[-1]) if scores is not None and scores.dim() == 3 else 0
+    widths = tuple(sorted((name, int(t.shape[-1])) for name, t in work.aux.items() if t.dim() == 3))
+    m = dict(widths).get(SCORE_IDS.name, 0)
     out = []
     for want in work.outputs:
         spec = io.output(want.name)
@@ -151,7 +134,7 @@ def _layouts(work: Work, io: ModelIO) -> list[tuple[_Layout, tuple[int, ...]]]:
             continue
         per_sample = _per_sample(spec, work.length)
         active = tuple(want.active(m > 0 and scoreable(spec)))
-        layout = _layout(want, spec, active, per_sample[-1] if per_sample else 1, m)
+        layout = _layout(want, spec, active, per_sample[-1] if per_sample else 1, widths)
         out.append((layout, (work.batch_size, *per_sample[:-1])))
     return out
 

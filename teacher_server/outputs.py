@@ -1,11 +1,11 @@
 """The last step of a request's data path: each output sliced from the batch, transformed as the
 request asked and encoded as raw little-endian bytes for the wire.
 
-The transforms (registered in `teacher_server.transforms`: temperature, log-softmax, top-k, the
-mass outside the top-k, the log-probabilities of the next tokens or of given ids, dtype) run on
-the model's device, in the instance thread, BEFORE the device-to-host copy: on a GPU a
-`[B, T, V]` logits tensor is reduced to `[B, T, k]` values and indices there, and only those
-cross PCIe. Encoding then runs on host tensors. No tensor work reaches the event loop.
+The transforms (the entries of `teacher_server.transforms.REGISTRY` a request activates, in its
+order, each adding the outputs it declares in `protos.outputs`) run on the model's device, in the
+instance thread, BEFORE the device-to-host copy: on a GPU a `[B, T, V]` logits tensor is reduced
+to `[B, T, k]` values and indices there, and only those cross PCIe. Encoding then runs on host
+tensors. No tensor work reaches the event loop.
 
 Memory: an output is transformed in chunks of positions (`OutputContext.chunk_bytes` of fp32
 values per chunk, 256 MiB by default), so the fp32 copies, log-softmax and top-k of a long

@@ -23,6 +23,18 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from protos.kserve import datatype
+from protos.outputs import (
+    PROBS,
+    SCORED_LOGPROBS,
+    TOKEN_LOGPROBS,
+    TOKEN_RANKS,
+    TOPK_INDICES,
+    TOPK_TAIL,
+    TOPK_VALUES,
+    VALUES,
+    DerivedOutput,
+)
 from teacher_server.spec import FLOAT_OUTPUT_DTYPES
 
 
@@ -53,6 +65,16 @@ def prob_dtype(want: Want) -> torch.dtype:
     """The dtype derived probabilities are sent as (tail mass, token log-probs, scores): fp32
     unless the request asked for another."""
     return FLOAT_OUTPUT_DTYPES[want.datatype] if want.datatype else torch.float32
+
+
+def derived_dtype(output: DerivedOutput, want: Want, spec_datatype: str, floating: bool) -> torch.dtype | None:
+    """The dtype a derived output is sent as, by its declared rule (`protos.outputs`): VALUES as
+    `value_dtype`, PROBS as `prob_dtype`, else its fixed datatype; None: as computed."""
+    if output.dtype == VALUES:
+        return value_dtype(want, spec_datatype, floating)
+    if output.dtype == PROBS:
+        return prob_dtype(want)
+    return datatype(output.dtype).torch_dtype
 
 
 @dataclass(frozen=True)
@@ -121,9 +143,14 @@ class Rows:
         else:
             self.values = self._values / by
 
-    def emit(self, suffix: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
-        """Add an output; `dtype`: what it is sent as (the cast happens where it is written)."""
-        self.out.append((suffix, tensor, None if dtype == tensor.dtype else dtype))
+    def emit(self, output: DerivedOutput | str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
+        """Add an output: a declared one (sent in the dtype its declaration says, unless `dtype`
+        says otherwise) or, by its suffix, the full one (""); `dtype`: what it is sent as (the cast
+        happens where it is written)."""
+        if isinstance(output, DerivedOutput):
+            dtype = dtype or derived_dtype(output, self.want, self.spec_datatype, self.floating)
+            output = output.suffix
+        self.out.append((output, tensor, None if dtype == tensor.dtype else dtype))
 
     def value_dtype(self) -> torch.dtype | None:
         """The dtype of values taken from the output itself (the full tensor, top-k values)."""
@@ -162,9 +189,8 @@ def apply_top_k(rows: Rows) -> None:
     k = min(rows.want.top_k, rows.values.shape[-1])
     values, indices = torch.topk(rows.values, k, dim=-1, sorted=True)
     rows.topk = (values, indices)
-    target = rows.value_dtype()
-    rows.emit("_TOPK_VALUES", values, target)
-    rows.emit("_TOPK_INDICES", indices, torch.int32)
+    rows.emit(TOPK_VALUES, values)
+    rows.emit(TOPK_INDICES, indices)
     rows.reduced = True
 
 
@@ -174,7 +200,7 @@ def apply_topk_tail(rows: Rows) -> None:
     values = rows.topk[0]
     logp = values if rows.is_logprobs else values - torch.logsumexp(rows.values, dim=-1, keepdim=True)
     tail = (1.0 - logp.float().exp().sum(dim=-1)).clamp_(min=0.0)
-    rows.emit("_TOPK_TAIL", tail, rows.prob_dtype())
+    rows.emit(TOPK_TAIL, tail)
 
 
 def apply_token_logprobs(rows: Rows) -> None:
@@ -182,7 +208,7 @@ def apply_token_logprobs(rows: Rows) -> None:
     assert ctx.next_ids is not None and ctx.next_valid is not None
     picked = rows.logprobs().gather(-1, ctx.next_ids.unsqueeze(-1)).squeeze(-1)
     picked = torch.where(ctx.next_valid, picked, torch.zeros_like(picked))
-    rows.emit("_TOKEN_LOGPROBS", picked, rows.prob_dtype())
+    rows.emit(TOKEN_LOGPROBS, picked)
     rows.reduced = True
 
 
@@ -203,7 +229,7 @@ def apply_token_ranks(rows: Rows) -> None:
         outside = (indices != ctx.next_ids.unsqueeze(-1)).all(dim=-1).nonzero().squeeze(-1)
         if outside.numel():
             ranks[outside] = (rows.values[outside] > picked[outside]).sum(dim=-1, dtype=torch.int32) + 1
-    rows.emit("_TOKEN_RANKS", torch.where(ctx.next_valid, ranks, torch.zeros_like(ranks)))
+    rows.emit(TOKEN_RANKS, torch.where(ctx.next_valid, ranks, torch.zeros_like(ranks)))
     rows.reduced = True
 
 
@@ -213,5 +239,5 @@ def apply_scored(rows: Rows) -> None:
     picked = rows.logprobs().gather(-1, ctx.score_ids)
     if ctx.real is not None:
         picked = torch.where(ctx.real.unsqueeze(-1), picked, torch.zeros_like(picked))
-    rows.emit("_SCORED_LOGPROBS", picked, rows.prob_dtype())
+    rows.emit(SCORED_LOGPROBS, picked)
     rows.reduced = True

@@ -6,8 +6,11 @@ A `Transform` entry declares
   them, near-misses of them (`topk`, `log_probs`) are refused by name, and the config/CLI layer
   derives its flags and defaults from them (`teacher_server.config.transform_setting`); see
   `teacher_server.near_miss` for the names refused as misspellings;
-* the extra inputs it reads besides the model's (`AuxInput`, e.g. `SCORE_IDS`);
-* the output names it adds, `<OUT>` + each suffix (e.g. `LOGITS_TOPK_VALUES`);
+* the outputs it adds (`protos.outputs.DerivedOutput`, declared there once for the teacher and the
+  student): each `<OUT>` + its suffix (e.g. `LOGITS_TOPK_VALUES`), with its shape relative to
+  `<OUT>`, its datatype rule and the parameters or auxiliary input (`AuxInput`, e.g. `SCORE_IDS`,
+  read besides the model's inputs) that bring it; the answer's size (`teacher_server.answer_size`)
+  and the student's expectations (`distill.outputs`) are read from them;
 * whether it replaces the full tensor (`reduces`), and a check of a wanted output against the
   model's declaration;
 * its device-side `apply` (in `teacher_server.transform_rows`), which `teacher_server.outputs`
@@ -25,11 +28,17 @@ wire contract, for any KServe v2 client:
   `hf:` causal LM's LOGITS) and combine with `top_k`, `topk_tail`, `temperature` and `output_dtype`
   (fp32 unless `output_dtype` says otherwise).
 
-Adding a transform is one entry in `REGISTRY` (in the order the transforms run) and its test on
-the teacher, plus, for a parameter with a server default, one typed field of
-`teacher_server.config.OutputSettings` (``top_k: int = transform_setting("top_k")``): the flag and
-``serve()``'s keyword take the Param's default, help and check. `register(Transform(...))` adds a
-transform from outside this module (its parameters are then per request: no flag).
+Adding a transform is one entry in `REGISTRY` (in the order the transforms run), its outputs'
+declarations in `protos.outputs`, and its test on the teacher, plus, for a parameter with a server
+default, one typed field of `teacher_server.config.OutputSettings` (``top_k: int =
+transform_setting("top_k")``): the flag and ``serve()``'s keyword take the Param's default, help and
+check. The common entry, a boolean request parameter, names itself once:
+``flag_transform("token_ranks", help, apply_token_ranks, outputs=(TOKEN_RANKS,), check=per_position)``,
+with ``TOKEN_RANKS = flag_output("token_ranks", DROP_CLASSES, "INT32")`` (the output
+``<OUT>_TOKEN_RANKS``, there when the parameter is true). `register(flag_transform(...))` adds a
+transform from outside the library (its parameters are then per request: no flag) and declares
+its outputs; a student in another process than the teacher declares the same objects with
+``distill.outputs.register(...)``.
 
 `OutputTransform` is one output's wanted transforms (the value of every parameter), built by
 validation from the server's `OutputDefaults` and the request's parameters.
@@ -41,9 +50,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from protos.outputs import (
+    DROP_CLASSES,  # noqa: F401 (re-exported: the shape rules of a registered transform's outputs)
+    PROBS,  # noqa: F401
+    SCORE_IDS,  # noqa: F401
+    SCORED_LOGPROBS,
+    TOKEN_LOGPROBS,
+    TOKEN_RANKS,
+    TOPK_INDICES,
+    TOPK_TAIL,
+    TOPK_VALUES,
+    AuxInput,
+    DerivedOutput,
+    declare,
+    flag_output,  # noqa: F401
+    undeclare,
+)
 from teacher_server import param_checks as checks
 from teacher_server.param_checks import Check
-from teacher_server.spec import FLOAT_OUTPUT_DTYPES, ModelIO, TensorSpec
+from teacher_server.spec import FLOAT_OUTPUT_DTYPES
+from teacher_server.transform_checks import (
+    OutputCheck,
+    class_dim,
+    per_position,
+    scoreable,  # noqa: F401 (re-exported)
+    tail_check,
+    token_input,  # noqa: F401 (re-exported)
+    top_k_check,
+)
 from teacher_server.transform_rows import (
     Rows,
     apply_logprobs,
@@ -94,28 +128,32 @@ class Param:
 
 
 @dataclass(frozen=True)
-class AuxInput:
-    """An input a transform reads besides the model's own: never passed to forward()."""
-
-    name: str
-    datatype: str
-    help: str
-
-
-@dataclass(frozen=True)
 class Transform:
-    """One registry entry (module docstring)."""
+    """One registry entry (module docstring). `active` None: active when any of its `outputs` is
+    (its parameters set, its input sent), or, with no outputs, when its one parameter is set;
+    `inputs` empty: those of its outputs."""
 
     name: str
     params: tuple[Param, ...]
-    outputs: tuple[str, ...]  # suffixes of the output names it adds
-    active: Callable[[OutputTransform, bool], bool]  # (want, the request sent the aux inputs)
+    outputs: tuple[DerivedOutput, ...]  # the outputs it adds, declared in protos.outputs
+    active: Callable[[OutputTransform, bool], bool] | None  # (want, the request sent the aux inputs)
     apply: Callable[[Rows], None] | None
     reduces: bool = False  # replaces the full tensor: the full output is sent only if no active one does
     floating: bool = True  # its math runs in fp32 on floating outputs
-    check: Callable[[OutputTransform, TensorSpec, frozenset[str]], str | None] | None = None
+    check: OutputCheck | None = None
     inputs: tuple[AuxInput, ...] = ()
     needs_tokens: bool = False  # reads the next token of each position (the model's token input)
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            object.__setattr__(self, "inputs", tuple(dict.fromkeys(o.input for o in self.outputs if o.input)))
+
+    def is_active(self, want: OutputTransform, aux: bool) -> bool:
+        if self.active is not None:
+            return self.active(want, aux)
+        if self.outputs:
+            return any(o.active(want.parameters, (o.input.name,) if aux and o.input else ()) for o in self.outputs)
+        return len(self.params) == 1 and bool(want[self.params[0].name])
 
     @property
     def names(self) -> frozenset[str]:
@@ -123,45 +161,17 @@ class Transform:
         return _NAMES.get(self.name) or frozenset(p.name for p in self.params)
 
 
-def _class_dim(what: str) -> Callable[[OutputTransform, TensorSpec, frozenset[str]], str | None]:
-    def check(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
-        floating = spec.datatype in FLOAT_OUTPUT_DTYPES or spec.datatype == "FP64"
-        if want[what] and floating and not spec.shape:
-            return f"output {want.name!r} has no class dimension; {what} needs one"
-        return None
-    return check
+def flag_transform(name: str, help: str, apply: Callable[[Rows], None], *,
+                   outputs: tuple[DerivedOutput, ...] = (), reduces: bool = False,
+                   check: Callable[[str], OutputCheck] | None = None, needs_tokens: bool = False,
+                   server_default: bool = True) -> Transform:
+    """The common entry: a transform run by the boolean request parameter `name` (bool_param, False
+    by default), active when an output of it is (or, with none, when the parameter is true); `check`
+    is made for the parameter (`teacher_server.transform_checks.per_position`)."""
+    param = Param(name, bool, False, help, checks.boolean(name), "bool_param", server_default=server_default)
+    return Transform(name, (param,), outputs, None, apply, reduces=reduces,
+                     check=None if check is None else check(name), needs_tokens=needs_tokens)
 
-
-def _check_top_k(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
-    if not want.top_k:
-        return None
-    if not spec.shape:
-        return f"output {want.name!r} has no class dimension; top_k needs one"
-    if spec.shape[-1] != -1 and want.top_k > spec.shape[-1]:
-        return f"output {want.name!r}: top_k {want.top_k} exceeds its last dimension {spec.shape[-1]}"
-    return None
-
-
-def _check_tail(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
-    if want.topk_tail and not want.top_k and "topk_tail" in asked:
-        return f"output {want.name!r}: topk_tail is the probability mass outside the top-k; ask for top_k too"
-    return None
-
-
-def _per_position(what: str) -> Callable[[OutputTransform, TensorSpec, frozenset[str]], str | None]:
-    def check(want: OutputTransform, spec: TensorSpec, asked: frozenset[str]) -> str | None:
-        if not want[what]:
-            return None
-        if not spec.per_position or not spec.datatype.startswith(("FP", "BF")) or len(spec.shape) < 2:
-            return (f"output {want.name!r}: {what} needs a floating per-position output [T, V] of a model with a "
-                    "padded token input (an hf: causal LM has one: LOGITS)")
-        return None
-    return check
-
-
-SCORE_IDS = AuxInput("SCORE_IDS", "INT32",
-                     "[B, T, m] token ids, padded like the ids: adds <OUT>_SCORED_LOGPROBS, the log-probabilities "
-                     "(after temperature) at those ids at each position")
 
 REGISTRY: list[Transform] = [
     Transform(
@@ -169,39 +179,25 @@ REGISTRY: list[Transform] = [
         (Param("temperature", float, 1.0, "divisor of floating outputs before log-softmax, top-k and scoring "
                "(request parameter temperature)", checks.temperature, "double_param"),),
         (), lambda w, aux: w.temperature != 1.0, apply_temperature),
-    Transform(
-        "logprobs",
-        (Param("logprobs", bool, False, "send log_softmax(x / temperature) of floating outputs, computed on the "
-               "model's device (request parameter logprobs)", checks.boolean("logprobs"), "bool_param"),),
-        (), lambda w, aux: w.logprobs, apply_logprobs, check=_class_dim("logprobs")),
+    flag_transform("logprobs", "send log_softmax(x / temperature) of floating outputs, computed on the model's "
+                   "device (request parameter logprobs)", apply_logprobs, check=class_dim),
     Transform(
         "top_k",
         (Param("top_k", int, 0, "send the top k of every output as <OUT>_TOPK_VALUES/_INDICES (0: full tensors; "
                "request parameter top_k)", checks.top_k, "int64_param"),),
-        ("_TOPK_VALUES", "_TOPK_INDICES"), lambda w, aux: w.top_k > 0, apply_top_k, reduces=True,
-        floating=False, check=_check_top_k),
-    Transform(
-        "topk_tail",
-        (Param("topk_tail", bool, False, "with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the "
-               "top-k per position (request parameter topk_tail)", checks.boolean("topk_tail"), "bool_param"),),
-        ("_TOPK_TAIL",), lambda w, aux: w.topk_tail and w.top_k > 0, apply_topk_tail, check=_check_tail),
-    Transform(
-        "token_logprobs",
-        (Param("token_logprobs", bool, False, "send <OUT>_TOKEN_LOGPROBS [B, T]: log p(x[t+1] | x[<=t]) after "
-               "temperature, 0 at each sequence's last position and on padding", checks.boolean("token_logprobs"),
-               "bool_param", server_default=False),),
-        ("_TOKEN_LOGPROBS",), lambda w, aux: w.token_logprobs, apply_token_logprobs, reduces=True,
-        check=_per_position("token_logprobs"), needs_tokens=True),
-    Transform(
-        "token_ranks",
-        (Param("token_ranks", bool, False, "send <OUT>_TOKEN_RANKS [B, T] INT32: the rank of x[t+1] among the "
-               "classes at position t (1 + how many score higher; vLLM's prompt-token rank), 0 at each sequence's "
-               "last position and on padding", checks.boolean("token_ranks"), "bool_param", server_default=False),),
-        ("_TOKEN_RANKS",), lambda w, aux: w.token_ranks, apply_token_ranks, reduces=True,
-        check=_per_position("token_ranks"), needs_tokens=True),
-    Transform(
-        "score_ids", (), ("_SCORED_LOGPROBS",), lambda w, aux: aux, apply_scored, reduces=True,
-        inputs=(SCORE_IDS,)),
+        (TOPK_VALUES, TOPK_INDICES), None, apply_top_k, reduces=True, floating=False, check=top_k_check("top_k")),
+    flag_transform("topk_tail", "with top-k, also send <OUT>_TOPK_TAIL, the probability mass outside the top-k "
+                   "per position (request parameter topk_tail)", apply_topk_tail, outputs=(TOPK_TAIL,),
+                   check=tail_check),
+    flag_transform("token_logprobs", "send <OUT>_TOKEN_LOGPROBS [B, T]: log p(x[t+1] | x[<=t]) after temperature, "
+                   "0 at each sequence's last position and on padding", apply_token_logprobs,
+                   outputs=(TOKEN_LOGPROBS,), reduces=True, check=per_position, needs_tokens=True,
+                   server_default=False),
+    flag_transform("token_ranks", "send <OUT>_TOKEN_RANKS [B, T] INT32: the rank of x[t+1] among the classes at "
+                   "position t (1 + how many score higher; vLLM's prompt-token rank), 0 at each sequence's last "
+                   "position and on padding", apply_token_ranks, outputs=(TOKEN_RANKS,), reduces=True,
+                   check=per_position, needs_tokens=True, server_default=False),
+    Transform("score_ids", (), (SCORED_LOGPROBS,), None, apply_scored, reduces=True),
     Transform(
         "output_dtype",
         (Param("output_dtype", str, None, "dtype of floating outputs (request parameter output_dtype)",
@@ -238,15 +234,20 @@ def register(transform: Transform) -> None:
         raise ValueError(f"a transform named {transform.name!r} is registered already")
     clash = [p.name for p in transform.params if p.name in PARAMETERS or p.name in OTHER_PARAMETERS]
     clash += [i.name for i in transform.inputs if i.name in AUX_INPUTS]
+    clash += [o.suffix for o in transform.outputs if any(o.suffix == d.suffix for t in REGISTRY for d in t.outputs)]
     if clash:
         raise ValueError(f"transform {transform.name!r}: {clash} are taken by registered transforms")
+    declare(*transform.outputs)
     REGISTRY.append(transform)
     _index()
 
 
 def unregister(name: str) -> None:
-    """Remove the transform `name` (one added by `register`; tests use it to clean up)."""
+    """Remove the transform `name` (one added by `register`; tests use it to clean up), and the
+    declarations of its outputs."""
+    gone = [o for t in REGISTRY if t.name == name for o in t.outputs]
     REGISTRY[:] = [t for t in REGISTRY if t.name != name]
+    undeclare(*gone)
     _index()
 
 
@@ -295,6 +296,11 @@ class OutputTransform:
         found = self._map.get(key, _MISSING)
         return PARAMETERS[key].default if found is _MISSING else found
 
+    @property
+    def parameters(self) -> Mapping[str, object]:
+        """Every parameter's value by wire name (read-only: `replace` makes changed copies)."""
+        return self._map
+
     def values(self) -> dict[str, object]:
         return dict(self._map)
 
@@ -317,7 +323,7 @@ class OutputTransform:
             key = (self._values, aux)
             found = _ACTIVE.get(key)
             if found is None:
-                found = [t for t in REGISTRY if t.active(self, aux)]
+                found = [t for t in REGISTRY if t.is_active(self, aux)]
                 if len(_ACTIVE) < _MAX_ACTIVE:  # clients choose the values (temperature): bounded
                     _ACTIVE[key] = found
             self._active[aux] = found
@@ -424,16 +430,3 @@ class OutputDefaults:
     def __repr__(self) -> str:
         return f"OutputDefaults({self._base.values()})"
 
-
-def scoreable(spec: TensorSpec) -> bool:
-    """Whether the scoring transforms apply to output `spec`: floating, per position, with classes."""
-    return spec.per_position and spec.datatype.startswith(("FP", "BF")) and len(spec.shape) >= 2
-
-
-def token_input(io: ModelIO) -> int | None:
-    """The index of the model's token input: its first padded integer input that is not the
-    attention mask (an hf: causal LM's INPUT_IDS); None when it has none."""
-    for i, s in enumerate(io.inputs):
-        if s.pad_value is not None and not s.attention_mask and s.datatype.startswith(("INT", "UINT")):
-            return i
-    return None

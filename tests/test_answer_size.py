@@ -27,8 +27,9 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from protos.kserve import serialize_infer_request, service_pb2
+from protos.outputs import DERIVED, DerivedOutput
 from teacher_server import ServerConfig
-from teacher_server.answer_size import _EMITTED, FRAME_BYTES_PER_OUTPUT, answer_bytes, answer_tensors
+from teacher_server.answer_size import FRAME_BYTES_PER_OUTPUT, answer_bytes, answer_tensors
 from teacher_server.grpc_codec import deserialize_infer
 from teacher_server.http_codec import decode_infer, encode_response
 from teacher_server.launch import TeacherProcess
@@ -56,10 +57,12 @@ def save_qwen2(directory: Path, vocab: int, context: int) -> None:
     transformers.Qwen2ForCausalLM(config).eval().save_pretrained(str(directory))
 
 
-def test_every_transform_that_adds_outputs_is_sized() -> None:
-    """A transform whose outputs the estimate does not know would be counted as nothing."""
-    adding = {t.name: t.outputs for t in REGISTRY if t.outputs}
-    assert set(adding) == set(_EMITTED), "add the new transform's outputs to answer_size._EMITTED"
+def test_every_transform_that_adds_outputs_declares_them() -> None:
+    """The estimate reads each added output's shape and dtype from its declaration in
+    protos.outputs: every registry output is one, and declared for the student too."""
+    adding = [o for t in REGISTRY for o in t.outputs]
+    assert adding and all(isinstance(o, DerivedOutput) for o in adding)
+    assert adding == DERIVED
 
 
 # ---- the estimate against real answers ---------------------------------------------------------

@@ -15,13 +15,14 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
+from protos.outputs import DERIVED, DROP_CLASSES, PROBS, flag_output
 from teacher_server import ServerConfig
 from teacher_server.cli import build_parser
 from teacher_server.near_miss import near_miss
 from teacher_server.outputs import OutputContext, OutputDefaults, OutputTransform, transform_output
 from teacher_server.spec import TensorSpec
 from teacher_server.transform_rows import Rows
-from teacher_server.transforms import PARAMETERS, REGISTRY, Param, Transform, register, unregister
+from teacher_server.transforms import PARAMETERS, REGISTRY, flag_transform, register, unregister
 from tests.models import tiny_lm
 from tests.servers import ServerThread
 
@@ -68,7 +69,7 @@ def test_every_entry_names_its_outputs_and_parameters() -> None:
     names = [t.name for t in REGISTRY]
     assert names == ["temperature", "logprobs", "top_k", "topk_tail", "token_logprobs", "token_ranks", "score_ids",
                      "output_dtype"]
-    suffixes = [s for t in REGISTRY for s in t.outputs]
+    suffixes = [o.suffix for t in REGISTRY for o in t.outputs]
     assert suffixes == ["_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL", "_TOKEN_LOGPROBS", "_TOKEN_RANKS",
                         "_SCORED_LOGPROBS"]
     assert [t.name for t in REGISTRY if t.reduces] == ["top_k", "token_logprobs", "token_ranks", "score_ids"]
@@ -216,19 +217,12 @@ def test_explicit_defaults_and_unsupported_scoring(server: ServerThread) -> None
 # ---- a new transform is one entry ---------------------------------------------------------------
 def _apply_entropy(rows: Rows) -> None:
     lp = rows.logprobs()
-    rows.emit("_ENTROPY", -(lp.exp() * lp).sum(dim=-1).to(rows.prob_dtype()))
+    rows.emit(ENTROPY_OUTPUT, -(lp.exp() * lp).sum(dim=-1))
 
 
-def _entropy_flag(value: object) -> object:
-    if not isinstance(value, bool):
-        raise ValueError(f"entropy must be a boolean (bool_param), got {value!r}")
-    return value
-
-
-ENTROPY = Transform(
-    "entropy", (Param("entropy", bool, False, "send <OUT>_ENTROPY, the entropy after temperature per position",
-                      _entropy_flag, "bool_param", server_default=False),),
-    ("_ENTROPY",), lambda w, aux: bool(w["entropy"]), _apply_entropy, reduces=True)
+ENTROPY_OUTPUT = flag_output("entropy", DROP_CLASSES, PROBS)
+ENTROPY = flag_transform("entropy", "send <OUT>_ENTROPY, the entropy after temperature per position", _apply_entropy,
+                         outputs=(ENTROPY_OUTPUT,), reduces=True, server_default=False)
 
 
 def test_a_registered_transform_is_parsed_applied_and_its_near_misses_refused() -> None:
@@ -249,9 +243,10 @@ def test_a_registered_transform_is_parsed_applied_and_its_near_misses_refused() 
             with pytest.raises(InferenceServerException, match="entropy must be a boolean"):
                 c.infer("lm", [inp], parameters={"entropy": 1})
             plain = c.infer("lm", [inp])
+        assert ENTROPY_OUTPUT in DERIVED  # registering declared its output for the student side too
     finally:
         unregister("entropy")
-    assert near_miss("entrpy") is None
+    assert near_miss("entrpy") is None and ENTROPY_OUTPUT not in DERIVED
     with torch.inference_mode():
         lp = torch.log_softmax(tiny_lm(**ARGS).eval()(torch.from_numpy(x)) / 2.0, dim=-1)
     assert [o.name for o in result.get_response().outputs] == ["LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES",
