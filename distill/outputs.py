@@ -21,7 +21,7 @@ from protos import outputs as declared_outputs
 from protos.outputs import SCORED_LOGPROBS, TOPK_INDICES, TOPK_TAIL, TOPK_VALUES
 
 __all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "VALID_ROWS", "base_output",
-           "derived_names", "ids_output", "per_sample_shape", "register", "wanted_outputs"]
+           "derived_names", "ids_output", "per_sample_shape", "register", "unregister", "wanted_outputs"]
 
 _TOPK = "_TOPK_"
 TOPK_PARTS = tuple(d.suffix.removeprefix(_TOPK) for d in (TOPK_VALUES, TOPK_INDICES, TOPK_TAIL))
@@ -44,6 +44,11 @@ def register(*outputs: declared_outputs.DerivedOutput) -> None:
     """Recognise the outputs of a transform registered on the teachers from outside the library: the
     same declarations the teachers' ``register`` was given (one call, in the student's process)."""
     declared_outputs.declare(*outputs)
+
+
+def unregister(*outputs: declared_outputs.DerivedOutput) -> None:
+    """Forget outputs given to `register` (tests use it to clean up)."""
+    declared_outputs.undeclare(*outputs)
 
 
 def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterValue],
