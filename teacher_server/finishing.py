@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from protos.outputs import SCORE_IDS, SCORED_LOGPROBS
 from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named
 from teacher_server.spec import TensorSpec
 from teacher_server.threads import named_executor
@@ -171,7 +172,7 @@ def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A request's rows of a whole-batch output, cut back to its length (and its own number of
     score ids)."""
     t = w.cut(t, spec)
-    scores = w.aux.get("SCORE_IDS")
-    if scores is not None and name.endswith("_SCORED_LOGPROBS") and t.shape[-1] != scores.shape[-1]:
+    scores = w.aux.get(SCORE_IDS.name)
+    if scores is not None and name.endswith(SCORED_LOGPROBS.suffix) and t.shape[-1] != scores.shape[-1]:
         t = t.narrow(-1, 0, scores.shape[-1])
     return t

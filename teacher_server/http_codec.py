@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from protos.kserve import DATATYPES, NONFINITE_ROWS_PARAMETER, shape_numel
+from protos.outputs import TOPK_INDICES, TOPK_TAIL, TOPK_VALUES
 from teacher_server.errors import (
     InferError,
     InvalidRequestError,
@@ -84,9 +85,9 @@ class DecodedInfer:
         """Whether an encoded output goes back as binary; the top-k tensors follow their output's choice."""
         choice = self.binary.get(output_name)
         if choice is None:
-            for suffix in ("_TOPK_VALUES", "_TOPK_INDICES", "_TOPK_TAIL"):
-                if output_name.endswith(suffix):
-                    choice = self.binary.get(output_name[: -len(suffix)])
+            for derived in (TOPK_VALUES, TOPK_INDICES, TOPK_TAIL):
+                if output_name.endswith(derived.suffix):
+                    choice = self.binary.get(output_name[: -len(derived.suffix)])
                     break
         return self.binary_default if choice is None else choice
 
