@@ -10,6 +10,7 @@ the option or flag it is about.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -32,9 +33,12 @@ __all__ = [
     "nonfinite_choice",
     "normalize_inputs",
     "output_dtype_choice",
+    "parameter_arg",
+    "parameters_from_flags",
     "positive_float",
     "positive_int",
     "registry_address",
+    "request_parameters",
     "service_name",
     "teacher_list",
 ]
@@ -228,3 +232,39 @@ def normalize_inputs(inputs: InputSpec) -> dict[str, str | int]:
             "batches map names to positions, e.g. inputs={'INPUT': 0}"
         )
     return {n: n for n in names}
+
+
+def request_parameters(given: Mapping[str, Any] | None) -> dict[str, bool | int | float | str]:
+    """Extra request parameters (of transforms a teacher registered): string names, scalar values."""
+    out: dict[str, bool | int | float | str] = {}
+    for name, value in dict(given or {}).items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"parameter names are non-empty strings, got {name!r}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"parameter {name!r}: a request parameter is a bool, int, float or str, got {value!r}")
+        out[name] = value
+    return out
+
+
+def parameter_arg(text: str) -> tuple[str, bool | int | float | str]:
+    """``KEY=VALUE`` from the command line: VALUE read as JSON (true, 3, 0.5, "s"), else as a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"{text!r} is not KEY=VALUE")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    if not isinstance(value, (bool, int, float, str)):
+        raise ValueError(f"{text!r}: VALUE must be a bool, a number or a string")
+    return name, value
+
+
+def parameters_from_flags(items: Sequence[tuple[str, bool | int | float | str]] | None) -> dict[str, Any]:
+    """Repeated ``KEY=VALUE`` flags as one mapping; a key given twice is refused."""
+    out: dict[str, Any] = {}
+    for name, value in items or ():
+        if name in out:
+            raise ValueError(f"parameter {name} is given twice")
+        out[name] = value
+    return out

@@ -14,6 +14,7 @@ engine, the router, the teacher pool and the store all read `ReaderOptions`, and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -35,9 +36,12 @@ from distill.checks import (
     nonfinite_choice,
     normalize_inputs,
     output_dtype_choice,
+    parameter_arg,
+    parameters_from_flags,
     positive_float,
     positive_int,
     registry_address,
+    request_parameters,
     service_name,
     teacher_list,
 )
@@ -268,6 +272,16 @@ class ReaderOptions:
         help="how the router picks among the teachers that may take a chunk (distill.routing): 'power_of_two' "
         "(expected completion time of two at random), 'round_robin', or a callable returning a policy (an object "
         "with choose(candidates, request)); health and in-flight limits apply whatever the policy")
+    parameters: Mapping[str, ParameterValue] = option(
+        default_factory=dict, check=request_parameters,
+        store=lambda p: {"extra": tuple((k, json.dumps(v)) for k, v in sorted(p.items()))} if p else {},
+        help="more request parameters sent with every request, for transforms a teacher registered beyond the "
+        "built-in ones (teacher_server.transforms.register; declare their outputs on this side with "
+        "distill.outputs.register), e.g. {'entropy': True}; a store names them in its namespace",
+        flag=Flag(name="--distill_parameter", metavar="KEY=VALUE", parse=parameter_arg, repeat=True, default=None,
+                  to_option=parameters_from_flags,
+                  help="send this request parameter with every request (repeatable; VALUE as JSON, else a string), "
+                  "for a transform the teacher registered beyond the built-in ones"))
     flag_names: Mapping[str, str] = option(
         default_factory=dict, check=lambda m: dict(m or {}),
         help="the flag of the program running this reader for each option it sets, {option: flag}, used where a "
@@ -321,8 +335,8 @@ class ReaderOptions:
         tls = (ClientTLS(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
                if any((self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)) else None)
         values.update(services=services, static=static or None, client_tls=tls, request_parameters={
-            d.option.wire: values[d.name] for d in declared(ReaderOptions)
-            if d.option.wire is not None and values[d.name] is not None})
+            **{d.option.wire: values[d.name] for d in declared(ReaderOptions)
+               if d.option.wire is not None and values[d.name] is not None}, **values["parameters"]})
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -343,6 +357,10 @@ class ReaderOptions:
                 raise ValueError(f"hedge_after must be seconds, 'auto' or None, got {hedge!r}")
         elif hedge is not None and not 0 < hedge < timeout:
             raise ValueError(f"hedge_after must be between 0 and timeout ({timeout:g} s), got {hedge}")
+        wired = {d.option.wire: d.name for d in declared(ReaderOptions) if d.option.wire is not None}
+        for name in values["parameters"]:
+            if name in wired:
+                raise ValueError(f"parameters: {name!r} has an option of its own: pass {wired[name]}= instead")
         if values["topk_tail"] and not values["top_k"]:
             raise ValueError("topk_tail=True is the probability mass outside the top-k: ask for top_k=K too")
         if self.cache is None:
@@ -367,7 +385,7 @@ class ReaderOptions:
         out: dict[str, Any] = {}
         extra: list[tuple[str, str]] = []
         for d in declared(ReaderOptions):
-            if d.option.wire is None:
+            if d.option.wire is None and d.option.store is None:
                 continue
             for name, value in d.option.namespace_fields(getattr(self, d.name)).items():
                 if name == "extra":

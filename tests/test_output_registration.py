@@ -6,9 +6,8 @@ says, the answer's size is estimated from that declaration, and no other library
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -61,18 +60,10 @@ def _entropy(tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return -(lp.exp() * lp).sum(-1)
 
 
-def _asking(options: ReaderOptions, **more: bool) -> ReaderOptions:
-    """`options` sending the registered transform's request parameter too: ReaderOptions states the
-    built-in transforms' parameters only, so a registered one's joins the mapping the reader sends."""
-    parameters: Mapping[str, object] = MappingProxyType({**options.request_parameters, **more})
-    object.__setattr__(options, "request_parameters", parameters)
-    return options
-
-
 def _read(url: str, **options: object) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     data = _batches(4)
-    opts = _asking(ReaderOptions(teachers=url, inputs=["TOKENS"], outputs=["LOGITS"], **options),  # type: ignore[arg-type]
-                   entropy=True)
+    opts = ReaderOptions(teachers=url, inputs=["TOKENS"], outputs=["LOGITS"],  # type: ignore[arg-type]
+                         parameters={"entropy": True}, **options)
     with DistillReader(data, options=opts) as reader:
         got = [(batch, teacher) for batch, teacher in reader]
     assert [int(b["idx"][0]) for b, _ in got] == list(range(len(data)))
@@ -135,3 +126,25 @@ def test_the_in_process_server_serves_and_sizes_it(student_side: None) -> None:
         assert list(teacher) == ["LOGITS_ENTROPY"]
         assert teacher["LOGITS_ENTROPY"].shape == (3, T) and teacher["LOGITS_ENTROPY"].dtype == torch.float16
         assert torch.allclose(teacher["LOGITS_ENTROPY"].float(), _entropy(batch["TOKENS"], 2.0), atol=1e-2)
+
+
+def test_a_registered_transforms_parameter_is_an_option_a_flag_and_part_of_a_stores_namespace() -> None:
+    import argparse
+
+    from distill import add_distill_args
+
+    args = add_distill_args(argparse.ArgumentParser()).parse_args(
+        ["--distill_teachers", "127.0.0.1:1", "--distill_parameter", "entropy=true", "--distill_parameter", "k=3",
+         "--distill_parameter", "mode=fast"])
+    opts = ReaderOptions.from_args(args, inputs=["TOKENS"])
+    assert opts.parameters == {"entropy": True, "k": 3, "mode": "fast"}
+    assert {"entropy": True, "k": 3, "mode": "fast"}.items() <= opts.request_parameters.items()
+    stored = ReaderOptions(teachers="127.0.0.1:1", inputs=["TOKENS"], parameters={"entropy": True}, cache="/tmp/x",
+                           key="idx").store_fields()
+    assert ("entropy", "true") in stored["extra"]
+    with pytest.raises(ValueError, match="has an option of its own: pass top_k="):
+        ReaderOptions(teachers="127.0.0.1:1", inputs=["TOKENS"], parameters={"top_k": 3})
+    with pytest.raises(ValueError, match="a bool, int, float or str"):
+        ReaderOptions(teachers="127.0.0.1:1", inputs=["TOKENS"], parameters={"entropy": [1]})
+    with pytest.raises(SystemExit):
+        add_distill_args(argparse.ArgumentParser()).parse_args(["--distill_parameter", "noequals"])
