@@ -321,38 +321,36 @@ def run_integrity(s: Settings, gate: QuietGate, work: Path) -> dict[str, Any]:
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
+def run_serving_parts(s: Settings, gate: QuietGate, work: Path, doc: dict[str, Any]) -> None:
+    """The loop, record and bytes sections, each with the teachers it needs; results into `doc`."""
+    with contextlib.ExitStack() as stack:
+        ms = _mesh_settings(s)
+        servers = start_all(stack, [TeacherProcess(server_args(ms), label=f"w1-teacher-{i}", env=server_env(ms),
+                                                  cwd=REPO_ROOT, stop_grace=20.0) for i in range(s.teachers)])
+        endpoints = [p.endpoint for p in servers]
+        pids = [p.pid for p in servers]
+        gate.own_pids = [os.getpid(), *pids]
+        print("loop: pure / from the store / live teachers (W1 setting)", flush=True)
+        doc["loop"] = run_loop(s, stack, gate, pids=pids, endpoints=endpoints, work=work)
+        print("record vs serving throughput", flush=True)
+        doc["record"] = run_record(s, gate, endpoints, work)
+    with contextlib.ExitStack() as stack:
+        print("store bytes: CV example", flush=True)
+        doc["cv_bytes"] = run_cv_bytes(stack, work)
+    with contextlib.ExitStack() as stack:
+        print("store bytes: LLM top-k", flush=True)
+        doc["llm_bytes"] = run_llm_bytes(s, stack, work)
+
+
 def run(s: Settings) -> dict[str, Any]:
     torch.set_num_threads(1)
     gate = QuietGate(max_foreign_cores=0.25, budget_s=s.quiet_budget_s)
     doc: dict[str, Any] = {"benchmark": "cache (teacher-output store: loop, bytes, record, integrity)",
                            "machine": machine_info(1), "settings": asdict(s)}
     work = Path(tempfile.mkdtemp(prefix="distill-cache-bench-"))
-    if s.integrity_only:
-        try:
-            print("checksums: write, read passes, verify()", flush=True)
-            doc["integrity"] = run_integrity(s, gate, work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        doc["quiet_gate"] = gate.as_dict()
-        return doc
     try:
-        with contextlib.ExitStack() as stack:
-            ms = _mesh_settings(s)
-            servers = start_all(stack, [TeacherProcess(server_args(ms), label=f"w1-teacher-{i}", env=server_env(ms),
-                                                      cwd=REPO_ROOT, stop_grace=20.0) for i in range(s.teachers)])
-            endpoints = [p.endpoint for p in servers]
-            pids = [p.pid for p in servers]
-            gate.own_pids = [os.getpid(), *pids]
-            print("loop: pure / from the store / live teachers (W1 setting)", flush=True)
-            doc["loop"] = run_loop(s, stack, gate, pids=pids, endpoints=endpoints, work=work)
-            print("record vs serving throughput", flush=True)
-            doc["record"] = run_record(s, gate, endpoints, work)
-        with contextlib.ExitStack() as stack:
-            print("store bytes: CV example", flush=True)
-            doc["cv_bytes"] = run_cv_bytes(stack, work)
-        with contextlib.ExitStack() as stack:
-            print("store bytes: LLM top-k", flush=True)
-            doc["llm_bytes"] = run_llm_bytes(s, stack, work)
+        if not s.integrity_only:
+            run_serving_parts(s, gate, work, doc)
         print("checksums: write, read passes, verify()", flush=True)
         doc["integrity"] = run_integrity(s, gate, work)
     finally:
