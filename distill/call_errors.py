@@ -1,7 +1,7 @@
 """The verdicts a call to a teacher can end with, as exception types: the engine's retry policy
-reads the type (`distill.teacher_client`'s docstring lists them), the router judges the teacher by
-it, and the reader's errors name it. Kept apart from the stub that raises them, so that the router
-and the pool read them without the client's encoding and decoding."""
+reads the type (`distill.teacher_client`'s docstring lists them), and the pool and dispatch judge
+the teacher by it. A module of its own, beside the stub that raises them: what a call can end with
+is one job, encoding and decoding the call another."""
 
 from __future__ import annotations
 

@@ -30,19 +30,19 @@ import grpc
 
 from distill.batches import Chunk, Delivery
 from distill.bundles import bundle_pieces, fits_with, split_outputs
-from distill.errors import InputRefusal
-from distill.liveness import CallWatch
-from distill.options import ReaderOptions
-from distill.pool import Spawn, spawn_closed
-from distill.service import Service
-from distill.teacher_client import (
-    ChunkRequest,
+from distill.call_errors import (
     MalformedAnswerError,
     RequestRejectedError,
     TeacherCallError,
     TeacherGoneError,
     TeacherOverloadedError,
 )
+from distill.errors import InputRefusal
+from distill.liveness import CallWatch
+from distill.options import ReaderOptions
+from distill.pool import Spawn, spawn_closed
+from distill.service import Service
+from distill.teacher_client import ChunkRequest
 from distill.teacher_state import TeacherState
 from distill.timeline import Timeline
 

@@ -22,19 +22,18 @@ import grpc
 
 from discovery import TeacherSet, subset
 from discovery.aio import bounded
+from distill.call_errors import (
+    ModelChoiceError,
+    TeacherCallError,
+    TeacherGoneError,
+    TeacherRefusedError,
+    access_refused,
+)
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.options import ReaderOptions
 from distill.outputs import AUX_INPUTS
 from distill.router import Router
-from distill.teacher_client import (
-    InferenceClient,
-    ModelChoiceError,
-    TeacherCallError,
-    TeacherGoneError,
-    TeacherMetadata,
-    TeacherRefusedError,
-    access_refused,
-)
+from distill.teacher_client import InferenceClient, TeacherMetadata
 from distill.teacher_state import TeacherState
 
 log = logging.getLogger("distill.reader")
