@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import serving
-from benchmarks.pytriton_env import PyTritonUnavailable, check_platform, pytriton_venv
+from tests.pytriton_env import pytriton_python_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,11 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def pytriton_python() -> Path:
-    try:
-        check_platform()
-    except PyTritonUnavailable as e:
-        pytest.skip(str(e))
-    return pytriton_venv()
+    return pytriton_python_or_skip()
 
 
 def test_the_benchmark_measures_pytriton_beside_teacher_server(pytriton_python: Path, tmp_path: Path) -> None:

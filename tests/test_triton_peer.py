@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 import distill
 from distill.errors import TeacherAccessError
-from tests.pytriton_env import PyTritonServer, PyTritonUnavailable, check_platform, pytriton_server, pytriton_venv
+from tests.pytriton_env import PyTritonServer, pytriton_python_or_skip, pytriton_server
 from tests.pytriton_server import weights
 
 # The first test to ask for a server may build the venv (pip download and install) first.
@@ -40,11 +40,7 @@ NEVER_S = 3600.0
 
 @pytest.fixture(scope="session")
 def pytriton_python() -> Path:
-    try:
-        check_platform()
-    except PyTritonUnavailable as e:
-        pytest.skip(str(e))
-    return pytriton_venv()
+    return pytriton_python_or_skip()
 
 
 @pytest.fixture(scope="session")
