@@ -26,6 +26,7 @@ __all__ = [
     "cache_mode_choice",
     "checked",
     "fallback_choice",
+    "hedge_from_ms",
     "maybe_bool",
     "model_name",
     "non_negative_float",
@@ -33,6 +34,7 @@ __all__ = [
     "nonfinite_choice",
     "normalize_inputs",
     "output_dtype_choice",
+    "output_names",
     "parameter_arg",
     "parameters_from_flags",
     "positive_float",
@@ -41,6 +43,7 @@ __all__ = [
     "request_parameters",
     "service_name",
     "teacher_list",
+    "torch_device",
 ]
 
 _T = TypeVar("_T")
@@ -268,3 +271,20 @@ def parameters_from_flags(items: Sequence[tuple[str, bool | int | float | str]] 
             raise ValueError(f"parameter {name} is given twice")
         out[name] = value
     return out
+
+
+def hedge_from_ms(ms: float | None) -> float | str | None:
+    """--distill_hedge_ms: absent is adaptive ("auto"), 0 is off (None), else seconds."""
+    return "auto" if ms is None else (ms / 1000.0 if ms > 0 else None)
+
+
+def torch_device(device: Any) -> Any:
+    """A device name or torch.device as a torch.device (torch imported only here, when used)."""
+    import torch
+
+    return torch.device(device)
+
+
+def output_names(outputs: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The outputs asked for, as a tuple; None (or empty) for all the teacher has."""
+    return tuple(outputs) if outputs else None

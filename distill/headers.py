@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["HeaderArg", "header_env_var", "headers_map"]
+__all__ = ["HeaderArg", "header_env_var", "headers_from_flags", "headers_map"]
 
 
 # gRPC metadata keys: lower-case letters, digits, '-', '_' and '.'; "grpc-" is gRPC's own, "-bin"
@@ -101,3 +101,14 @@ class HeaderArg:
             raise ValueError(f"--distill_header {self.key} takes its value from ${env}, which is not set; "
                              f"set it, or pass --distill_header {self.key}=VALUE")
         return self.key, _header_value(self.key, value)
+
+
+def headers_from_flags(args: list[HeaderArg] | None) -> dict[str, str]:
+    """Repeated ``--distill_header`` flags as one mapping; a name given twice is refused."""
+    headers: dict[str, str] = {}
+    for header in args or ():
+        name, value = header.resolve()
+        if name in headers:
+            raise ValueError(f"--distill_header {name} is given twice (names are case-insensitive)")
+        headers[name] = value
+    return headers

@@ -29,6 +29,7 @@ from distill.checks import (
     cache_mode_choice,
     checked,
     fallback_choice,
+    hedge_from_ms,
     maybe_bool,
     model_name,
     non_negative_float,
@@ -36,6 +37,7 @@ from distill.checks import (
     nonfinite_choice,
     normalize_inputs,
     output_dtype_choice,
+    output_names,
     parameter_arg,
     parameters_from_flags,
     positive_float,
@@ -44,10 +46,11 @@ from distill.checks import (
     request_parameters,
     service_name,
     teacher_list,
+    torch_device,
 )
 from distill.config import ClientTLS, RouterConfig
 from distill.declare import Flag, declared, document, option, read_flags
-from distill.headers import HeaderArg, headers_map
+from distill.headers import HeaderArg, headers_from_flags, headers_map
 from distill.routing import PolicySpec, policy_spec
 from distill.types import ParameterValue
 
@@ -68,21 +71,6 @@ def default_student_id() -> str:
 _STORE_DTYPES = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 
 
-def _hedge_from_ms(ms: float | None) -> float | str | None:
-    """--distill_hedge_ms: absent is adaptive ("auto"), 0 is off (None), else seconds."""
-    return "auto" if ms is None else (ms / 1000.0 if ms > 0 else None)
-
-
-def _headers_from_flags(args: list[HeaderArg] | None) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for header in args or ():
-        name, value = header.resolve()
-        if name in headers:
-            raise ValueError(f"--distill_header {name} is given twice (names are case-insensitive)")
-        headers[name] = value
-    return headers
-
-
 def _stated(off: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
     """With a store, a transform left to the teacher's default is stated as `off`."""
     return lambda value, _: off if value is None else value
@@ -90,16 +78,6 @@ def _stated(off: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
 
 def _tail_stated(value: Any, values: Mapping[str, Any]) -> Any:
     return bool(value) if values["top_k"] else value
-
-
-def _device(device: str | torch.device) -> torch.device:
-    import torch
-
-    return torch.device(device)
-
-
-def _outputs(outputs: Sequence[str] | None) -> tuple[str, ...] | None:
-    return tuple(outputs) if outputs else None
 
 
 @dataclass(frozen=True)
@@ -118,7 +96,7 @@ class ReaderOptions:
         help="teacher input names taken from batch fields of the same name, or a mapping {teacher input: batch "
         "key or tuple position}", check=normalize_inputs)
     outputs: Sequence[str] | None = option(None, help="teacher outputs to fetch (default: all the teacher has)",
-                                           check=_outputs)
+                                           check=output_names)
     teachers: str | Mapping[str, str] | None = option(
         None, help="fixed teachers, 'host:port,host:port'; or {service: 'host:port,...'} for several",
         flag=Flag(metavar="HOST:PORT[,HOST:PORT]", parse=teacher_list, required=True,
@@ -176,7 +154,7 @@ class ReaderOptions:
         "auto", help="seconds after which a late chunk is raced on a second teacher, taking whichever answers "
         "first; 'auto': 4x the pool's median latency, at least 0.25 s; None: never hedge",
         flag=Flag(name="--distill_hedge_ms", metavar="MS", parse=non_negative_float, default=None, required=True,
-                  to_option=_hedge_from_ms,
+                  to_option=hedge_from_ms,
                   help="send a second copy of a chunk to another teacher after MS milliseconds without a reply, and "
                   "take whichever answers first; 0 = off (default: adaptive, 4x the teachers' median latency and at "
                   "least 250 ms)"))
@@ -186,7 +164,7 @@ class ReaderOptions:
         "the teacher's max batch size (distill.bundles): a small batch then costs the student a fraction of a call; "
         "False: one request per batch")
     device: str | torch.device | None = option(  # noqa: RUF009 (option() is dataclasses.field)
-        None, help="put teacher outputs on this device (through pinned memory on CUDA)", check=_device)
+        None, help="put teacher outputs on this device (through pinned memory on CUDA)", check=torch_device)
     top_k: int = option(
         0, help="fetch each output's top K values and indices instead of the full tensor (<OUT>_TOPK_VALUES, "
         "<OUT>_TOPK_INDICES; the teachers must support it); 0 = full outputs", check=non_negative_int,
@@ -248,7 +226,7 @@ class ReaderOptions:
         help="gRPC headers sent on every call to every teacher, e.g. the access token of a Triton that restricts "
         "its API: {'triton-grpc-protocol-<key>': token}; names are lower-cased, values never logged or shown",
         flag=Flag(name="--distill_header", metavar="KEY[=VALUE]", parse=HeaderArg.parse, repeat=True, default=None,
-                  to_option=_headers_from_flags,
+                  to_option=headers_from_flags,
                   help="send this gRPC header on every call to every teacher (repeatable), e.g. the access token of a "
                   "Triton that restricts its API: triton-grpc-protocol-<key>=<token>. Without =VALUE the value comes "
                   "from $DISTILL_HEADER_<KEY> (upper case, other characters as _), which keeps it off the command "
@@ -413,7 +391,7 @@ class ReaderOptions:
     @property
     def torch_device(self) -> torch.device | None:
         """`device` as a torch.device (None: outputs stay on the CPU)."""
-        return _device(self.device) if self.device is not None else None
+        return torch_device(self.device) if self.device is not None else None
 
     @property
     def pin_memory(self) -> bool:
