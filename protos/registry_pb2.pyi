@@ -17,7 +17,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TeacherRecord(_message.Message):
-    __slots__ = ("instance_id", "endpoint", "model_name", "model_version", "max_batch_size", "inputs", "outputs", "device", "started_at", "instances", "tls", "batches_by_length")
+    __slots__ = ("instance_id", "endpoint", "model_name", "model_version", "max_batch_size", "inputs", "outputs", "device", "started_at", "instances", "tls", "batches_by_length", "protocol", "path", "capabilities", "fingerprint")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,10 @@ class TeacherRecord(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_BY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     endpoint: str
     model_name: str
@@ -42,7 +46,31 @@ class TeacherRecord(_message.Message):
     instances: int
     tls: bool
     batches_by_length: bool
-    def __init__(self, instance_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., device: _Optional[str] = ..., started_at: _Optional[float] = ..., instances: _Optional[int] = ..., tls: _Optional[bool] = ..., batches_by_length: _Optional[bool] = ...) -> None: ...
+    protocol: str
+    path: str
+    capabilities: Capabilities
+    fingerprint: str
+    def __init__(self, instance_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., device: _Optional[str] = ..., started_at: _Optional[float] = ..., instances: _Optional[int] = ..., tls: _Optional[bool] = ..., batches_by_length: _Optional[bool] = ..., protocol: _Optional[str] = ..., path: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("declared", "max_top_k", "token_logprobs", "score_ids", "text_prompts", "chunked", "full_outputs", "tail")
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    FULL_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    declared: bool
+    max_top_k: int
+    token_logprobs: bool
+    score_ids: bool
+    text_prompts: bool
+    chunked: bool
+    full_outputs: bool
+    tail: bool
+    def __init__(self, declared: _Optional[bool] = ..., max_top_k: _Optional[int] = ..., token_logprobs: _Optional[bool] = ..., score_ids: _Optional[bool] = ..., text_prompts: _Optional[bool] = ..., chunked: _Optional[bool] = ..., full_outputs: _Optional[bool] = ..., tail: _Optional[bool] = ...) -> None: ...
 
 class TeacherLoad(_message.Message):
     __slots__ = ("instance_id", "queue_depth", "in_flight", "samples_per_s", "busy_fraction", "capacity_samples_per_s", "updated_at", "draining")
