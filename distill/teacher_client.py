@@ -43,6 +43,7 @@ from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
     BY_LENGTH_PARAMETER,
     DATATYPES,
+    FINGERPRINT_PARAMETER,
     NONFINITE_ROWS_PARAMETER,
     RAW_INPUT_FIELD,
     Datatype,
@@ -324,9 +325,11 @@ class TeacherClient:
                     for t in ts}
 
         by_length = config.config.parameters.get(BY_LENGTH_PARAMETER)
+        fingerprint = config.config.parameters.get(FINGERPRINT_PARAMETER)
         return TeacherMetadata(meta.name, version or (meta.versions[-1] if meta.versions else ""),
                                max_batch, tensors(meta.inputs), tensors(meta.outputs),
-                               by_length is not None and by_length.string_value.lower() == "true")
+                               by_length is not None and by_length.string_value.lower() == "true",
+                               fingerprint.string_value if fingerprint is not None else "")
 
     async def _only_model(self, timeout: float) -> str:
         """The one ready model of the teacher's repository. None ready while one is loading is the

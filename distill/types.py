@@ -72,7 +72,9 @@ class TensorMeta:
 class TeacherMetadata:
     """What a student must know to call a teacher: model, batch limit, tensors, and whether it
     batches padded rows by length (`protos.kserve.BY_LENGTH_PARAMETER`: the router then keeps
-    requests in flight to it however their latency moves)."""
+    requests in flight to it however their latency moves), and its fingerprint (a digest of its
+    weights, config, tokenizer and compute dtype, `protos.kserve.FINGERPRINT_PARAMETER`; "" when
+    the teacher does not say): replicas with different fingerprints are different teachers."""
 
     model_name: str
     model_version: str
@@ -80,6 +82,7 @@ class TeacherMetadata:
     inputs: dict[str, TensorMeta]
     outputs: dict[str, TensorMeta]
     batches_by_length: bool = False
+    fingerprint: str = ""
 
     @classmethod
     def from_record(cls, rec: registry_pb2.TeacherRecord) -> TeacherMetadata | None:
@@ -90,7 +93,7 @@ class TeacherMetadata:
             rec.model_name, rec.model_version, rec.max_batch_size,
             {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.inputs},
             {t.name: TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in rec.outputs},
-            rec.batches_by_length,
+            rec.batches_by_length, rec.fingerprint,
         )
 
 

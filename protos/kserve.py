@@ -19,6 +19,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 __all__ = [
     "BY_LENGTH_PARAMETER",
     "DATATYPES",
+    "FINGERPRINT_PARAMETER",
     "NONFINITE_ROWS_PARAMETER",
     "REFUSAL_METADATA",
     "Datatype",
@@ -35,6 +36,12 @@ BY_LENGTH_PARAMETER = "batches_by_length"
 length (``TeacherRecord.batches_by_length`` in the registry says the same): it fills a batch from
 rows of like length, so it needs many rows queued and a request waits longer than its forward pass;
 a student's router then keeps its requests in flight instead of reading that queueing as overload."""
+
+FINGERPRINT_PARAMETER = "distill_fingerprint"
+"""The ModelConfig parameter (string value "fp-" and 16 hex digits) by which a teacher says which
+model it computes with: a digest of its weights, config, tokenizer files and compute dtype
+(``TeacherRecord.fingerprint`` in the registry says the same). Replicas of one service with
+different fingerprints are different teachers; a student's reader uses one of them per run."""
 
 NONFINITE_ROWS_PARAMETER = "nonfinite_rows"
 """The ModelInferResponse parameter (HTTP/REST: the response's `parameters`) by which teacher-server
