@@ -342,20 +342,28 @@ def prompt_logprobs(ids: Sequence[int], result: Scored, k: int, names: Mapping[i
     return "[" + ",".join(parts) + "]"
 
 
-def completion_body(model: str, choices: list[str], prompt_tokens: int) -> bytes:
+def completion_body(model: str, choices: list[str], prompt_tokens: int, fingerprint: str = "") -> bytes:
     """The whole `/v1/completions` answer, around the choices' JSON text, with vLLM's keys in
-    vLLM's order (those this server has no value for are null; `system_fingerprint` too)."""
+    vLLM's order (those this server has no value for are null). `system_fingerprint` is the
+    teacher's fingerprint (`teacher_server.fingerprint`; null when not known), as OpenAI's field
+    names the backend configuration that answered."""
     head = json.dumps({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                        "model": model}, separators=(",", ":"))
     usage = json.dumps({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(choices),
                         "completion_tokens": len(choices), "prompt_tokens_details": None,
                         "completion_tokens_details": None}, separators=(",", ":"))
-    return (f'{head[:-1]},"choices":[{",".join(choices)}],"service_tier":null,"system_fingerprint":null,'
+    system = json.dumps(fingerprint or None)
+    return (f'{head[:-1]},"choices":[{",".join(choices)}],"service_tier":null,"system_fingerprint":{system},'
             f'"usage":{usage},"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}}').encode()
 
 
-def models_body(name: str, max_model_len: int | None) -> dict[str, Any]:
-    """`/v1/models`: the one model served (`data[0].id` is what clients name in `model`)."""
-    return {"object": "list", "data": [{
+def models_body(name: str, max_model_len: int | None, fingerprint: str = "") -> dict[str, Any]:
+    """`/v1/models`: the one model served (`data[0].id` is what clients name in `model`), with its
+    `fingerprint` (`teacher_server.fingerprint`) when known: the same value every
+    `/v1/completions` answer carries as `system_fingerprint`."""
+    card: dict[str, Any] = {
         "id": name, "object": "model", "created": int(time.time()), "owned_by": "distill-mesh", "root": name,
-        "parent": None, "max_model_len": max_model_len, "permission": []}]}
+        "parent": None, "max_model_len": max_model_len, "permission": []}
+    if fingerprint:
+        card["fingerprint"] = fingerprint
+    return {"object": "list", "data": [card]}

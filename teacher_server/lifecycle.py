@@ -62,6 +62,7 @@ class ServedModel:
     # The largest answer a client can receive (--max-message-mb); a request whose answer would be
     # larger is refused before it is queued (`teacher_server.answer_size`). 0: no bound.
     max_answer_bytes: int = 0
+    fingerprint: str = ""  # which model it computes with (teacher_server.fingerprint), once loaded
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, model_config_pb2, service_pb2
+from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, FINGERPRINT_PARAMETER, model_config_pb2, service_pb2
 from teacher_server.spec import ModelIO
 
 if TYPE_CHECKING:
@@ -39,8 +39,9 @@ def metadata_message(model: ServedModel, io: ModelIO) -> service_pb2.ModelMetada
 
 
 def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelConfig:
-    """The model's configuration as Triton reports one: tensors, batching, instances, and whether
-    it batches padded rows by length (`BY_LENGTH_PARAMETER`, which students read)."""
+    """The model's configuration as Triton reports one: tensors, batching, instances, whether it
+    batches padded rows by length (`BY_LENGTH_PARAMETER`) and its fingerprint
+    (`FINGERPRINT_PARAMETER`), both of which students read."""
     batching = model.batching
     cfg = model_config_pb2.ModelConfig(
         name=model.name, platform="pytorch_libtorch", backend="pytorch", max_batch_size=batching.max_batch_size,
@@ -54,6 +55,8 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
         cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.queue_bound(io.padded)
     if batching.by_length(io.padded):
         cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
+    if model.fingerprint:
+        cfg.parameters[FINGERPRINT_PARAMETER].string_value = model.fingerprint
     gpu = model.device.type == "cuda"
     group = cfg.instance_group.add(
         name=f"{model.name}_0", count=model.instances,

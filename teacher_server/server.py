@@ -21,6 +21,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 import torch
@@ -28,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from protos import registry_pb2
-from teacher_server import token_budget
+from teacher_server import fingerprint, token_budget
 from teacher_server.batcher import DynamicBatcher
 from teacher_server.config import ServerConfig
 from teacher_server.device_memory import device_memory_source
@@ -195,6 +196,7 @@ class TeacherServer:
                 log.info("warming up %s on %s", cfg.model, self.device)
                 model = self._model
                 model.io = await asyncio.to_thread(_probe, model)
+            self.requests.model = replace(self.requests.model, fingerprint=await fingerprint.compute(self._model, cfg))
             chunk = cfg.output_chunk_mb << 20
             clock = BusyClock()  # the instances share the model's one device
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk,
@@ -290,6 +292,7 @@ class TeacherServer:
             device=str(self.device), started_at=self.started_at, instances=self.config.instances,
             tls=self.config.tls_cert is not None, batches_by_length=self.config.batching.by_length(io.padded),
         )
+        rec.fingerprint = self.requests.model.fingerprint
         for s in io.inputs:
             rec.inputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
         for s in io.outputs:

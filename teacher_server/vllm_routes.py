@@ -172,7 +172,8 @@ class VLLMRoutes:
             return _error(e.status, e.message)
         index = token_input(io)
         context = None if index is None else io.inputs[index].max_length
-        return _json(json.dumps(models_body(self._lifecycle.model.name, context)).encode())
+        model = self._lifecycle.model
+        return _json(json.dumps(models_body(model.name, context, model.fingerprint)).encode())
 
     async def completions(self, request: web.Request) -> web.Response:
         try:
@@ -252,7 +253,8 @@ class VLLMRoutes:
             text = None if tokenizer is None else self._tokenizer.continuation(ids, int(result.top_ids[-1, 0]))
             choices.append(choice(i, ids, result, k=req.prompt_logprobs, decode=decode,
                                   return_token_ids=req.return_token_ids, text=text))
-        return completion_body(self._lifecycle.model.name, choices, sum(len(p) for p in prompts))
+        return completion_body(self._lifecycle.model.name, choices, sum(len(p) for p in prompts),
+                               self._lifecycle.model.fingerprint)
 
 
 async def _all(lifecycle: RequestLifecycle, requests: list[Any]) -> list[list[EncodedOutput]]:

@@ -326,7 +326,8 @@ def test_a_body_of_more_prompts_than_the_queue_holds_is_answered(bare_dir: Path)
 def test_minus_one_is_the_whole_vocabulary_within_max_logprobs(bare_dir: Path, reference: torch.nn.Module) -> None:
     """prompt_logprobs -1 is vLLM's whole vocabulary: answered by a teacher whose --max-logprobs
     allows it (-1 itself: the vocabulary), every token of it per position, the prompt's own first
-    and the rest in rank order; a bare body carries vLLM's keys, those not asked for null."""
+    and the rest in rank order; a bare body carries vLLM's keys, those not asked for null, and the
+    teacher's fingerprint as `system_fingerprint`."""
     with ServerThread(ServerConfig(model=f"hf:{bare_dir}", name="bare", device="cpu", http_port=0,
                                    max_logprobs=-1)) as s:
         ids = [5, 9, 30]
@@ -344,5 +345,5 @@ def test_minus_one_is_the_whole_vocabulary_within_max_logprobs(bare_dir: Path, r
         assert status == 200
         assert list(body) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
                               "usage", "kv_transfer_params", "ec_transfer_params", "metrics"]
-        assert body["system_fingerprint"] is None
+        assert body["system_fingerprint"] == s.server.record().fingerprint  # the teacher's, not null
         assert body["choices"][0]["prompt_logprobs"] is None and body["choices"][0]["token_ids"] is None
