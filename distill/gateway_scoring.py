@@ -98,6 +98,7 @@ class Scorer:
         self._closed = False
         self._ready_checked = 0.0
         self._ready = False
+        self._fingerprint = ""
 
     async def start(self) -> None:
         """Start the reader in the background: /health turns 200 once it has a teacher."""
@@ -155,15 +156,28 @@ class Scorer:
 
     async def ready(self) -> bool:
         """Whether the reader has a usable teacher now (checked at most every 0.2 s)."""
+        await self._check()
+        return self._ready
+
+    async def fingerprint(self) -> str:
+        """The fingerprint its usable teachers declare ("" when they declare none, or differ: a
+        fingerprint names one teacher, and the reader may answer from either)."""
+        await self._check()
+        return self._fingerprint
+
+    async def _check(self) -> None:
         now = time.monotonic()
         if now - self._ready_checked < 0.2:
-            return self._ready
+            return
         reader = self._reader
         if reader is None and not self._closed:
             self._reader_task()  # the reader was dropped (its teachers went away): look for them again
-        ready = reader is not None and (await asyncio.to_thread(reader.stats)).teachers_in_use > 0
-        self._ready, self._ready_checked = ready, time.monotonic()
-        return ready
+        stats = None if reader is None else await asyncio.to_thread(reader.stats)
+        prints = set() if stats is None else {
+            str(t.get("fingerprint") or "") for ts in stats.teachers.values() for t in ts.values() if t.get("usable")}
+        self._ready = stats is not None and stats.teachers_in_use > 0
+        self._fingerprint = prints.pop() if len(prints) == 1 else ""
+        self._ready_checked = time.monotonic()
 
     async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:
         """Every prompt's reduced outputs, through the mesh; APIError with the status to answer."""

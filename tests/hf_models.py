@@ -16,14 +16,15 @@ VLLM_VOCAB, VLLM_CONTEXT, VLLM_SEED = 1000, 128, 20260
 """The vLLM-shaped Llama: vocabulary, context, and the seed its weights are drawn with."""
 
 
-def save_llama(directory: Path, tokenizer: bool = False) -> None:
-    """A tiny random Llama (and, with `tokenizer`, a word-level tokenizer of its first 60 ids)."""
+def save_llama(directory: Path, tokenizer: bool = False, seed: int = 0) -> None:
+    """A tiny random Llama (and, with `tokenizer`, a word-level tokenizer of its first 60 ids);
+    another `seed` draws another teacher of the same shape."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=CONTEXT, pad_token_id=0)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(str(directory))
     if tokenizer:
         _save_tokenizer(directory, WORDS)
