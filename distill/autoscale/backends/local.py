@@ -7,14 +7,23 @@ autoscaler itself starts and stops teacher processes from a command template:
         -- teacher-server --model examples.refteacher:build --name ref_teacher
 
 The template (:mod:`~distill.autoscale.backends.template`) may use ``{port}``, ``{device}``,
-``{instance_id}``, ``{registry}`` and ``{service}``; the flags are appended when the template does
-not set them, so the short form above works. Each teacher gets a free loopback port and the least used device (at most
-``teachers_per_device`` per accelerator; CPU has no limit).
+``{gpu}``, ``{instance_id}``, ``{registry}`` and ``{service}``; the flags are appended when the
+template does not set them, so the short form above works. Each teacher gets a free loopback port
+and the least used device (at most ``teachers_per_device`` per accelerator; CPU has no limit).
+
+An engine (vLLM, SGLang) runs behind its registrar, whose command wraps the engine's:
+
+    distill-autoscaler ... -- distill register --engine vllm --url http://127.0.0.1:{port} \
+        -- python -m vllm.entrypoints.openai.api_server --model DIR --port {port}
+
+The registrar is the child; it writes the record once its engine is healthy, and it is that record
+which makes the teacher count as started (:mod:`~distill.autoscale.backends.children`).
 
 Lifecycle: a teacher counts as *starting* until it appears in the registry (teacher-server
 registers once its model is loaded and warmed up). Scale-down stops the least loaded teachers
 first (ones not registered yet before any), with SIGTERM: teacher-server then refuses new work,
-deregisters, finishes what it accepted and exits; SIGKILL follows after ``grace`` seconds. A
+deregisters, finishes what it accepted and exits (a registrar deregisters, lets its engine finish,
+then stops it); SIGKILL follows after ``grace`` seconds, to the child's whole process group. A
 teacher that exits on its own is a crash: it is logged with the tail of its output and replaced,
 with exponential backoff when teachers keep dying young, so a broken template cannot fork-bomb the
 machine. ``close()`` stops every process it started (also on Ctrl-C, through the CLI); on Linux
@@ -32,18 +41,17 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from discovery import keys
 from discovery.aio import cancel_and_wait
 from distill.autoscale.backends.base import Backend, BackendState
-from distill.autoscale.backends.template import PLACEHOLDERS, check_template, fill
+from distill.autoscale.backends.children import Child, free_port, kill_group, registered_id, tail
+from distill.autoscale.backends.template import PLACEHOLDERS, check_template, device_index, fill
 from distill.autoscale.errors import BackendError
 from teacher_server import launch
 
@@ -53,35 +61,6 @@ log = logging.getLogger("distill.autoscale.local")
 
 # A teacher that dies younger than this counts toward the crash backoff.
 _YOUNG = 30.0
-@dataclass
-class _Child:
-    instance_id: str
-    device: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    started_at: float
-    term_at: float | None = None
-    warned_slow: bool = False
-
-    @property
-    def exited(self) -> bool:
-        return self.proc.poll() is not None
-
-
-def _free_port(host: str, taken: set[int]) -> int:
-    for _ in range(50):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            return port
-    raise BackendError(f"no free TCP port found on {host}")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    text = launch.log_tail(path, lines)
-    return "\n".join("    " + line for line in text.splitlines()) or "    (no output)"
 
 
 class LocalBackend(Backend):
@@ -146,8 +125,8 @@ class LocalBackend(Backend):
         self._own_log_dir = log_dir is None
         self._log_dir_arg = log_dir
         self.log_dir: Path | None = None
-        self._children: dict[str, _Child] = {}  # running, counted toward the target
-        self._draining: dict[str, _Child] = {}  # SIGTERMed, waiting to exit
+        self._children: dict[str, Child] = {}  # running, counted toward the target
+        self._draining: dict[str, Child] = {}  # SIGTERMed, waiting to exit
         self._target = 0
         self._next_spawn_at = 0.0
         self._crash_streak = 0
@@ -164,6 +143,7 @@ class LocalBackend(Backend):
         values = {
             "port": str(port),
             "device": device,
+            "gpu": device_index(device),
             "instance_id": instance_id,
             "registry": self.registry,
             "service": self.service,
@@ -204,8 +184,13 @@ class LocalBackend(Backend):
         self._supervise_once()
         now = time.monotonic()
         starting = []
+        managed = set(self._children) | set(self._draining)
+        for child in (*self._children.values(), *self._draining.values()):
+            iid = registered_id(child, teachers, self.host)
+            if iid is not None:
+                managed.add(iid)
         for child in self._children.values():
-            if child.instance_id in teachers:
+            if registered_id(child, teachers, self.host) is not None:
                 continue
             starting.append(child.started_at)
             if not child.warned_slow and now - child.started_at > self.start_timeout:
@@ -216,7 +201,7 @@ class LocalBackend(Backend):
                     child.proc.pid,
                     now - child.started_at,
                     child.log_path,
-                    _tail(child.log_path),
+                    tail(child.log_path),
                 )
         detail = f"{len(self._children)} running"
         if self._draining:
@@ -224,7 +209,7 @@ class LocalBackend(Backend):
         return BackendState(
             current=self._target,
             starting=tuple(sorted(starting)),
-            managed=frozenset(self._children) | frozenset(self._draining),
+            managed=frozenset(managed),
             detail=detail,
         )
 
@@ -276,12 +261,12 @@ class LocalBackend(Backend):
                     child.proc.pid,
                     self.grace,
                 )
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
+                kill_group(child)
         for iid, child in list(self._draining.items()):
             # Reaping a SIGKILLed child is immediate; bounded anyway, off the loop.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.stopped[iid] = await asyncio.to_thread(child.proc.wait, 5.0)
+            kill_group(child)
         self._draining.clear()
         if self._own_log_dir and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -297,12 +282,13 @@ class LocalBackend(Backend):
         """``instance_id -> pid`` of the teachers being drained."""
         return {iid: c.proc.pid for iid, c in self._draining.items()}
 
-    def _victims(self, n: int, teachers: Mapping[str, object]) -> list[_Child]:
+    def _victims(self, n: int, teachers: Mapping[str, object]) -> list[Child]:
         """The ``n`` teachers to stop: unregistered ones first (newest first: they are furthest from
         being useful), then registered ones from the least loaded."""
 
-        def load_key(child: _Child) -> tuple[int, float, float, float]:
-            entry = teachers.get(child.instance_id)
+        def load_key(child: Child) -> tuple[int, float, float, float]:
+            iid = registered_id(child, teachers, self.host)
+            entry = None if iid is None else teachers.get(iid)
             load = getattr(entry, "load", None)
             if entry is None:
                 return (0, 0.0, 0.0, -child.started_at)
@@ -313,7 +299,7 @@ class LocalBackend(Backend):
 
         return sorted(self._children.values(), key=load_key)[:n]
 
-    def _terminate(self, child: _Child, why: str) -> None:
+    def _terminate(self, child: Child, why: str) -> None:
         self._children.pop(child.instance_id, None)
         if child.exited:
             return
@@ -356,11 +342,11 @@ class LocalBackend(Backend):
                 )
                 return
 
-    def _spawn(self, device: str) -> _Child:
+    def _spawn(self, device: str) -> Child:
         assert self.log_dir is not None
         instance_id = f"{self.service}-{secrets.token_hex(4)}"
         taken = {c.port for c in (*self._children.values(), *self._draining.values())}
-        port = _free_port(self.host, taken)
+        port = free_port(self.host, taken)
         argv = self.argv(port=port, device=device, instance_id=instance_id)
         log_path = self.log_dir / f"{instance_id}.log"
         # Forks and execs: milliseconds, no waiting on the child. On the loop thread on purpose:
@@ -369,7 +355,7 @@ class LocalBackend(Backend):
         # drains in order.
         proc = launch.spawn(argv, log=log_path, env={"PYTHONUNBUFFERED": "1", **self.env}, pdeathsig=True,
                             new_session=True)
-        child = _Child(instance_id, device, port, proc, log_path, time.monotonic())
+        child = Child(instance_id, device, port, proc, log_path, time.monotonic())
         self._children[instance_id] = child
         self.spawned += 1
         log.info("started teacher %s (pid %d) on %s, port %d", instance_id, proc.pid, device, port)
@@ -381,13 +367,13 @@ class LocalBackend(Backend):
             code = child.proc.poll()
             if code is not None:
                 del self._draining[iid]
+                kill_group(child)  # whatever the leader left behind (an engine it did not stop)
                 self.stopped[iid] = code
                 level = logging.INFO if code == 0 else logging.WARNING
                 log.log(level, "teacher %s (pid %d) stopped, exit code %d", iid, child.proc.pid, code)
             elif kill_late and child.term_at is not None and now - child.term_at > self.grace:
                 log.warning("teacher %s (pid %d) did not drain within %.0f s; SIGKILL", iid, child.proc.pid, self.grace)
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.kill()
+                kill_group(child)
                 child.term_at = now - self.grace + 5.0  # look again in 5 s
 
     def _supervise_once(self) -> None:
@@ -399,6 +385,7 @@ class LocalBackend(Backend):
             if code is None:
                 continue
             del self._children[iid]
+            kill_group(child)  # a crashed registrar's engine goes with it
             self.crashes += 1
             lived = now - child.started_at
             if lived < _YOUNG:
@@ -415,7 +402,7 @@ class LocalBackend(Backend):
                 lived,
                 f" in {delay:.1f} s" if delay else "",
                 child.log_path,
-                _tail(child.log_path),
+                tail(child.log_path),
             )
         self._reap_draining(kill_late=True)
         self._fill()
