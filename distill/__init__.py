@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "BatchRejectedError": "distill.errors",
     "DistillError": "distill.errors",
+    "NoCapableTeacherError": "distill.capabilities",
     "NoTeacherError": "distill.errors",
     "ReaderClosedError": "distill.errors",
     "ReaderInUseError": "distill.errors",
@@ -40,6 +41,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from distill.capabilities import NoCapableTeacherError
     from distill.config import RouterConfig
     from distill.errors import (
         BatchRejectedError,
@@ -73,6 +75,7 @@ __all__ = [
     "DistillError",
     "DistillReader",
     "KDLoss",
+    "NoCapableTeacherError",
     "NoTeacherError",
     "ReaderClosedError",
     "ReaderInUseError",

@@ -302,10 +302,10 @@ class Delivery:
             return slice(chunk.start, chunk.stop)
         return torch.from_numpy(cached.miss_indices[chunk.start:chunk.stop])
 
-    def reject(self, chunk: Chunk, reason: str, *, hard_labels: bool) -> bool:
-        """The teachers refused `chunk`: its batch fails alone (`BatchRejectedError` in its place in
-        the order), or under hard labels goes on without this service's outputs. True when this
-        settles the batch (count it), False when it was settled already."""
+    def reject(self, chunk: Chunk, reason: str, *, hard_labels: bool, error: BatchRejectedError | None = None) -> bool:
+        """The teachers refused `chunk`: its batch fails alone (`error`, else a `BatchRejectedError`
+        naming `reason`, in its place in the order), or under hard labels goes on without this
+        service's outputs. True when this settles the batch (count it), False when it was settled already."""
         job, service = chunk.job, chunk.service
         if job.delivered:
             return False
@@ -321,7 +321,7 @@ class Delivery:
             if job.error is None:
                 counted = True
                 log.warning("service %r refused %s: %s", service, what, reason)
-                job.error = BatchRejectedError(
+                job.error = error or BatchRejectedError(
                     f"service {service!r} refused {what}: {reason}. Only this batch is lost and the teachers "
                     "keep serving: check this batch's inputs, catch BatchRejectedError around next() to skip "
                     "such batches, or pass fallback='hard_labels' to train on them with labels alone.",

@@ -37,7 +37,8 @@ from distill.call_errors import (
     TeacherGoneError,
     TeacherOverloadedError,
 )
-from distill.errors import InputRefusal
+from distill.capabilities import Needs, NoCapableTeacherError, needs_of, unanswerable
+from distill.errors import BatchRejectedError, InputRefusal
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Spawn, spawn_closed
@@ -116,7 +117,7 @@ class Dispatcher:
             share = self._share(svc, chunks, sys.maxsize)
             while at < len(chunks):
                 first = chunks[at]
-                t = router.pick(frozenset(), first.size)
+                t = router.pick(frozenset(), first.size, self._needs(first))
                 if t is None or router.misfit(t, first.job.signature) is not None:
                     break
                 limit = self._limit(t)
@@ -176,6 +177,9 @@ class Dispatcher:
             if isinstance(teacher, str):  # no teacher declares inputs that take this batch
                 self._reject(svc, chunk, teacher)
                 continue
+            if isinstance(teacher, NoCapableTeacherError):  # none can compute what it asks for
+                self._reject(svc, chunk, str(teacher), teacher)
+                continue
             if teacher is None:
                 self._no_teacher(svc, chunk)
                 continue
@@ -190,17 +194,19 @@ class Dispatcher:
                 svc.push(rest, front=True)
             self._send(svc, self._take_queued(svc, chunk, limit), teacher)
 
-    async def _acquire(self, svc: Service, chunk: Chunk) -> TeacherState | str | None:
-        """A teacher with a free slot that accepts this chunk's inputs; a refused chunk goes to another
-        teacher than the one that refused it while one is usable. None after no_teacher_timeout; a
-        message when no teacher's declared inputs take the batch (the batch's fault, not theirs)."""
+    async def _acquire(self, svc: Service, chunk: Chunk) -> TeacherState | str | NoCapableTeacherError | None:
+        """A teacher with a free slot that takes this chunk's inputs and can compute what it asks for; a
+        refused chunk goes to another teacher than the one that refused it while one is usable. None
+        after no_teacher_timeout; a message when no teacher's declared inputs take the batch (its fault,
+        not theirs); an error when no live teacher can compute it (`distill.capabilities.unanswerable`)."""
         router = svc.router
         started = time.monotonic()
+        needs = self._needs(chunk)
         while True:
             exclude = set(chunk.tried) if chunk.sends else set()
             if chunk.refusals and any(u.key not in chunk.refusals for u in router.usable()):
                 exclude |= set(chunk.refusals)
-            t = router.pick(frozenset(exclude), chunk.size)
+            t = router.pick(frozenset(exclude), chunk.size, needs)
             if t is not None:
                 reason = router.misfit(t, chunk.job.signature)
                 if reason is None:
@@ -213,16 +219,23 @@ class Dispatcher:
                     continue
                 return f"teacher {t.endpoint} (model {t.meta.model_name if t.meta else '?'!r}): {reason}"
             waited = router.no_teacher_for()
+            if (error := unanswerable(svc.name, chunk, needs, router.teachers.values())) is not None:
+                return error
+            # Only teachers that cannot answer it are usable: it waits for one that can, as for any teacher.
+            if (waited == 0 and not any(u.can(needs) for u in router.usable())
+                    and (waited := time.monotonic() - started) >= self.opts.no_teacher_timeout):
+                return unanswerable(svc.name, chunk, needs, router.teachers.values(), waited)
             if waited >= self.opts.no_teacher_timeout or svc.pool.refused_all():
                 return None
             await router.wait_change(None if waited == 0 else self.opts.no_teacher_timeout - waited + 0.01)
 
-    def _reject(self, svc: Service, chunk: Chunk, reason: str) -> None:
-        """Fail this chunk's batch alone (the teachers stay): an error in its place in the training
-        loop, or with fallback="hard_labels" the batch without this service's outputs."""
+    def _reject(self, svc: Service, chunk: Chunk, reason: str, error: BatchRejectedError | None = None) -> None:
+        """Fail this chunk's batch alone (the teachers stay): an error (`error`, else one naming
+        `reason`) in its place in the training loop, or with fallback="hard_labels" the batch without
+        this service's outputs."""
         svc.release(chunk)
         if chunk.job.epoch == self.epoch and self.delivery.reject(
-                chunk, reason, hard_labels=self.opts.fallback == "hard_labels"):
+                chunk, reason, hard_labels=self.opts.fallback == "hard_labels", error=error):
             self.rejected_batches += 1
 
     def _no_teacher(self, svc: Service, chunk: Chunk) -> None:
@@ -271,7 +284,7 @@ class Dispatcher:
             return
         rows = sum(c.size for c in late)
         tried = frozenset().union(*(c.tried for c in late))
-        t = svc.router.pick(tried, rows)
+        t = svc.router.pick(tried, rows, self._needs(late[0]))
         if t is None:
             delay = svc.router.hedge_delay(self.opts.timeout, self.opts.hedge_s, self.opts.adaptive_hedge)
             if delay is not None and any(u.key not in tried for u in svc.router.usable()):
@@ -286,6 +299,11 @@ class Dispatcher:
             return
         self.hedges += len(late)
         self._send(svc, late, t)
+
+    def _needs(self, chunk: Chunk) -> Needs:
+        """What `chunk` asks a teacher to compute (computed once per parameter mapping and inputs)."""
+        job = chunk.job
+        return needs_of(self.opts.request_parameters if job.parameters is None else job.parameters, job.fields)
 
     def _request(self, chunks: list[Chunk], t: TeacherState) -> ChunkRequest:
         assert t.meta is not None

@@ -29,6 +29,7 @@ from distill.call_errors import (
     TeacherRefusedError,
     access_refused,
 )
+from distill.capabilities import offers_of
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
 from distill.options import ReaderOptions
 from distill.outputs import AUX_INPUTS
@@ -99,11 +100,13 @@ class TeacherPool:
                 meta = TeacherMetadata.from_record(entry.record)
                 if meta is not None and t.meta != meta:
                     router.set_metadata(t, meta)
+                router.set_offers(t, offers_of(entry.record))  # what it can compute: distill.capabilities
         for key, entry in wanted.items():
             if key in router.teachers or (entry.load is not None and entry.load.draining):
                 continue
             meta = TeacherMetadata.from_record(entry.record)
             t = router.add(key, entry.endpoint, self._connect(entry.endpoint, entry.record.tls), meta)
+            router.set_offers(t, offers_of(entry.record))
             log.info("teacher %s joined service %r", t.endpoint, self.service)
             if meta is None:
                 self._spawn(self._fetch_metadata(t), f"metadata-{t.endpoint}")

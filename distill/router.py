@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 import grpc
 
 from discovery.aio import deadline
+from distill.capabilities import Needs, Offers
 from distill.config import RouterConfig
 from distill.routing import PolicySpec, RouteRequest, RoutingPolicy, make_policy
 from distill.teacher_client import InferenceClient
@@ -144,6 +145,13 @@ class Router:
         batches by length (rows, not latency, set its limit), `max_limit` calls for any other."""
         return float(self.config.by_length_rows if t.by_length else self.config.max_limit)
 
+    def set_offers(self, t: TeacherState, offers: Offers) -> None:
+        """`t`'s record declares what it can compute (on joining, or a new record): chunks waiting for
+        a capable teacher look again."""
+        if offers != t.offers:
+            t.offers = offers
+            self.notify()
+
     def mark_incompatible(self, t: TeacherState, reason: str) -> None:
         if t.incompatible is None:
             log.error("teacher %s of service %r ejected: %s", t.endpoint, self.service, reason)
@@ -203,10 +211,12 @@ class Router:
         self.usable()
         return 0.0 if self._no_teacher_since is None else time.monotonic() - self._no_teacher_since
 
-    def pick(self, exclude: frozenset[str] = frozenset(), rows: int = 0) -> TeacherState | None:
-        """A teacher with a free slot, chosen by the routing policy among those not in `exclude`;
-        None when all are full or unusable. `rows`: the chunk's size, for the policy."""
-        free = [t for t in self.usable() if t.has_slot() and t.key not in exclude]
+    def pick(self, exclude: frozenset[str] = frozenset(), rows: int = 0, needs: Needs | None = None
+             ) -> TeacherState | None:
+        """A teacher with a free slot, chosen by the routing policy among those not in `exclude` whose
+        offers cover `needs` (`distill.capabilities`; None: any); None when all are full, unusable or
+        unable. `rows`: the chunk's size, for the policy."""
+        free = [t for t in self.usable() if t.has_slot() and t.key not in exclude and (needs is None or t.can(needs))]
         if not free:
             return None
         return self.policy.choose(free, RouteRequest(self.service, rows))

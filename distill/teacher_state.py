@@ -1,5 +1,6 @@
 """The router's record of one teacher instance: its client, in-flight limit, latency, health and
-counters, and the few questions asked of it alone (usable now? a free slot? what state, in words?).
+counters, what its record says it can compute (`offers`), and the few questions asked of it alone
+(usable now? a free slot? able to answer these needs? what state, in words?).
 The router (`distill.router`) owns these records and changes them on every outcome.
 """
 
@@ -9,6 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from distill.capabilities import ALL, Needs, Offers, covers
 from distill.teacher_client import InferenceClient
 from distill.types import TeacherMetadata
 
@@ -48,10 +50,15 @@ class TeacherState:
     samples: int = 0
     last_error: str = ""
     checked: set[tuple[object, ...]] = field(default_factory=set)
+    offers: Offers = ALL  # what its registry record declares it can compute (`distill.capabilities`)
 
     def usable(self, now: float) -> bool:
         return (not self.removed and self.meta is not None and self.incompatible is None and not self.needs_probe
                 and now >= self.ejected_until)
+
+    def can(self, needs: Needs) -> bool:
+        """Whether its offers cover a request's `needs` (`distill.capabilities.covers`)."""
+        return self.offers.complete or covers(self.offers, needs)
 
     @property
     def by_length(self) -> bool:
