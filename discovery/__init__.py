@@ -70,7 +70,10 @@ def open_registry(address: str | RegistryAddress, **etcd_options: Any) -> Regist
     """The registry an address names, by its scheme (:mod:`discovery.backends`): ``etcd://`` gives
     an :class:`EtcdRegistry` (``etcd_options`` are passed to it: ``ca_cert``, ``username``,
     ``timeout``, ...), ``static://`` a :class:`StaticRegistry` (which has no options; any given are
-    ignored). Raises ``ValueError`` for a malformed address, with the accepted forms in the message."""
+    ignored; its items may name engines, ``static://vllm://HOST:PORT,HOST:PORT``). Raises
+    ``ValueError`` for a malformed address, with the accepted forms in the message."""
+    if isinstance(address, str) and address.strip().lower().startswith("static://"):
+        return StaticRegistry(address)
     parsed = address if isinstance(address, RegistryAddress) else parse_address(address)
     registry: Registry = registry_class(parsed.scheme).from_address(parsed, **etcd_options)
     return registry

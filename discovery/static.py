@@ -2,8 +2,14 @@
 
 Why a backend at all: the student's code path stays the same whether teachers are discovered or
 listed by hand, so the router is tested once. The records carry only ``endpoint`` and
-``instance_id`` (= the endpoint); the student asks each teacher for its model metadata itself.
+``instance_id`` (= the item as listed); the student asks each teacher for its model metadata itself.
 Registering with a static registry does nothing (there is nowhere to register).
+
+An item may name an engine the student calls in its own protocol: ``vllm://HOST:PORT`` (vLLM's
+OpenAI server) or ``sglang://HOST:PORT`` (SGLang's native API), optionally with an HTTP path prefix
+(``vllm://HOST:PORT/PREFIX``); its record then carries ``protocol`` and ``path``. A bare
+``HOST:PORT`` (or ``kserve://HOST:PORT``) is a KServe v2 gRPC teacher. Engines and KServe teachers
+mix in one list: ``vllm://10.0.0.7:8000,10.0.0.8:9898``.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from discovery import keys
-from discovery.address import Endpoint, RegistryAddress, parse_address, parse_endpoints
+from discovery.address import Endpoint, RegistryAddress, parse_endpoint
 from discovery.backends import backend, shared_forms
 from discovery.base import (
     Registration,
@@ -31,7 +38,61 @@ from discovery.election import Election
 from discovery.errors import ElectionError, RegistryUnsupportedError
 from discovery.view import MeshView
 
-__all__ = ["StaticRegistry"]
+__all__ = ["ENGINE_PROTOCOLS", "StaticRegistry", "StaticTeacher", "parse_teachers"]
+
+ENGINE_PROTOCOLS = ("vllm", "sglang")
+"""The engines an item of a static list may name by scheme (``vllm://HOST:PORT``)."""
+_FORM = "[vllm://|sglang://]HOST:PORT[/PREFIX][,...] (e.g. vllm://10.0.0.7:8000,10.0.0.8:9898)"
+
+
+@dataclass(frozen=True)
+class StaticTeacher:
+    """One item of a static list: where the teacher listens, the protocol it speaks ("": KServe v2
+    gRPC) and, for an engine, its HTTP path prefix."""
+
+    endpoint: Endpoint
+    protocol: str = ""
+    path: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self.endpoint}{self.path}" if self.protocol else str(self.endpoint)
+
+    def record(self) -> TeacherRecord:
+        return TeacherRecord(instance_id=str(self), endpoint=str(self.endpoint), protocol=self.protocol,
+                             path=self.path)
+
+
+def parse_teachers(text: str) -> tuple[StaticTeacher, ...]:
+    """A static list (``static://`` prefix allowed), each item ``[PROTOCOL://]HOST:PORT[/PREFIX]``;
+    duplicates dropped, order kept. ValueError saying what is wrong and the accepted form."""
+    body = text.strip()
+    if body.lower().startswith("static://"):
+        body = body[len("static://"):]
+        if not body.strip(" /"):
+            raise ValueError(f"no endpoints after the scheme in {text!r}; expected static://{_FORM}")
+    out: list[StaticTeacher] = []
+    for part in body.split(","):
+        item = part.strip()
+        scheme, sep, rest = item.partition("://")
+        protocol, path = "", ""
+        if sep:
+            protocol = scheme.lower()
+            if protocol not in (*ENGINE_PROTOCOLS, "kserve"):
+                raise ValueError(f"unknown teacher scheme {scheme + '://'!r} in {item!r}; expected {_FORM}")
+            item, _, tail = rest.partition("/")
+            if tail.strip("/"):
+                if protocol == "kserve":
+                    raise ValueError(f"{part.strip()!r}: a KServe gRPC teacher has no path prefix; expected {_FORM}")
+                path = "/" + tail.strip("/")
+            protocol = "" if protocol == "kserve" else protocol
+        try:
+            endpoint = parse_endpoint(item)
+        except ValueError as e:
+            raise ValueError(f"bad teacher {part.strip()!r}: {e}; expected {_FORM}") from None
+        teacher = StaticTeacher(endpoint, protocol, path)
+        if teacher not in out:
+            out.append(teacher)
+    return tuple(out)
 
 log = logging.getLogger("discovery.static")
 
@@ -70,26 +131,25 @@ class StaticRegistry(Registry):
     """Teachers from a fixed ``host:port`` list; see the module docstring."""
 
     def __init__(self, endpoints: str | RegistryAddress | Iterable[str | Endpoint]) -> None:
+        teachers: tuple[StaticTeacher, ...]
         if isinstance(endpoints, RegistryAddress):
             if backend(endpoints.scheme).shared:  # static://, or another scheme listed as a fixed list
                 raise ValueError(f"StaticRegistry needs a static:// address, not {str(endpoints)!r}")
-            eps: tuple[Endpoint, ...] = endpoints.endpoints
+            teachers = tuple(StaticTeacher(ep) for ep in endpoints.endpoints)
         elif isinstance(endpoints, str):
-            eps = parse_address(endpoints).endpoints if "://" in endpoints else parse_endpoints(endpoints)
+            teachers = parse_teachers(endpoints)
         else:
-            out: list[Endpoint] = []
+            out: list[StaticTeacher] = []
             for item in endpoints:
-                for ep in (item,) if isinstance(item, Endpoint) else parse_endpoints(item):
-                    if ep not in out:
-                        out.append(ep)
-            eps = tuple(out)
-        if not eps:
+                for t in (StaticTeacher(item),) if isinstance(item, Endpoint) else parse_teachers(item):
+                    if t not in out:
+                        out.append(t)
+            teachers = tuple(out)
+        if not teachers:
             raise ValueError("StaticRegistry needs at least one host:port")
-        self.endpoints = eps
-        entries = {}
-        for ep in eps:
-            rec = TeacherRecord(instance_id=str(ep), endpoint=str(ep))
-            entries[str(ep)] = TeacherEntry(rec)
+        self.listed = teachers
+        self.endpoints = tuple(t.endpoint for t in teachers)
+        entries = {str(t): TeacherEntry(t.record()) for t in teachers}
         self._set = TeacherSet(entries, revision=0)
         self._watches: set[TeacherWatch] = set()
         self._closed = False
@@ -101,7 +161,7 @@ class StaticRegistry(Registry):
 
     @property
     def address(self) -> str:
-        return f"static://{','.join(str(e) for e in self.endpoints)}"
+        return f"static://{','.join(str(t) for t in self.listed)}"
 
     def __repr__(self) -> str:
         return f"StaticRegistry({self.address})"

@@ -15,8 +15,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from discovery.address import parse_address, parse_endpoints
+from discovery.address import parse_address
 from discovery.keys import validate_name
+from discovery.static import ENGINE_PROTOCOLS, parse_teachers
 
 __all__ = [
     "CACHE_MODES",
@@ -62,32 +63,31 @@ NONFINITE: tuple[str, ...] = ("error", "mask")
 OUTPUT_DTYPES: tuple[str, ...] = ("FP32", "FP16", "BF16")
 """The float types a reader may ask teachers to send their outputs in (FP16 / BF16 halve the bytes)."""
 
-_TEACHERS_FORM = "HOST:PORT[,HOST:PORT...] (e.g. 10.0.0.7:9898,10.0.0.8:9898)"
+_TEACHERS_FORM = "[vllm://|sglang://]HOST:PORT[,...] (e.g. 10.0.0.7:9898,vllm://10.0.0.8:8000)"
 _REGISTRY_FORM = "etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://10.0.0.5:2379)"
 
 def teacher_list(text: str) -> str:
     """A static teacher list, normalised to ``host:port,host:port`` (a ``static://`` prefix is allowed).
 
-    Parsing is ``discovery.address``'s, so the flag accepts exactly what the static registry does
-    (IPv6 in brackets, duplicates dropped).
+    Parsing is ``discovery.static``'s, so the flag accepts exactly what the static registry does
+    (IPv6 in brackets, duplicates dropped, engines named by scheme: ``vllm://host:port``).
     """
     text = text.strip()
-    if "://" in text:
+    scheme = text.partition("://")[0].lower() if "://" in text else ""
+    if scheme not in ("", "static", "kserve", *ENGINE_PROTOCOLS):
         try:
-            address = parse_address(text)
+            parse_address(text)
         except ValueError as e:
             raise ValueError(f"{e}; for --distill_teachers write {_TEACHERS_FORM}") from None
-        if address.scheme != "static":
-            raise ValueError(
-                f"--distill_teachers takes teacher addresses, {_TEACHERS_FORM}; "
-                f"for a registry use --distill_registry {_REGISTRY_FORM}"
-            )
-        return ",".join(address.hostports)
+        raise ValueError(
+            f"--distill_teachers takes teacher addresses, {_TEACHERS_FORM}; "
+            f"for a registry use --distill_registry {_REGISTRY_FORM}"
+        )
     try:
-        endpoints = parse_endpoints(text)
+        teachers = parse_teachers(text)
     except ValueError as e:
-        raise ValueError(f"bad teacher list {text!r}: {e} (expected {_TEACHERS_FORM})") from None
-    return ",".join(str(ep) for ep in endpoints)
+        raise ValueError(f"bad teacher list {text!r}: {e}") from None
+    return ",".join(str(t) for t in teachers)
 
 
 def registry_address(text: str) -> str:
