@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from distill.outputs import AUX_INPUTS, VALID_ROWS
 from distill.teacher_client import MalformedAnswerError
 from distill.types import FieldArray, OutputCache, ParameterValue, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
+
+if TYPE_CHECKING:
+    from distill.routing_rows import RoutedBatch
 
 log = logging.getLogger("distill.reader")
 
@@ -158,6 +161,9 @@ class Job:
     # A submitted batch's own request parameters (its temperature, `DistillReader.submit`); None:
     # the reader's. Only batches with the same parameters share a request (distill.bundles).
     parameters: Mapping[str, ParameterValue] | None = None
+    # With route_by: the routed batch this job belongs to (distill.routing_rows), as the whole batch or
+    # as one service's rows of it; None when every row goes to every service.
+    routed: RoutedBatch | None = None
 
     @property
     def sent(self) -> int:
@@ -214,6 +220,7 @@ class Delivery:
         self.end_seq: int | None = None
         self.row_bytes = 0.0  # the most bytes a row of an answered batch has held: its teacher inputs and outputs
         self.on_row_bytes: Callable[[], None] | None = None  # called when row_bytes grows (the read-ahead's bound)
+        self.routed = False  # route_by: each row from its own service, one dict of outputs per batch
 
     def reset(self, epoch: int) -> None:
         self.epoch = epoch

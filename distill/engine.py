@@ -56,12 +56,15 @@ from distill.batches import (
 )
 from distill.cache.errors import require_store
 from distill.dispatch import Dispatcher
+from distill.errors import BatchRejectedError
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
 from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
+from distill.routing_keys import RoutePlan, RouteTable
+from distill.routing_rows import check_routed_outputs, route_job
 from distill.service import Service
-from distill.stats import ConsumptionMeter, ReaderStats, demand_report, reader_stats
+from distill.stats import ConsumptionMeter, ReaderStats, RoutedRows, demand_report, reader_stats
 from distill.teacher_client import (
     grpc_connector,
 )
@@ -104,6 +107,11 @@ class Engine:
         self.cache: OutputCache | None = None  # opened in start() when options.cache is set
         self._watch = CallWatch(self._spawn_aux)  # calls in flight per teacher; late ones, hung teachers
         self._dispatcher = Dispatcher(options, self._delivery, self._watch, self._spawn, self._fatal)
+        # route_by: each row to its own service (distill.routing_keys), its counters and demand shares.
+        self.routes = (RouteTable(options.route_by, options.services, options.route_map, options.default_teacher)
+                       if options.route_by is not None else None)
+        self._routed = RoutedRows(options.services) if self.routes is not None else None
+        self._delivery.routed = self.routes is not None
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,8 +130,9 @@ class Engine:
             self._spawn(svc.pool.follow(watch), f"watch-{svc.name}")
             self._spawn(self._dispatcher.run(svc), f"dispatch-{svc.name}")
             if opts.registry and not opts.static:
-                demand = registry.publish_demand(svc.name, demand_report(opts.student_id, self._meter, svc.router),
-                                                 student_id=opts.student_id)
+                share = None if self._routed is None else functools.partial(self._routed.share, svc.name)
+                demand = registry.publish_demand(svc.name, demand_report(opts.student_id, self._meter, svc.router,
+                                                                         share), student_id=opts.student_id)
                 await demand.__aenter__()
                 self._closing.append(demand)
         if opts.offline and opts.cache is not None:
@@ -134,6 +143,9 @@ class Engine:
             return
         for svc in self._services.values():
             await svc.pool.wait_first()
+        if self.routes is not None:  # one dict of outputs per batch: the services must answer alike
+            check_routed_outputs(opts, {s: t.meta for s, svc in self._services.items()
+                                        for t in list(svc.router.teachers.values())[:1] if t.meta is not None})
         if opts.cache is not None:
             await self._open_cache(os.fspath(opts.cache))
 
@@ -213,25 +225,49 @@ class Engine:
         self._delivery.ordered = False
 
     def submit(self, batch: Submitted, size: int, fields: dict[str, FieldArray], deadline_s: float,
-               parameters: Mapping[str, ParameterValue] | None = None) -> None:
+               parameters: Mapping[str, ParameterValue] | None = None, *, plan: RoutePlan | None = None) -> None:
         """Send one batch the training loop made (on the loop thread), its future settled once: with
         the outputs, the teachers' refusal, or a timeout at `deadline_s`. `parameters`: the batch's
-        own request parameters (None: the reader's)."""
+        own request parameters (None: the reader's); `plan`: its rows by service, with route_by."""
         job = Job(self.epoch, self._submitted, batch, size, fields, signature_of(fields), parameters=parameters)
         self._submitted += 1
         batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
-        self._offer([job])
+        self._offer([job], [plan])
 
-    def _offer(self, jobs: list[Job]) -> None:
-        """New batches (in order) to every service's dispatcher, all of a service's at once."""
+    def route(self, batch: Any, size: int, fields: dict[str, FieldArray], sent: Any = None) -> RoutePlan | None:
+        """A batch's rows by service with route_by (any thread), else None; RouteKeyError for a row
+        that names no teacher."""
+        return None if self.routes is None else self.routes.plan(batch, size, fields, sent)
+
+    def _offer(self, jobs: list[Job], plans: list[RoutePlan | None] | None = None) -> None:
+        """New batches (in order) to every service's dispatcher, all of a service's at once; with
+        route_by (`plans`), each service gets its rows of each batch only."""
         if jobs and (rows := max(job.sent for job in jobs)) > self._batch_rows:
             self._batch_rows = rows
             if self.opts.prefetch is None:
                 self._resize()
+        if self._routed is not None and plans is not None:
+            self._offer_routed(jobs, plans)
+            return
         for svc in self._services.values():
             for job in jobs:
                 job.remaining[svc.name] = job.sent
             self._dispatcher.offer(svc, [Chunk(job, svc.name, 0, job.sent) for job in jobs])
+
+    def _offer_routed(self, jobs: list[Job], plans: list[RoutePlan | None]) -> None:
+        assert self._routed is not None
+        chunks: dict[str, list[Chunk]] = {s: [] for s in self._services}
+        for job, plan in zip(jobs, plans, strict=True):
+            if plan is None:  # its rows named no teacher: refused in its place (job.error is set)
+                self._delivery.maybe_complete(job)
+                continue
+            self._routed.add({g.service: (g.size, g.tokens) for g in plan.groups})
+            for part in route_job(job, plan):
+                service = next(iter(part.remaining))
+                chunks[service].append(Chunk(part, service, 0, part.sent))
+        for service, mine in chunks.items():
+            if mine:
+                self._dispatcher.offer(self._services[service], mine)
 
     def _expire(self, job: Job, deadline_s: float) -> None:
         if job.delivered or job.error is not None:
@@ -240,6 +276,8 @@ class Engine:
             f"submitted batch {job.seq} got no teacher answer within {deadline_s:g} s (retries and failover "
             "included); the teachers may be overloaded or gone: see reader.stats(), or submit it again")
         job.remaining = dict.fromkeys(job.remaining, 0)
+        if job.routed is not None:
+            job.routed.fail(job.error)
         self._delivery.maybe_complete(job)
 
     def consumed(self, epoch: int) -> None:
@@ -260,15 +298,23 @@ class Engine:
 
         cache = self.cache
 
-        def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None] | object:
+        def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None, Any] | object:
             try:
                 batch = next(iterator)
             except StopIteration:
                 return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            if cache is None:
-                return batch, size, fields, None
-            return batch, size, *cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
+            cached = None
+            if cache is not None:
+                fields, cached = cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
+            if self.routes is None or (cached is not None and cached.all_hit):
+                return batch, size, fields, cached, None
+            try:  # each row's service, here on the loader thread
+                plan: RoutePlan | BatchRejectedError = self.routes.plan(
+                    batch, size, fields, None if cached is None else cached.miss_indices)
+            except BatchRejectedError as e:  # rows that name no teacher: this batch is refused in its place
+                plan = e
+            return batch, size, fields, cached, plan
 
         # The loader thread reads ahead on its own, a batch per free read-ahead slot (distill.readahead),
         # and the batches it read since the last look arrive here together.
@@ -279,17 +325,18 @@ class Engine:
         try:
             while True:
                 fresh: list[Job] = []  # the batches of this bunch that go to teachers, offered together
+                plans: list[RoutePlan | None] = []
                 for item in await feed.get():
                     if epoch != self.epoch:
                         return
                     if isinstance(item, Failed) or item is END_OF_LOADER:
-                        self._offer(fresh)
+                        self._offer(fresh, plans)
                         if isinstance(item, Failed):  # the user's loader raised, or a batch could not be split
                             self._finish_with_error(epoch, seq, item.error)
                         else:
                             self._delivery.end_at(seq)
                         return
-                    batch, size, fields, cached = cast(tuple[Any, int, dict[str, FieldArray], Any], item)
+                    batch, size, fields, cached, plan = cast(tuple[Any, int, dict[str, FieldArray], Any, Any], item)
                     job = Job(epoch, seq, batch, size, fields, signature_of(fields), cached=cached)
                     seq += 1
                     if cached is not None:
@@ -298,8 +345,11 @@ class Engine:
                             self._dispatcher.fallback_batches += 1
                         if settled:
                             continue
+                    if isinstance(plan, BatchRejectedError):
+                        job.error, plan = plan, None
                     fresh.append(job)
-                self._offer(fresh)
+                    plans.append(plan)
+                self._offer(fresh, plans)
         finally:
             slots.close()  # the loader stops reading for this pass
 
@@ -344,6 +394,7 @@ class Engine:
                             fallback_batches=self.fallback_batches, retries=self.retries, hedges=self.hedges,
                             rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
                             bundled=self._dispatcher.bundled, read_ahead=self._slots.size,
+                            routed={} if self._routed is None else self._routed.snapshot(),
                             **(self.cache.counters() if self.cache is not None else {}))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

@@ -107,3 +107,20 @@ class NonFiniteOutputError(BatchRejectedError):
         self.service = service
         self.batch = batch
         self.rows = rows
+
+
+class RouteKeyError(BatchRejectedError):
+    """Rows of this batch name no teacher (``route_by``): their key is missing, or neither a service
+    nor a key of ``route_map``, and no ``default_teacher`` is set. Only this batch is lost, like any
+    `BatchRejectedError`; `key` is the first such key (None: missing) and `known` the teachers."""
+
+    def __init__(self, message: str, *, key: object, known: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.known = known
+
+
+class RoutedOutputsMismatchError(TeacherMismatchError):
+    """With ``route_by`` the rows of one batch come from several teacher services and are delivered as
+    one dict, so the services must answer the same outputs (names, dtypes, per-sample shapes after
+    the reader's transforms); raised at start, naming the first difference."""

@@ -52,6 +52,7 @@ from distill.config import ClientTLS, RouterConfig
 from distill.declare import Flag, declared, document, option, read_flags
 from distill.headers import HeaderArg, headers_from_flags, headers_map
 from distill.routing import PolicySpec, policy_spec
+from distill.routing_keys import check_route_options
 from distill.types import ParameterValue
 
 if TYPE_CHECKING:  # imported where used: the flags (distill --help) need no torch
@@ -245,6 +246,15 @@ class ReaderOptions:
     key: str | int | None = option(
         None, help="the batch field (a dict key, or a tuple position) holding each sample's key in the store: a "
         "dataset index or a content hash; required with cache")
+    route_by: str | int | None = option(
+        None, help="with several services: the batch field (or tuple position) naming each row's teacher, a service "
+        "name or a route_map key; each row goes to its own teacher and the outputs come back as one dict in row order "
+        "(distill.routing_keys)", flag=Flag(metavar="FIELD"))
+    route_map: Mapping[Any, str] = option(default_factory=dict, check=lambda m: dict(m or {}),
+                                          help="route keys (int labels, aliases) -> service, for route_by")
+    default_teacher: str | None = option(
+        None, help="with route_by: the service for rows whose key is missing or unknown (default: such a batch is "
+        "refused with RouteKeyError)", flag=Flag(metavar="SERVICE"))
     routing: PolicySpec = option(  # noqa: RUF009 (option() is dataclasses.field)
         "power_of_two", check=policy_spec,
         help="how the router picks among the teachers that may take a chunk (distill.routing): 'power_of_two' "
@@ -341,6 +351,7 @@ class ReaderOptions:
                 raise ValueError(f"parameters: {name!r} has an option of its own: pass {wired[name]}= instead")
         if values["topk_tail"] and not values["top_k"]:
             raise ValueError("topk_tail=True is the probability mass outside the top-k: ask for top_k=K too")
+        check_route_options(self.route_by, values["route_map"], self.default_teacher, services)
         if self.cache is None:
             return
         if self.key is None:
@@ -348,7 +359,7 @@ class ReaderOptions:
                              "content hash), e.g. key='index'")
         if not isinstance(self.key, (str, int)):
             raise TypeError(f"key must be a batch field name or a tuple position, got {self.key!r}")
-        if len(services) > 1:
+        if len(services) > 1 and self.route_by is None:
             raise ValueError(f"cache= serves one teacher service; this reader has {len(services)} ({services}): "
                              "give each service's reader its own cache, or drop cache=")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -297,11 +298,17 @@ class DistillReader:
         size, fields = extract_inputs(batch, self._options.inputs)
         device = self._options.torch_device
         fut = ScoreFuture(size, self._meter.record, lambda outputs: as_device(outputs, device))
+        try:
+            plan = engine.route(batch, size, fields)  # with route_by: its rows by service, on this thread
+        except BatchRejectedError as e:  # rows that name no teacher
+            fut.set_exception(e)
+            return fut
         subs.add(fut)
         opts = self._options
         deadline = deadline_s if deadline_s is not None else opts.no_teacher_timeout + 2 * opts.timeout
         try:
-            loop.call_soon_threadsafe(engine.submit, Submitted(fut), size, fields, deadline, parameters)
+            loop.call_soon_threadsafe(functools.partial(
+                engine.submit, Submitted(fut), size, fields, deadline, parameters, plan=plan))
         except RuntimeError as e:  # the loop closed under us
             fut.set_exception(ReaderClosedError(f"the reader's engine stopped: {e}"))
         return fut

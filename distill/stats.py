@@ -46,6 +46,9 @@ class ReaderStats:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_written: int = 0
+    # With route_by: rows and tokens sent to each service since the reader started, {service: {"rows": n,
+    # "tokens": n}} (tokens: the attention mask's sum, else rows times the padded width).
+    routed: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class ConsumptionMeter:
@@ -86,11 +89,51 @@ class ConsumptionMeter:
         return samples / span, min(1.0, waited / span)
 
 
-def demand_report(student_id: str, meter: ConsumptionMeter, router: Router) -> Callable[[], registry_pb2.StudentDemand]:
-    """What this student publishes for the autoscaler, sampled when called."""
+class RoutedRows:
+    """Rows and tokens a routing reader sent to each service: totals for `reader.stats()`, and each
+    service's share of the rows over a sliding window, which scales the demand it publishes there
+    (the autoscaler grows each expert's pool by its own share of the student's samples)."""
+
+    def __init__(self, services: tuple[str, ...], window_s: float = 10.0) -> None:
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self.rows = dict.fromkeys(services, 0)
+        self.tokens = dict.fromkeys(services, 0)
+        self._events: collections.deque[tuple[float, dict[str, int]]] = collections.deque()
+
+    def add(self, counts: Mapping[str, tuple[int, int]]) -> None:
+        """One batch's (rows, tokens) per service."""
+        now = time.monotonic()
+        with self._lock:
+            for service, (rows, tokens) in counts.items():
+                self.rows[service] += rows
+                self.tokens[service] += tokens
+            self._events.append((now, {s: c[0] for s, c in counts.items()}))
+            while self._events and now - self._events[0][0] > self._window_s:
+                self._events.popleft()
+
+    def share(self, service: str) -> float:
+        """`service`'s share of the rows sent over the window (of all rows sent, before any)."""
+        with self._lock:
+            events = [e[1] for e in self._events] or [self.rows]
+            total = sum(sum(e.values()) for e in events)
+            mine = sum(e.get(service, 0) for e in events)
+        return mine / total if total else 1.0 / max(1, len(self.rows))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {s: {"rows": self.rows[s], "tokens": self.tokens[s]} for s in self.rows}
+
+
+def demand_report(student_id: str, meter: ConsumptionMeter, router: Router,
+                  share: Callable[[], float] | None = None) -> Callable[[], registry_pb2.StudentDemand]:
+    """What this student publishes for the autoscaler, sampled when called. `share`: with route_by,
+    the service's share of the rows, which scales the samples per second it is asked for."""
 
     def demand() -> registry_pb2.StudentDemand:
         rate, wait = meter.figures()
+        if share is not None:
+            rate *= share()
         now = time.monotonic()
         return registry_pb2.StudentDemand(
             student_id=student_id, samples_per_s=rate, wait_fraction=wait,
@@ -102,7 +145,7 @@ def demand_report(student_id: str, meter: ConsumptionMeter, router: Router) -> C
     return demand
 
 
-def reader_stats(meter: ConsumptionMeter, routers: Mapping[str, Router], **counters: int) -> ReaderStats:
+def reader_stats(meter: ConsumptionMeter, routers: Mapping[str, Router], **counters: Any) -> ReaderStats:
     """`DistillReader.stats()`: the meter's figures, every teacher's, and the engine's counters."""
     rate, wait = meter.figures()
     now = time.monotonic()

@@ -1,0 +1,168 @@
+"""A routed batch on the engine's side (``route_by``, see ``distill.routing_keys``): one job per
+service for that service's rows, each going through the service's pool exactly as a whole batch
+does (its queue, hedging, failover, exactly-once), and the answers put back in row order as ONE
+dict of outputs when the last service's rows are in.
+
+A batch whose rows all go to one service is sent as it is (no copy, no merge). A service's refusal,
+a timeout or rows of inf or NaN fail the whole batch (`BatchRejectedError` in its place); with
+``fallback="hard_labels"`` a service that cannot answer its rows turns the whole batch to hard
+labels (None outputs), since a batch with soft targets on some rows only would weigh its rows
+unevenly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from distill.batches import Delivery, Job, signature_of
+from distill.cache.reader_side import fit_width
+from distill.errors import BatchRejectedError, RoutedOutputsMismatchError
+from distill.options import ReaderOptions
+from distill.outputs import VALID_ROWS, base_output, per_sample_shape, wanted_outputs
+from distill.routing_keys import RoutePlan
+from distill.types import TeacherMetadata
+
+__all__ = ["RoutedBatch", "check_routed_outputs", "route_job"]
+
+MERGED = ""  # the key of a merged batch's one dict of outputs in `Job.outputs`
+
+
+def route_job(job: Job, plan: RoutePlan) -> list[Job]:
+    """The jobs that carry `job`'s rows, one per service that has rows (`Job.remaining` names it):
+    the batch itself when all its rows go to one service, else a job per service, the batch waiting
+    for them all."""
+    groups = plan.groups
+    if len(groups) == 1:
+        job.remaining = {groups[0].service: job.sent}
+        return [job]
+    routed = RoutedBatch(job, plan)
+    job.routed = routed
+    job.remaining = {g.service: g.size for g in groups}
+    return list(routed.parts.values())
+
+
+class RoutedBatch:
+    """A batch whose rows go to several services: its part per service, and the merge."""
+
+    def __init__(self, batch: Job, plan: RoutePlan) -> None:
+        self.batch = batch
+        self.rows = {g.service: torch.from_numpy(g.rows) for g in plan.groups}
+        self.parts: dict[str, Job] = {}
+        for g in plan.groups:
+            part = Job(batch.epoch, batch.seq, None, g.size, g.fields, signature_of(g.fields),
+                       parameters=batch.parameters, routed=self)
+            part.remaining = {g.service: g.size}
+            self.parts[g.service] = part
+        # The batch's padded width: the second dimension its sequence inputs share (None: none, or they differ).
+        widths = {f.array.shape[1] for f in batch.fields.values() if f.array.ndim >= 2}
+        self.width = widths.pop() if len(widths) == 1 else None
+
+    def part_done(self, part: Job, delivery: Delivery) -> None:
+        """A service's rows are answered (or failed): into the batch; its first error fails it, and the
+        parts still out are then dropped by their dispatchers."""
+        batch = self.batch
+        if batch.delivered:
+            return
+        service = next(iter(part.remaining))
+        if part.error is not None and batch.error is None:
+            batch.error = part.error
+        batch.outputs[service] = part.outputs.get(service)
+        batch.remaining[service] = 0
+        if batch.error is not None:
+            self.fail(batch.error)
+        delivery.maybe_complete(batch)
+
+    def fail(self, error: BaseException) -> None:
+        """The batch failed (a part's error, its deadline): nothing more is wanted of any part."""
+        self.batch.remaining = dict.fromkeys(self.batch.remaining, 0)
+        for part in self.parts.values():
+            if part.error is None and not part.delivered:
+                part.error = error
+
+    def merge(self) -> None:
+        """Every service answered: `Job.outputs` becomes one dict, each row in its place in the batch
+        (a store's stored rows in theirs), per-position outputs at the batch's own padded width."""
+        batch = self.batch
+        if batch.error is not None:
+            return
+        answers = [batch.outputs.get(service) for service in self.parts]
+        if any(a is None for a in answers):
+            batch.outputs = {MERGED: None}  # hard labels for the whole batch
+            return
+        parts = [(self.rows[s], a) for s, a in zip(self.parts, answers, strict=True) if a is not None]
+        names = [n for n in parts[0][1] if n != VALID_ROWS]
+        cached = batch.cached
+        partial = cached is not None and len(cached.miss_indices) != batch.size
+        miss = torch.from_numpy(cached.miss_indices) if partial and cached is not None else None
+        merged: dict[str, torch.Tensor] = {}
+        try:
+            for name in names:
+                merged[name] = self._merge_one(name, parts, miss)
+        except KeyError as e:
+            batch.error = BatchRejectedError(
+                f"batch {batch.seq}: the services answered different outputs ({e} is missing from one); the "
+                "teachers changed since the reader started: restart it, or route to teachers of the same outputs")
+            return
+        if any(VALID_ROWS in a for _, a in parts):
+            mask = torch.ones(batch.size, dtype=torch.bool)
+            for rows, a in parts:
+                if (valid := a.get(VALID_ROWS)) is not None:
+                    mask[rows if miss is None else miss[rows]] = valid
+            merged[VALID_ROWS] = mask
+        batch.outputs = {MERGED: merged}
+
+    def _merge_one(self, name: str, parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                   miss: torch.Tensor | None) -> torch.Tensor:
+        values = [a[name] for _, a in parts]
+        first = values[0]
+        if any(v.shape[1:] != first.shape[1:] for v in values) and first.ndim >= 2:
+            width = self.width or max(v.shape[1] for v in values)
+            values = [fit_width(v, width) for v in values]  # padded rows: each group at its own width
+        batch = self.batch
+        out = torch.empty((batch.size, *values[0].shape[1:]), dtype=first.dtype)
+        for (rows, _), value in zip(parts, values, strict=True):
+            out[rows if miss is None else miss[rows]] = value.to(first.dtype)
+        if miss is not None and batch.cached is not None:
+            out[torch.from_numpy(batch.cached.hit_indices)] = batch.cached.fit(name, values[0])
+        return out
+
+
+def _answer_layout(opts: ReaderOptions, meta: TeacherMetadata) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """The outputs a teacher answers this reader: name -> (datatype, per-sample shape), after the
+    reader's transforms (top-k, token log-probs, output dtype)."""
+    params = opts.request_parameters
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for name in wanted_outputs(tuple(opts.outputs or meta.outputs), params, inputs=tuple(opts.inputs)):
+        base = meta.outputs.get(base_output(name))
+        datatype = "?" if base is None else base.datatype
+        if opts.output_dtype and datatype in ("FP32", "FP16", "BF16", "FP64"):
+            datatype = opts.output_dtype
+        out[name] = (datatype, per_sample_shape(name, meta.outputs, params))
+    return out
+
+
+def check_routed_outputs(opts: ReaderOptions, metas: Mapping[str, TeacherMetadata]) -> None:
+    """Refuse, naming the first difference, services whose answers could not share one dict of outputs."""
+    layouts = {s: _answer_layout(opts, m) for s, m in metas.items()}
+    if len(layouts) < 2:
+        return
+    (first, want), *others = layouts.items()
+    for service, got in others:
+        if got.keys() != want.keys():
+            raise RoutedOutputsMismatchError(
+                f"route_by: service {service!r} answers outputs {sorted(got)} but {first!r} answers {sorted(want)}; "
+                "the rows of a batch come back as one dict, so every routed service must answer the same outputs: "
+                "pass outputs= naming the ones they share, or route to teachers of the same model family")
+        for name, (datatype, shape) in want.items():
+            other_dt, other_shape = got[name]
+            padded = shape is not None and other_shape is not None and len(shape) == len(other_shape) and all(
+                a == b or -1 in (a, b) for a, b in zip(shape, other_shape, strict=True))
+            if datatype != other_dt or not (shape == other_shape or padded):
+                raise RoutedOutputsMismatchError(
+                    f"route_by: output {name!r} is {other_dt} {list(other_shape or ())} per sample from service "
+                    f"{service!r} but {datatype} {list(shape or ())} from {first!r}; the rows of a batch come back "
+                    "as one tensor per output, so the routed services must agree: pass output_dtype= / top_k= to "
+                    "make them agree, or route to teachers of the same model family")
+
