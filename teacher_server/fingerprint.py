@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from teacher_server.config import ServerConfig
     from teacher_server.model import LoadedModel
 
-__all__ = ["CHUNK_BYTES", "DIGITS", "PREFIX", "compute", "of_files", "of_model"]
+__all__ = ["CHUNK_BYTES", "DIGITS", "PREFIX", "compute", "fingerprint", "of_files", "of_model", "of_source"]
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,18 @@ def _source_files(source: str) -> list[tuple[str, Path]] | None:
     return None
 
 
+def of_source(source: str, compute_dtype: str) -> str | None:
+    """The fingerprint of the model `source` (what --model names) loads in `compute_dtype`, from
+    its files; None when it names no files (a factory: its module is hashed instead)."""
+    files = _source_files(source)
+    return of_files(files, compute_dtype) if files else None
+
+
 def fingerprint(model: LoadedModel, source: str, compute_dtype: str,
                 model_args: Mapping[str, Any] | None = None) -> str:
     """The fingerprint of `model`, loaded from `source` (blocking: reads files or tensors)."""
-    files = _source_files(source)
-    if files:
-        return of_files(files, compute_dtype)
-    return of_model(model.module, {"source": source, "args": dict(model_args or {})}, compute_dtype)
+    return (of_source(source, compute_dtype)
+            or of_model(model.module, {"source": source, "args": dict(model_args or {})}, compute_dtype))
 
 
 async def compute(model: LoadedModel, config: ServerConfig) -> str:
