@@ -3,8 +3,8 @@
     distill top --registry etcd://10.0.0.5:2379                   # every service, refreshed every second
     distill top --registry etcd://10.0.0.5:2379 --service cv-teacher --once   # one snapshot, for scripts
 
-What it shows, per service: the teachers (endpoint, device, model and their latest published load:
-queue, in-flight, samples/s, busy %, measured capacity), the students (samples/s consumed, stall %,
+What it shows, per service: the teachers (endpoint, device, model, fingerprint, and their latest
+published load: queue, in-flight, samples/s, busy %, measured capacity), the students (samples/s consumed, stall %,
 in-flight chunks, teachers in use) and whatever the autoscaler keeps (the leader, and its last
 decision when it publishes one).
 

@@ -140,7 +140,7 @@ def describe_value(value: bytes, now: float | None = None) -> str:
 
 
 # Which teacher columns give way first on a narrow screen; SAMPLES/S, BUSY and CAPACITY/S never do.
-_TEACHER_DROP = ("INSTANCE", "LOAD AGE", "UP", "MAXB", "DEVICE", "INFLIGHT", "QUEUE", "STATE")
+_TEACHER_DROP = ("INSTANCE", "LOAD AGE", "FINGERPRINT", "UP", "MAXB", "DEVICE", "INFLIGHT", "QUEUE", "STATE")
 _TEACHER_SHRINK = ("MODEL", "ENDPOINT")
 
 
@@ -150,10 +150,13 @@ def _render_service(view: ServiceView, now: float, max_rows: int, width: int | N
     served = sum(ld.samples_per_s for ld in loads)
     demand = sum(d.samples_per_s for d in view.students)
     stall = sum(d.wait_fraction for d in view.students) / len(view.students) if view.students else 0.0
+    fingerprints = {t.record.fingerprint for t in view.teachers if t.record.fingerprint}
+    differ = (f"; {len(fingerprints)} different fingerprints (replicas serve other weights: distill "
+              "check-teachers)") if len(fingerprints) > 1 else ""
     lines = _fit(
         f"service {view.name}: {len(view.teachers)} teacher(s), serving {_rate(served)} samples/s of "
         f"{_rate(capacity) if capacity else '?'} measured capacity; {len(view.students)} student(s) consuming "
-        f"{_rate(demand)} samples/s, mean stall {_pct(stall)}", width)
+        f"{_rate(demand)} samples/s, mean stall {_pct(stall)}{differ}", width)
     if view.teachers:
         rows = []
         for t in view.teachers[:max_rows]:
@@ -167,10 +170,10 @@ def _render_service(view: ServiceView, now: float, max_rows: int, width: int | N
                 figures = [str(ld.queue_depth), str(ld.in_flight), _rate(ld.samples_per_s), _pct(ld.busy_fraction),
                            _rate(ld.capacity_samples_per_s) if ld.capacity_samples_per_s else "-", seen]
             state = "draining" if ld is not None and ld.draining else "serving"
-            rows.append([r.endpoint, t.instance_id, r.device or "-", model, str(r.max_batch_size), *figures, up,
-                         state])
-        lines += _table(["ENDPOINT", "INSTANCE", "DEVICE", "MODEL", "MAXB", "QUEUE", "INFLIGHT", "SAMPLES/S",
-                         "BUSY", "CAPACITY/S", "LOAD AGE", "UP", "STATE"], rows, left=4, width=width,
+            rows.append([r.endpoint, t.instance_id, r.device or "-", model, r.fingerprint or "-",
+                         str(r.max_batch_size), *figures, up, state])
+        lines += _table(["ENDPOINT", "INSTANCE", "DEVICE", "MODEL", "FINGERPRINT", "MAXB", "QUEUE", "INFLIGHT",
+                         "SAMPLES/S", "BUSY", "CAPACITY/S", "LOAD AGE", "UP", "STATE"], rows, left=5, width=width,
                         drop=_TEACHER_DROP, shrink=_TEACHER_SHRINK)
         if len(view.teachers) > max_rows:
             lines.append(f"  ... and {len(view.teachers) - max_rows} more teacher(s)")
