@@ -1,8 +1,8 @@
 """The probe of a KServe v2 gRPC engine (Triton, teacher-server): ready, and what its record says.
 
 Readiness is the protocol's own: ServerReady, then ModelReady of the model (``--model``, else the
-only one RepositoryIndex lists); the record's tensors, batch bound and by-length batching come from
-ModelMetadata and ModelConfig, so a student sees what it would see by asking the engine itself.
+only one RepositoryIndex lists); the record's tensors, batch bound, by-length batching and
+fingerprint come from ModelMetadata and ModelConfig, so a student sees what it would see by asking the engine itself.
 Every RPC has a deadline (``ProbeOptions.timeout``).
 
 Capabilities: a model whose ModelConfig carries a ``capabilities`` parameter (the JSON form of
@@ -19,7 +19,7 @@ from google.protobuf import json_format
 
 from discovery.aio import describe
 from protos import registry_pb2
-from protos.kserve import BY_LENGTH_PARAMETER, service_pb2, service_pb2_grpc
+from protos.kserve import BY_LENGTH_PARAMETER, FINGERPRINT_PARAMETER, service_pb2, service_pb2_grpc
 from teacher_server.registrar.engine import EngineAddress
 from teacher_server.registrar.errors import EngineNotReady
 from teacher_server.registrar.probes import Probe, ProbeOptions
@@ -95,6 +95,7 @@ class KServeProbe(Probe):
             max_batch_size=config.max_batch_size, device=self.options.device,
             instances=max(1, sum(g.count for g in config.instance_group)), tls=self.address.tls,
             batches_by_length=config.parameters[BY_LENGTH_PARAMETER].string_value == "true",
+            fingerprint=config.parameters[FINGERPRINT_PARAMETER].string_value,
         )
         for specs, out in ((meta.inputs, rec.inputs), (meta.outputs, rec.outputs)):
             for t in specs:

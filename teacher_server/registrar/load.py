@@ -69,13 +69,18 @@ class EngineFigures:
 
 
 def _totals(text: str) -> dict[str, float]:
-    """Each family's samples summed over their labels (``_created`` and histogram parts left out)."""
+    """Each gauge's and counter's samples summed over their labels, counters under their name
+    without ``_total`` (whether or not the TYPE line spells it); histograms, summaries and
+    ``_created`` samples are left out."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        own = {family.name, f"{family.name}_total"}
-        values = [s.value for s in family.samples if s.name in own]
-        if values:
-            totals[family.name] = sum(values)
+        if family.type in ("histogram", "gaugehistogram", "summary"):
+            continue
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            name = s.name[: -len("_total")] if s.name.endswith("_total") else s.name
+            totals[name] = totals.get(name, 0.0) + float(s.value)
     return totals
 
 

@@ -151,8 +151,11 @@ class VLLMProbe(HTTPProbe):
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise EngineNotReady(f"GET {self.address.base_url}/v1/models: no 'data' list in the answer")
-        served = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-        return self.record(self.choose_model(served, "/v1/models"))
+        cards = {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
+        name = self.choose_model(list(cards), "/v1/models")
+        record = self.record(name)
+        record.fingerprint = str(cards[name].get("fingerprint") or "")  # teacher-server's card has one; vLLM's not
+        return record
 
 
 class SGLangProbe(HTTPProbe):
