@@ -42,11 +42,12 @@ from distill.capabilities import (
 from distill.router import Router
 from distill.types import ChunkRequest, FieldArray, TeacherMetadata
 from protos import registry_pb2
+from teacher_server.launch import TeacherProcess
 from teacher_server.server import declared_capabilities
 from teacher_server.spec import ModelIO, TensorSpec
 from tests.etcd_fixtures import arun, unique_service
 from tests.hf_models import VOCAB, save_llama
-from tests.servers import teacher_process
+from tests.servers import REPO
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -199,9 +200,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "--max-batch-size", "4", "--max-queue-delay-us", "2000", "--metrics-port", "0"]
     with contextlib.ExitStack() as stack:
         etcd = stack.enter_context(LocalEtcd())
-        _, a = stack.enter_context(teacher_process(
-            [*args, "--registry", etcd.address, "--service", service, "--instance-id", "a-full"], logs))
-        _, b = stack.enter_context(teacher_process(args, logs))
+        teachers = [TeacherProcess(args, log=logs / name, cwd=REPO, ready_timeout=180, stop_grace=5.0)
+                    for name, args in (("a.log", [*args, "--registry", etcd.address, "--service", service,
+                                                   "--instance-id", "a-full"]), ("b.log", args))]
+        for teacher in teachers:  # both load at once
+            stack.callback(teacher.cleanup)
+            teacher.launch()
+        a, b = (teacher.wait_ready().ready for teacher in teachers)
         record = _registered(etcd.address, service)["a-full"]
         for name, instance in ((service, "b-limited"), (limited, "b-alone")):
             copy = registry_pb2.TeacherRecord()
