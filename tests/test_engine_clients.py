@@ -40,6 +40,10 @@ from tests.servers import ServerThread
 from tests.sglang_server import SglangServer, sglang_server
 from tests.vllm_env import VllmServer, vllm_server
 
+# The real vLLM's fixture builds the cached vLLM venv on a machine that lacks it (pip, minutes) and
+# starts vLLM (about two minutes on CPU): the first test that uses it pays both.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
 K = 5
 TOLERANCE = 1e-4
 READER = {"inputs": ["INPUT_IDS", "ATTENTION_MASK"], "outputs": ["LOGITS"], "top_k": K, "logprobs": True,
@@ -192,8 +196,13 @@ def test_what_an_engine_cannot_compute_is_refused_naming_it(sglang: SglangServer
     data = batches()[:1]
     listed = f"sglang://{sglang.address}"
     served = sglang.requests
-    for options, missing in (({"token_ranks": True}, "token_ranks"), ({"top_k": 0, "topk_tail": None, "token_logprobs": None}, "dense"),
-                             ({"temperature": 2.0}, "temperature 2.0"), ({"logprobs": None}, "raw logits")):
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"token_ranks": True}, "token_ranks"),
+        ({"top_k": 0, "topk_tail": None, "token_logprobs": None}, "dense"),
+        ({"temperature": 2.0}, "temperature 2.0"),
+        ({"logprobs": None}, "raw logits"),
+    ]
+    for options, missing in refused:
         with DistillReader(data, teachers=listed, **{**READER, **options}) as reader, \
                 pytest.raises(BatchRejectedError) as caught:
             next(iter(reader))
