@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 import grpc
 
 from discovery.aio import deadline
-from distill.capabilities import Needs, Offers
+from distill.capabilities import Needs, Offers, describe_offers
 from distill.config import RouterConfig
 from distill.routing import PolicySpec, RouteRequest, RoutingPolicy, make_policy
 from distill.teacher_client import InferenceClient
@@ -434,7 +434,7 @@ class Router:
                 "latency_ms": round(t.ewma_s * 1000, 2),
                 "ok": t.ok, "errors": t.errors, "samples": t.samples, "usable": t.usable(now),
                 "last_error": t.last_error, "state": t.describe(), "ejections": t.ejections,
-                "overloaded": t.overloaded_count,
+                "overloaded": t.overloaded_count, "offers": describe_offers(t.offers),
             }
             for t in self.teachers.values()
         }

@@ -236,6 +236,9 @@ def _read(mesh: dict[str, Any], n: int, scored: bool = False, **options: Any) ->
     with DistillReader(_batches(n, scored), registry=mesh["etcd"].address, service=mesh["service"], inputs=inputs,
                        outputs=["LOGITS"], timeout=30.0, **options) as reader:
         seen = [int(batch["i"][0]) for batch, _ in reader]
+        offers = {endpoint: t["offers"] for endpoint, t in reader.stats().teachers[mesh["service"]].items()}
+    full = f"kserve: top_k<={VOCAB}, topk_tail, token_logprobs, SCORE_IDS, whole outputs"
+    assert offers == {mesh["a"]["endpoint"]: full, mesh["b"]["endpoint"]: "kserve: top_k<=8, token_logprobs"}
     assert seen == list(range(n))
     return (_requests(mesh["a"]["metrics_port"]) - before[0], _requests(mesh["b"]["metrics_port"]) - before[1])
 
