@@ -132,7 +132,7 @@ def _until(check: Callable[[], _T | None], timeout: float, what: str, *logs: Pat
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    launch.stop(proc, grace=10.0)
+    launch.stop(proc, grace=60.0)
 
 
 class MetricsServer:
@@ -216,12 +216,17 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
         back = _until(lambda: _entries(etcd, service).get("r-vllm"), 120, "the record after a restart", reg_log,
                       engine_log)
         assert back.record.endpoint == f"127.0.0.1:{http_port}" and back.record.protocol == "vllm"
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as resp:
+            card = json.loads(resp.read())["data"][0]
+        assert back.record.fingerprint and back.record.fingerprint == card["fingerprint"]
+
+        registrar.send_signal(signal.SIGTERM)
+        assert registrar.wait(60) == 0, launch.log_tail(reg_log, 40)
+        assert _entries(etcd, service) == {}
     finally:
         _stop(registrar)
         if engine is not None:
             _stop(engine)
-    assert registrar.returncode == 0
-    assert _entries(etcd, service) == {}
 
 
 def test_real_vllm_registered_with_its_load_then_withdrawn_at_sigterm(etcd: LocalEtcd, vllm: VllmServer,

@@ -8,8 +8,8 @@ from its Prometheus metrics, and withdraws the record before the engine stops or
 answer. Modules, by job:
 
 * :mod:`~teacher_server.registrar.engine`: the ``--engine`` / ``--url`` an operator gives, parsed.
-* :mod:`~teacher_server.registrar.probes`, :mod:`~teacher_server.registrar.kserve_probe`: readiness,
-  health and the record, per engine.
+* :mod:`~teacher_server.registrar.probe`: what a probe answers; :mod:`~teacher_server.registrar.probes`
+  (vLLM, SGLang) and :mod:`~teacher_server.registrar.kserve_probe`: readiness, health and the record.
 * :mod:`~teacher_server.registrar.load`: metrics text to ``TeacherLoad``.
 * :mod:`~teacher_server.registrar.supervisor`: the loop (wait, register, watch, withdraw, drain).
 * :mod:`~teacher_server.registrar.child`: the engine as a child process (``-- COMMAND``).

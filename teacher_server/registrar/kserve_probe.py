@@ -22,7 +22,7 @@ from protos import registry_pb2
 from protos.kserve import BY_LENGTH_PARAMETER, FINGERPRINT_PARAMETER, service_pb2, service_pb2_grpc
 from teacher_server.registrar.engine import EngineAddress
 from teacher_server.registrar.errors import EngineNotReady
-from teacher_server.registrar.probes import Probe, ProbeOptions
+from teacher_server.registrar.probe import Probe, ProbeOptions
 
 __all__ = ["CAPABILITIES_PARAMETER", "KServeProbe"]
 

@@ -29,7 +29,7 @@ from protos import registry_pb2
 from teacher_server.registrar.child import EngineChild
 from teacher_server.registrar.errors import EngineExitedError, EngineNotReady, ReadyTimeoutError
 from teacher_server.registrar.load import LoadTracker
-from teacher_server.registrar.probes import Probe
+from teacher_server.registrar.probe import Probe
 
 __all__ = ["Registrar", "RegistrarOptions", "default_instance_id"]
 
