@@ -50,6 +50,7 @@ from distill.checks import (
 )
 from distill.config import ClientTLS, RouterConfig
 from distill.declare import Flag, declared, document, option, read_flags
+from distill.fingerprints import FINGERPRINT_CHANGES, fingerprint_change_choice, fingerprint_value
 from distill.headers import HeaderArg, headers_from_flags, headers_map
 from distill.routing import PolicySpec, policy_spec
 from distill.routing_keys import check_route_options
@@ -116,6 +117,14 @@ class ReaderOptions:
         "repository lists); needed with a Triton that restricts its model-repository API (PyTriton does by default)",
         flag=Flag(metavar="NAME", parse=model_name))
     model_version: str = option("", help="the model version to ask the teachers for (default: the teacher's)")
+    fingerprint: str | None = option(
+        None, help="use only teachers of this fingerprint (a digest of their weights, config, tokenizer and compute "
+        "dtype; distill check-teachers and distill top show it); default: the first teacher admitted fixes it for "
+        "the run", check=fingerprint_value, flag=Flag(metavar="FP"))
+    on_fingerprint_change: str = option(
+        "fail", help="when no teacher of the pinned fingerprint is left while teachers of another are live (a "
+        "finished rolling upgrade): raise FingerprintChangedError ('fail'), or go on with the new one ('switch')",
+        check=fingerprint_change_choice, flag=Flag(choices=FINGERPRINT_CHANGES))
     timeout: float = option(
         10.0, help="deadline for one chunk at one teacher, in seconds; a chunk that misses it is re-sent to another "
         "teacher", check=positive_float, flag=Flag(metavar="SECONDS", required=True))

@@ -49,6 +49,9 @@ class ReaderStats:
     # With route_by: rows and tokens sent to each service since the reader started, {service: {"rows": n,
     # "tokens": n}} (tokens: the attention mask's sum, else rows times the padded width).
     routed: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per service, the teachers' fingerprint this reader uses (distill.fingerprints): {service: {"pinned": fp,
+    # "refused": replicas refused for another fingerprint, "refused_endpoints": [...], "switches": n}}.
+    fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class ConsumptionMeter:

@@ -16,6 +16,8 @@ KEYS = {
     "registry",
     "service",
     "model",
+    "fingerprint",
+    "on_fingerprint_change",
     "parameters",
     "top_k",
     "output_dtype",
@@ -63,6 +65,8 @@ def test_static_teachers_with_defaults() -> None:
         "registry": None,
         "service": None,
         "model": None,
+        "fingerprint": None,
+        "on_fingerprint_change": "fail",
         "timeout": 10.0,
         "fallback": "error",
         "nonfinite": "error",
@@ -103,6 +107,8 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_teacher_batch_size", "128",
             "--distill_hedge_ms", "250",
             "--distill_model", "resnet50_trt",
+            "--distill_fingerprint", "fp-0123456789abcdef",
+            "--distill_on_fingerprint_change", "switch",
             "--distill_top_k", "20",
             "--distill_output_dtype", "bf16",
             "--distill_logprobs",
@@ -125,6 +131,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["teacher_batch_size"] == 128
     assert opts["hedge_after"] == pytest.approx(0.25)
     assert opts["model"] == "resnet50_trt"
+    assert opts["fingerprint"] == "fp-0123456789abcdef" and opts["on_fingerprint_change"] == "switch"
     assert opts["top_k"] == 20
     assert opts["output_dtype"] == "BF16"
     assert opts["logprobs"] is True and opts["temperature"] == 2.0 and opts["topk_tail"] is False
@@ -160,6 +167,8 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
         "--distill_model",
+        "--distill_fingerprint",
+        "--distill_on_fingerprint_change",
         "--distill_top_k",
         "--distill_output_dtype",
         "--distill_logprobs",
