@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from discovery import top
-from distill import gateway_cli
+from distill import check_teachers, gateway_cli
 from distill.cache import cli as cache_cli
 from teacher_server.registrar import cli as registrar_cli
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache_cli.add_parser(sub)
     cache_cli.add_record_parser(sub)
     gateway_cli.add_parser(sub)
+    check_teachers.add_parser(sub)
     registrar_cli.add_parser(sub)
     return parser
 
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cache_cli.record(args)
     if args.command == "gateway":
         return gateway_cli.run(args)
+    if args.command == "check-teachers":
+        return check_teachers.run(args)
     if args.command == "register":
         return registrar_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
