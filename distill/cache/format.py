@@ -38,6 +38,9 @@ _META_FORMAT = b"distill.cache.format"
 _META_SCHEMA_CRC = b"distill.cache.schema_crc32"  # schema metadata: CRC-32 of the schema's own description
 _META_RECORDS = b"distill.cache.record_crc32"  # a record batch's metadata: [[rows, CRC-32], ...] per record
 _META_KEY_TYPE = b"distill.cache.key_type"
+# A shard's schema: {service: fingerprint} of the teachers whose answers it holds (one per service:
+# a change of teacher starts a new shard); absent when they stated none (teacher_server.fingerprint).
+_META_FINGERPRINTS = b"distill.cache.teacher_fingerprints"
 _META_DTYPE = b"distill.dtype"
 _META_SHAPE = b"distill.shape"
 _MAX_KEY_BYTES = 65535  # bytes keys carry a 2-byte length in the index

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -182,6 +182,9 @@ class ReaderCache:
         self._sealed = threading.Condition()
         self.written_samples = 0
         self.write_error: BaseException | None = None
+        # The fingerprints of the teachers answering now, {service: fingerprint}, read at each write_back
+        # and recorded in the shards (the reader's engine sets it; None: not recorded).
+        self.fingerprints: Callable[[], Mapping[str, str]] | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_batches or WRITE_QUEUE_BATCHES)
         self._thread: threading.Thread | None = None
         if store is not None and mode != "read":
@@ -339,7 +342,7 @@ class ReaderCache:
             else:
                 rows[name] = t
         try:
-            self._queue.put_nowait((keys, rows))
+            self._queue.put_nowait((keys, rows, {} if self.fingerprints is None else dict(self.fingerprints())))
         except queue.Full:
             self.dropped_batches += 1
             if self.dropped_batches == 1 or self.dropped_batches % 100 == 0:
@@ -393,8 +396,9 @@ class ReaderCache:
                             self._seals_done += 1
                             self._sealed.notify_all()
                         continue
-                    keys, outputs = item
+                    keys, outputs, fingerprints = item
                     try:
+                        writer.set_fingerprints(fingerprints)
                         writer.append(keys, self._narrowed(outputs, narrow) if narrow else outputs)
                         self.written_samples += len(keys)
                     except CacheError as e:  # e.g. outputs whose shape changed: stop storing, keep training

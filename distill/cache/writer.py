@@ -8,6 +8,7 @@ fsynced, so a writer killed mid-shard leaves a ``.partial`` file that no reader 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import time
@@ -22,6 +23,7 @@ import torch
 from distill.cache.errors import SchemaMismatchError, StoreClosedError
 from distill.cache.format import (
     _DTYPES,
+    _META_FINGERPRINTS,
     _META_FORMAT,
     _META_KEY_TYPE,
     _META_NAMESPACE,
@@ -100,6 +102,16 @@ class ShardWriter:
         self._rows = 0
         self.sealed: list[Path] = []
         self._closed = False
+        self.fingerprints: dict[str, str] = {}  # see set_fingerprints()
+
+    def set_fingerprints(self, fingerprints: Mapping[str, str]) -> None:
+        """The fingerprints ({service: fingerprint}) of the teachers whose answers are appended from
+        now on, recorded in each shard's metadata. A shard holds one teacher's answers per service:
+        a change seals the shard open (it keeps the fingerprints it was written under)."""
+        wanted = {s: fp for s, fp in fingerprints.items() if fp}
+        if wanted != self.fingerprints:
+            self.seal()
+            self.fingerprints = wanted
 
     def append(self, keys: Any, outputs: Mapping[str, OutputValue]) -> None:
         """Append one batch: ``keys`` (N ints, or N bytes/str) and, per output, either a tensor
@@ -180,6 +192,8 @@ class ShardWriter:
             _META_FORMAT: f"{FORMAT_NAME}/{SHARD_FORMAT_VERSION}".encode(),
             _META_KEY_TYPE: self.store.key_type.encode(),
         }
+        if self.fingerprints:
+            meta[_META_FINGERPRINTS] = json.dumps(self.fingerprints, sort_keys=True).encode()
         key_type = pa.int64() if self.store.key_type == "int64" else pa.binary()
         fields = [pa.field(KEY_COLUMN, key_type, nullable=False)] + [s.arrow_field() for s in self._specs.values()]
         self._schema = with_schema_crc(pa.schema(fields, metadata=meta))
