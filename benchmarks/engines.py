@@ -1,0 +1,182 @@
+"""The Engines workload: what DistillReader and `distill gateway` cost over calling an engine directly.
+
+    .venv/bin/python -m benchmarks.engines [--reps 5] [--quick] [--engine vllm|teacher-server]
+
+One engine serves a tiny random Llama (2 layers, hidden 128, head size 64 so that vLLM's CPU
+backend serves it; the model is cheap, so the paths' own cost shows): a real vLLM from the cached
+vLLM venv (`benchmarks.vllm_env`, `--engine vllm`, the default) or teacher-server's own
+`/v1/completions` (`--engine teacher-server`, a quick stand-in). The same sequences (fixed seed)
+are scored, one sequence per engine request, `prompt_logprobs: k`, through
+
+  * direct:  the engine's `/v1/completions` with its own client (aiohttp, the request TRL's
+             `VLLMClient.get_sequence_logprobs` sends), JSON parsed;
+  * gateway: `distill gateway --teachers vllm://ENGINE`, the same requests to the gateway, which
+             calls the engine through its reader;
+  * reader:  DistillReader over batches of one sequence (`teachers="vllm://ENGINE"`, top-k
+             log-probs and the tokens' own log-probs), --clients batches in flight, tensors out.
+
+Per variant: tokens/s with --clients requests in flight, and milliseconds per sequence with one in
+flight. Variants are interleaved per repetition (A/B, then B/A); medians over repetitions are
+reported with each path's throughput relative to direct (goal: at least 0.95) and its added
+milliseconds per sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import format_table, machine_info, median, run_and_report
+from benchmarks.gateway import start_gateway, wait_healthy
+from benchmarks.vllm_json import Settings, draw, measure_json
+
+VARIANTS = ("direct", "gateway", "reader")
+MODEL_NAME = "tiny-llama"
+GOAL = 0.95
+
+
+def save_engine_teacher(directory: Path, vocab: int, context: int) -> None:
+    """The tiny random Llama with head size 64 (vLLM's CPU attention needs it)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=context, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(directory))
+
+
+@contextlib.contextmanager
+def engine(kind: str, directory: Path, tmp: Path) -> Iterator[str]:
+    """The engine's `host:port` while the block runs."""
+    if kind == "vllm":
+        from benchmarks.vllm_env import vllm_server
+
+        with vllm_server(directory, served_model_name=MODEL_NAME, log_dir=tmp) as server:
+            yield server.address
+        return
+    from teacher_server.launch import teacher_process
+
+    args = ["--model", f"hf:{directory}", "--name", MODEL_NAME, "--device", "cpu", "--http-port", "0"]
+    with teacher_process(args, log=tmp / "teacher.log", ready_timeout=300, stop_grace=10) as (_, info):
+        yield f"127.0.0.1:{info['http_port']}"
+
+
+def read_all(reader: Any) -> int:
+    """One pass of the reader; the positions of top-k it delivered."""
+    positions = 0
+    for _, outputs in reader:
+        positions += int(outputs["LOGITS_TOPK_VALUES"].shape[1])
+    return positions
+
+
+def run(s: Settings, kind: str) -> dict[str, Any]:
+    from distill import DistillReader
+
+    seqs = draw(s)
+    tokens = sum(len(q) for q in seqs)
+    batches = [{"INPUT_IDS": np.asarray([q], dtype=np.int64)} for q in seqs]
+    per_rep: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="engines-bench-") as name:
+        tmp = Path(name)
+        directory = tmp / "teacher"
+        save_engine_teacher(directory, s.vocab, max(s.max_len + 8, 64))
+        with engine(kind, directory, tmp) as address:
+            listed = f"vllm://{address}"
+            gateway, gateway_url = start_gateway(listed, tmp / "gateway.log")
+            options = {"teachers": listed, "inputs": ["INPUT_IDS"], "outputs": ["LOGITS"], "model": MODEL_NAME,
+                       "top_k": s.top_k, "logprobs": True, "token_logprobs": True, "timeout": 600.0}
+            readers = {n: DistillReader(batches, prefetch=n, **options) for n in sorted({s.clients, 1})}
+            try:
+                asyncio.run(wait_healthy(gateway_url, timeout=600))
+                urls = {"direct": f"http://{address}", "gateway": gateway_url}
+
+                def seconds(variant: str, clients: int) -> float:
+                    if variant == "reader":
+                        started = time.perf_counter()
+                        assert read_all(readers[clients]) == tokens
+                        return time.perf_counter() - started
+                    return asyncio.run(measure_json(urls[variant], seqs, replace(s, clients=clients)))[0]
+
+                for variant in VARIANTS:  # warm-up: connections, the readers' teachers, vLLM's graphs
+                    seconds(variant, s.clients)
+                    seconds(variant, 1)
+                for rep in range(s.reps):
+                    for variant in (VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))):
+                        m = {"tokens_per_s": tokens / seconds(variant, s.clients),
+                             "ms_per_sequence": seconds(variant, 1) / len(seqs) * 1000}
+                        per_rep[variant].append(m)
+                        print(f"rep {rep} {variant:8s} {m['tokens_per_s']:9,.0f} tokens/s  "
+                              f"{m['ms_per_sequence']:7.2f} ms/sequence", flush=True)
+            finally:
+                for reader in readers.values():
+                    reader.close()
+                gateway.terminate()
+                try:
+                    gateway.wait(20)
+                except subprocess.TimeoutExpired:
+                    gateway.kill()
+                    gateway.wait(10)
+                if gateway.stdout is not None:
+                    gateway.stdout.close()
+    summary = {v: {k: round(median([m[k] for m in ms]), 2) for k in ("tokens_per_s", "ms_per_sequence")}
+               for v, ms in per_rep.items()}
+    relative = {v: round(median([m["tokens_per_s"] / d["tokens_per_s"]
+                                 for m, d in zip(per_rep[v], per_rep["direct"], strict=True)]), 3)
+                for v in ("gateway", "reader")}
+    added = {v: round(median([m["ms_per_sequence"] - d["ms_per_sequence"]
+                              for m, d in zip(per_rep[v], per_rep["direct"], strict=True)]), 2)
+             for v in ("gateway", "reader")}
+    return {"benchmark": "engines", "engine": kind, "settings": s.__dict__, "tokens": tokens, "summary": summary,
+            "throughput_vs_direct": relative, "added_ms_per_sequence": added, "goal": GOAL,
+            "per_rep": per_rep, "machine": machine_info()}
+
+
+def report(doc: dict[str, Any]) -> str:
+    s = doc["settings"]
+    rows = [(v, x["tokens_per_s"], x["ms_per_sequence"], doc["throughput_vs_direct"].get(v, 1.0),
+             doc["added_ms_per_sequence"].get(v, 0.0)) for v, x in doc["summary"].items()]
+    head = (f"engine {doc['engine']}: {s['sequences']} sequences ({doc['tokens']} tokens), prompt_logprobs "
+            f"{s['top_k']}, {s['clients']} in flight (ms/sequence: 1 in flight), median of {s['reps']}; goal: "
+            f"throughput >= {doc['goal']} of direct")
+    return head + "\n" + format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms"], rows)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str]:
+    p = argparse.ArgumentParser(prog="benchmarks.engines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("vllm", "teacher-server"), default="vllm")
+    p.add_argument("--sequences", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=20, help="prompt_logprobs / top_k (at most 20, vLLM's default)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="8 short sequences, one repetition: a smoke test")
+    a = p.parse_args(argv)
+    if a.quick:
+        return Settings(sequences=8, min_len=16, max_len=32, top_k=a.top_k, clients=4, reps=1, quick=True), a.engine
+    return Settings(a.sequences, a.min_len, a.max_len, a.top_k, a.clients, a.reps), a.engine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    s, kind = parse_args(argv)
+    name = "engines_quick" if s.quick else f"engines_{kind.replace('-', '_')}"
+    return run_and_report(lambda: run(s, kind), name, report)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
