@@ -43,7 +43,9 @@ from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, save_llama, save_vllm_llam
 from tests.sglang_server import sglang_server
 from tests.vllm_env import VllmServer, vllm_server
 
-pytestmark = pytest.mark.timeout(600)  # engines load in processes of their own; a shared CI core is slow
+# Engines load in processes of their own, and the real vLLM's fixture may build the cached vLLM venv
+# (pip, minutes) before starting vLLM (minutes on CPU): the first test that uses it pays both.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 _T = TypeVar("_T")
 REPO = Path(__file__).resolve().parent.parent
