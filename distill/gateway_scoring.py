@@ -13,7 +13,7 @@ is a slice of it), and each prompt carries its body's `temperature` as a request
 (`reader.submit(batch, temperature=T)`; the teachers apply it per request), so one reader serves
 every body at every temperature at once: one student record and one demand figure in the registry
 (student id `<host-pid>-gateway`), and no reader is ever closed under a request while the gateway
-serves.
+serves. A gateway of several teachers has one `Scorer` (one reader, pool and demand) per teacher.
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ class Scorer:
         return self._ready
 
     async def fingerprint(self) -> str:
-        """The fingerprint its usable teachers declare ("" when they declare none, or differ: a
-        fingerprint names one teacher, and the reader may answer from either)."""
+        """The fingerprint of the teachers that answer: the one the reader pinned for its service
+        (`distill.fingerprints`: it sends to no replica of another), "" while it knows none."""
         await self._check()
         return self._fingerprint
 
@@ -173,10 +173,9 @@ class Scorer:
         if reader is None and not self._closed:
             self._reader_task()  # the reader was dropped (its teachers went away): look for them again
         stats = None if reader is None else await asyncio.to_thread(reader.stats)
-        prints = set() if stats is None else {
-            str(t.get("fingerprint") or "") for ts in stats.teachers.values() for t in ts.values() if t.get("usable")}
+        pinned = [] if stats is None else [str(f.get("pinned") or "") for f in stats.fingerprints.values()]
         self._ready = stats is not None and stats.teachers_in_use > 0
-        self._fingerprint = prints.pop() if len(prints) == 1 else ""
+        self._fingerprint = pinned[0] if len(pinned) == 1 else ""
         self._ready_checked = time.monotonic()
 
     async def score(self, prompts: Sequence[Sequence[int]], temperature: float) -> list[Scored]:

@@ -36,6 +36,8 @@ from tests.test_gateway import START_S, call, gateway_process, teacher_args, wai
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.timeout(300)  # the first test to use `mesh` starts etcd, two teachers and a gateway
+
 SEEDS = {"math": 0, "code": 1}
 PROMPTS = [[5, 9, 30, 2, 77, 41], [12, 3, 40, 41]]
 
@@ -61,7 +63,7 @@ def mesh(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     service = unique_service("gw-math")
     with contextlib.ExitStack() as stack:
         etcd = stack.enter_context(LocalEtcd())
-        math_proc, _ = stack.enter_context(teacher_process(
+        _, math = stack.enter_context(teacher_process(
             teacher_args(model_dirs["math"], "--registry", etcd.address, "--service", service),
             tmp_path_factory.mktemp("math-teacher")))
         code_proc, code = stack.enter_context(teacher_process(teacher_args(model_dirs["code"]),
@@ -70,14 +72,26 @@ def mesh(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
             "--teacher", f"math={etcd.address}/{service}", "--teacher", f"code=127.0.0.1:{code['port']}",
             "--timeout", "5", "--no-teacher-timeout", "5"]))
         wait_for_status(base + "/health", 200, START_S)
-        yield {"base": base, "etcd": etcd, "service": service, "code_proc": code_proc, "math_proc": math_proc}
+        yield {"base": base, "etcd": etcd, "service": service, "code_proc": code_proc,
+               "http": {"math": f"http://127.0.0.1:{math['http_port']}", "code": f"http://127.0.0.1:{code['http_port']}"}}
+
+
+_LOGPROBS: dict[tuple[int, tuple[int, ...], float], torch.Tensor] = {}
+
+
+def logprobs(reference: torch.nn.Module, ids: list[int], temperature: float) -> torch.Tensor:
+    """`reference_logprobs`, computed once per model, prompt and temperature."""
+    key = (id(reference), tuple(ids), temperature)
+    if key not in _LOGPROBS:
+        _LOGPROBS[key] = reference_logprobs(reference, ids, temperature)
+    return _LOGPROBS[key]
 
 
 def assert_answers_like(answer: dict[str, Any], prompts: list[list[int]], reference: torch.nn.Module,
                         temperature: float, k: int) -> None:
     """Every prompt position's own-token and top-k log-probs equal `reference`'s at `temperature`."""
     for ids, c in zip(prompts, answer["choices"], strict=True):
-        logp = reference_logprobs(reference, ids, temperature)
+        logp = logprobs(reference, ids, temperature)
         assert c["prompt_logprobs"][0] is None
         for position in range(1, len(ids)):
             entries = c["prompt_logprobs"][position]
@@ -117,21 +131,23 @@ def test_each_model_and_each_base_url_answers_with_its_own_teacher(
         mesh: dict[str, Any], references: dict[str, torch.nn.Module]) -> None:
     base = mesh["base"]
     assert [m["id"] for m in call(base + "/v1/models")[1]["data"]] == ["math", "code"]
-    records = arun(_records(mesh["etcd"], mesh["service"]), 30)
+    # each teacher's fingerprint, from its own server (and math's registry record): the two models differ
+    prints = {name: call(url + "/v1/models")[1]["data"][0]["fingerprint"] for name, url in mesh["http"].items()}
+    assert [r.fingerprint for r in arun(_records(mesh["etcd"], mesh["service"]), 30)] == [prints["math"]]
+    assert prints["math"] and prints["code"] and prints["math"] != prints["code"]
     for name, other in (("math", "code"), ("code", "math")):
-        assert [m["id"] for m in call(f"{base}/teachers/{name}/v1/models")[1]["data"]] == [name]
+        (card,) = call(f"{base}/teachers/{name}/v1/models")[1]["data"]
+        assert (card["id"], card["fingerprint"]) == (name, prints[name])
         assert call(f"{base}/teachers/{name}/health")[0] == 200
         for url, body in ((base + "/v1/completions", {"model": name}),
                           (f"{base}/teachers/{name}/v1/completions", {"model": name}),
                           (f"{base}/teachers/{name}/v1/completions", {})):
             status, answer = call(url, {**body, "prompt": PROMPTS, "prompt_logprobs": 3, "temperature": 0.7})
             assert status == 200, answer
-            assert answer["model"] == name
+            assert (answer["model"], answer["system_fingerprint"]) == (name, prints[name])
             assert_answers_like(answer, PROMPTS, references[name], 0.7, 3)
             with pytest.raises(AssertionError):  # the two teachers differ: the other's values are not these
                 assert_answers_like(answer, PROMPTS, references[other], 0.7, 3)
-        if name == "math":  # the answering teacher's fingerprint, as it registered it (null when it gives none)
-            assert answer["system_fingerprint"] == (records[0].fingerprint or None)
 
 
 async def _records(etcd: LocalEtcd, service: str) -> list[Any]:
@@ -210,13 +226,13 @@ def test_trls_async_distillation_worker_scores_each_row_with_its_teacher(
         assert len(positions) == 1  # max_tokens 1: one generated token, scored by the row's teacher
         prompt = sequence[:positions[0]]
         for name in SEEDS:
-            logp = reference_logprobs(references[name], sequence, temperature)
+            logp = logprobs(references[name], sequence, temperature)
             top = logp[positions[0] - 1].topk(k)
             values = sample.teacher_topk_logprobs[positions[0], :k].tolist()
             same = (sample.teacher_topk_ids[positions[0], :k].tolist() == top.indices.tolist()
                     and values == pytest.approx(top.values.tolist(), abs=1e-4))
             assert same == (name == row["teacher_id"]), (name, row)
-        logp = reference_logprobs(references[row["teacher_id"]], prompt + completion, temperature)
+        logp = logprobs(references[row["teacher_id"]], prompt + completion, temperature)
         assert len(ids) == len(completion)
         for j, token in enumerate(completion):
             top = logp[len(prompt) + j - 1].topk(k)
