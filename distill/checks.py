@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from discovery.address import parse_address
+from discovery.backends import BACKENDS
 from discovery.keys import validate_name
 from discovery.static import ENGINE_PROTOCOLS, parse_teachers
 
@@ -74,11 +75,7 @@ def teacher_list(text: str) -> str:
     """
     text = text.strip()
     scheme = text.partition("://")[0].lower() if "://" in text else ""
-    if scheme not in ("", "static", "kserve", *ENGINE_PROTOCOLS):
-        try:
-            parse_address(text)
-        except ValueError as e:
-            raise ValueError(f"{e}; for --distill_teachers write {_TEACHERS_FORM}") from None
+    if scheme not in ("static", "kserve", *ENGINE_PROTOCOLS) and scheme in BACKENDS:
         raise ValueError(
             f"--distill_teachers takes teacher addresses, {_TEACHERS_FORM}; "
             f"for a registry use --distill_registry {_REGISTRY_FORM}"

@@ -24,6 +24,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from discovery.static import parse_teachers
 from distill import BatchRejectedError, DistillReader
 from distill.call_errors import (
     RequestRejectedError,
@@ -31,6 +32,7 @@ from distill.call_errors import (
     TeacherGoneError,
     TeacherOverloadedError,
 )
+from distill.checks import teacher_list
 from distill.engines import SglangClient, VllmClient, engine_client
 from distill.engines.rows import ENGINE_OUTPUTS
 from distill.types import ChunkRequest, FieldArray
@@ -297,6 +299,19 @@ def test_a_refused_connection_is_unavailable_and_metadata_comes_from_the_engine(
             await client.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_static_lists_name_engines_item_by_item() -> None:
+    listed = "vllm://127.0.0.1:8000,127.0.0.1:9898,sglang://h:30000/teachers/math/,kserve://h:9899,vllm://127.0.0.1:8000"
+    assert teacher_list(listed) == "vllm://127.0.0.1:8000,127.0.0.1:9898,sglang://h:30000/teachers/math,h:9899"
+    records = [t.record() for t in parse_teachers("static://" + listed)]
+    assert [(r.protocol, r.endpoint, r.path) for r in records] == [
+        ("vllm", "127.0.0.1:8000", ""), ("", "127.0.0.1:9898", ""), ("sglang", "h:30000", "/teachers/math"),
+        ("", "h:9899", "")]
+    for bad, said in (("triton://h:1", "unknown teacher scheme"), ("vllm://h", "has no port"),
+                      ("kserve://h:1/x", "no path prefix"), ("etcd://h:2379", "--distill_registry")):
+        with pytest.raises(ValueError, match=said):
+            teacher_list(bad)
 
 
 def _http(address: str) -> Any:

@@ -143,8 +143,9 @@ class EngineHTTP:
     async def healthy(self, route: str, timeout: float) -> bool:
         """Whether GET `route` answers 2xx; a refused or dropped connection raises TeacherCallError."""
         session = self._open()
+        extra: dict[str, Any] = {"server_hostname": self._server_name} if self._server_name else {}
         try:
-            async with session.get(self.base + route, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with session.get(self.base + route, timeout=aiohttp.ClientTimeout(total=timeout), **extra) as resp:
                 await resp.read()
                 return resp.status < 300
         except (TimeoutError, asyncio.TimeoutError):
