@@ -17,6 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, FINGERPRINT_PARAMETER, model_config_pb2, service_pb2
+from teacher_server.capabilities import CAPABILITIES_PARAMETER, capabilities_json
 from teacher_server.spec import ModelIO
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ def metadata_message(model: ServedModel, io: ModelIO) -> service_pb2.ModelMetada
 def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelConfig:
     """The model's configuration as Triton reports one: tensors, batching, instances, whether it
     batches padded rows by length (`BY_LENGTH_PARAMETER`) and its fingerprint
-    (`FINGERPRINT_PARAMETER`), both of which students read."""
+    (`FINGERPRINT_PARAMETER`), both of which students read, and what it can compute
+    (`CAPABILITIES_PARAMETER`, which a KServe registrar copies into the record)."""
     batching = model.batching
     cfg = model_config_pb2.ModelConfig(
         name=model.name, platform="pytorch_libtorch", backend="pytorch", max_batch_size=batching.max_batch_size,
@@ -57,6 +59,7 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
         cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
     if model.fingerprint:
         cfg.parameters[FINGERPRINT_PARAMETER].string_value = model.fingerprint
+    cfg.parameters[CAPABILITIES_PARAMETER].string_value = capabilities_json(io)  # as its registry record says
     gpu = model.device.type == "cuda"
     group = cfg.instance_group.add(
         name=f"{model.name}_0", count=model.instances,

@@ -31,6 +31,7 @@ from grpc_health.v1._async import HealthServicer
 from protos import registry_pb2
 from teacher_server import fingerprint, token_budget
 from teacher_server.batcher import DynamicBatcher
+from teacher_server.capabilities import declared_capabilities
 from teacher_server.config import ServerConfig
 from teacher_server.device_memory import device_memory_source
 from teacher_server.finishing import BusyClock
@@ -41,15 +42,12 @@ from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
 from teacher_server.model import LoadedModel, _probe, load_model, resolve_device
 from teacher_server.spec import ModelIO, SpecError
-from teacher_server.transform_checks import scoreable, token_input
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 # Calls gRPC may hold before the handler takes them (its default soft limit of 1,000 cancels the
 # excess). Each costs its request bytes; the lifecycle refuses beyond the batcher's queue at once.
 MAX_PENDING_CALLS = 100_000
-# The widest top-k a record declares (int32): a model whose class dimension is variable has no bound.
-UNBOUNDED_TOP_K = 2**31 - 1
 
 
 class TeacherServer:
@@ -393,19 +391,3 @@ def configure_torch_threads(threads: int | None, instances: int = 1) -> None:
         torch.set_num_threads(threads)
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, instances)))
-
-
-def declared_capabilities(io: ModelIO) -> registry_pb2.Capabilities:
-    """What this server can compute for a model with these tensors, as its registry record declares
-    it, so that students send it only requests it can answer (`distill.capabilities`). Every
-    transform runs in chunks of positions and the whole outputs are always available; top-k reaches
-    the widest class dimension (unbounded when a width is variable); the tail needs a floating
-    output with classes; token log-probs and SCORE_IDS need a padded token input and a floating
-    per-position output (as validation requires of a request). No text path: text_prompts false."""
-    widths = [s.shape[-1] for s in io.outputs if s.shape]
-    max_top_k = UNBOUNDED_TOP_K if any(w < 0 for w in widths) else min(max(widths, default=0), UNBOUNDED_TOP_K)
-    floating = any(s.shape and s.datatype.startswith(("FP", "BF")) for s in io.outputs)
-    scoring = io.padded and token_input(io) is not None and any(scoreable(s) for s in io.outputs)
-    return registry_pb2.Capabilities(
-        declared=True, max_top_k=max_top_k, token_logprobs=scoring, score_ids=scoring, text_prompts=False,
-        chunked=True, full_outputs=True, tail=max_top_k > 0 and floating)

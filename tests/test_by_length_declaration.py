@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,17 +56,23 @@ def _server(model: str, length_buckets: bool = True) -> ServerThread:
         batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000, length_buckets=length_buckets)))
 
 
+def _by_length(config: dict[str, Any]) -> dict[str, object]:
+    """The by-length declaration among a ModelConfig's parameters (it carries others: a fingerprint,
+    the capabilities)."""
+    return {k: v for k, v in config.get("parameters", {}).items() if k == BY_LENGTH_PARAMETER}
+
+
 def _declared(s: ServerThread) -> tuple[dict[str, object], dict[str, object], bool, bool]:
     """What the teacher says over gRPC (tritonclient), HTTP, its registry record, and what the
     student's client reads from it."""
     assert s.server is not None
     with tg.InferenceServerClient(s.url) as c:
         config = c.get_model_config("seq", as_json=True)["config"]
-        grpc_params = config.get("parameters", {})
+        grpc_params = _by_length(config)
         queue = int(config["dynamic_batching"]["default_queue_policy"]["max_queue_size"])
         assert queue == (2048 if grpc_params else 512), f"it says it queues {queue} requests"
     url = f"http://127.0.0.1:{s.server.http_port}/v2/models/seq/config"
-    http_params = json.loads(urllib.request.urlopen(url, timeout=10).read()).get("parameters", {})
+    http_params = _by_length(json.loads(urllib.request.urlopen(url, timeout=10).read()))
 
     async def fetch() -> bool:
         client = TeacherClient(s.url)

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+import tritonclient.grpc as tg
+from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
 from discovery import open_registry
@@ -42,8 +44,8 @@ from distill.capabilities import (
 from distill.router import Router
 from distill.types import ChunkRequest, FieldArray, TeacherMetadata
 from protos import registry_pb2
+from teacher_server.capabilities import CAPABILITIES_PARAMETER, declared_capabilities
 from teacher_server.launch import TeacherProcess
-from teacher_server.server import declared_capabilities
 from teacher_server.spec import ModelIO, TensorSpec
 from tests.etcd_fixtures import arun, unique_service
 from tests.hf_models import VOCAB, save_llama
@@ -251,6 +253,10 @@ def test_a_teacher_server_registers_its_capabilities(mesh: dict[str, Any]) -> No
     caps = a.capabilities
     assert (caps.declared, caps.max_top_k, caps.token_logprobs, caps.score_ids, caps.tail, caps.full_outputs,
             caps.chunked, caps.text_prompts) == (True, VOCAB, True, True, True, True, True, False)
+    # Its ModelConfig says the same (what `distill register --engine kserve` copies into a record).
+    with tg.InferenceServerClient(mesh["a"]["endpoint"]) as client:
+        parameters = client.get_model_config("llama", as_json=True)["config"]["parameters"]
+    assert json_format.Parse(parameters[CAPABILITIES_PARAMETER]["string_value"], registry_pb2.Capabilities()) == caps
 
 
 def test_plain_requests_use_both_teachers(mesh: dict[str, Any]) -> None:

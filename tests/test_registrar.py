@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import pytest
 import tritonclient.grpc as tg
+from google.protobuf import json_format
 
 from discovery import open_registry
 from discovery.base import TeacherEntry
@@ -36,6 +37,7 @@ from protos import registry_pb2
 from teacher_server import launch
 from teacher_server.registrar.engine import parse_engine
 from teacher_server.registrar.errors import EngineNotReady, RegistrarUsageError
+from teacher_server.registrar.kserve_probe import CAPABILITIES_PARAMETER
 from teacher_server.registrar.load import LoadTracker, read_figures
 from teacher_server.registrar.probes import ProbeOptions, make_probe
 from tests.etcd_fixtures import arun, unique_service
@@ -337,7 +339,10 @@ def test_kserve_engine_child_record_from_its_metadata_and_exit_when_it_dies(
         assert [(t.name, t.datatype, list(t.shape)) for t in rec.outputs] == [
             (t.name, t.datatype, list(t.shape)[1:]) for t in meta.outputs]
         assert rec.max_batch_size == config.max_batch_size > 0
-        assert rec.capabilities == registry_pb2.Capabilities(declared=True, max_top_k=0, full_outputs=True)
+        # teacher-server declares its capabilities in its ModelConfig, and the registrar copies them.
+        declared = config.parameters[CAPABILITIES_PARAMETER].string_value
+        assert rec.capabilities == json_format.Parse(declared, registry_pb2.Capabilities())
+        assert rec.capabilities.max_top_k > 0 and rec.capabilities.score_ids and rec.capabilities.declared
 
         os.kill(int(json.loads(ready.read_text())["pid"]), signal.SIGKILL)
         assert registrar.wait(30) == 1
