@@ -6,8 +6,9 @@ widest top-k, the sequence's own token log-probs, scores of a per-position id se
 top-k's tail mass, whole outputs (dense LOGITS) rather than reductions of them. A vLLM engine, for
 one, sends at most its `--max-logprobs` entries per position and never whole logits; a
 teacher-server computes every transform its model allows. A record that declares nothing (an older
-teacher-server, a Triton registered without capabilities, a teacher known only by a static
-host:port) is taken to offer everything its metadata declares, as before capabilities existed.
+teacher-server, a teacher known only by a static host:port) is taken to offer everything its
+metadata declares, as before capabilities existed; one that speaks an engine's protocol (a static
+``vllm://`` or ``sglang://`` item) what every engine's protocol carries (`ENGINE`).
 
 A request's needs follow from its request parameters (`top_k`, `token_logprobs`, `topk_tail`, by
 their wire names) and its auxiliary inputs (SCORE_IDS); it needs whole outputs when it asks for no
@@ -23,6 +24,7 @@ teacher's offers once per registry record, and whether offers cover needs once p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALL",
+    "ENGINE",
     "UNBOUNDED_TOP_K",
     "Needs",
     "NoCapableTeacherError",
@@ -91,6 +94,11 @@ class Offers:
 ALL = Offers()
 """The offers of a teacher that declares none: a teacher-server before capabilities, a static host:port."""
 
+ENGINE = Offers(score_ids=False, full_outputs=False)
+"""What an engine (vLLM, SGLang) offers when its record declares nothing (a static ``vllm://`` item):
+its protocol carries the prompt's top-k log-probs, own log-probs and so their tail, never whole
+logits nor scores of a given id set; its top-k bound (vLLM's ``--max-logprobs``) is not known here."""
+
 
 def offers_of(record: registry_pb2.TeacherRecord | None) -> Offers:
     """A teacher's offers from its registry record: its declared capabilities, or everything when it
@@ -100,7 +108,7 @@ def offers_of(record: registry_pb2.TeacherRecord | None) -> Offers:
     protocol = record.protocol or "kserve"
     caps = record.capabilities
     if not caps.declared:
-        return ALL if protocol == "kserve" else Offers(protocol)
+        return ALL if protocol == "kserve" else dataclasses.replace(ENGINE, protocol=protocol)
     return Offers(protocol, True, caps.max_top_k, caps.token_logprobs, caps.score_ids, caps.tail,
                   caps.full_outputs, caps.chunked, caps.text_prompts)
 
@@ -145,7 +153,7 @@ def _gaps(offers: Offers, needs: Needs) -> list[tuple[str, str]]:
     if needs.score_ids and not offers.score_ids:
         gaps.append(("score_ids", SCORE_IDS.name))
     if needs.full_outputs and not offers.full_outputs:
-        gaps.append(("full_outputs", "whole outputs"))
+        gaps.append(("full_outputs", "dense outputs"))
     return gaps
 
 
@@ -165,13 +173,13 @@ def describe_needs(needs: Needs) -> str:
     """A request's needs in words: "top_k 64, token_logprobs, SCORE_IDS"."""
     parts = [f"top_k {needs.top_k}"] if needs.top_k else []
     parts += [name for name, on in (("topk_tail", needs.tail), ("token_logprobs", needs.token_logprobs),
-                                    (SCORE_IDS.name, needs.score_ids), ("whole outputs", needs.full_outputs)) if on]
+                                    (SCORE_IDS.name, needs.score_ids), ("dense outputs", needs.full_outputs)) if on]
     return ", ".join(parts) or "nothing beyond its model"
 
 
 def describe_offers(offers: Offers) -> str:
     """A teacher's offers in words: "vllm: top_k<=20, token_logprobs"."""
-    if not offers.declared:
+    if not offers.declared and offers.complete:
         return f"{offers.protocol}: everything its metadata declares (no capabilities declared)"
     parts = []
     if offers.max_top_k >= UNBOUNDED_TOP_K:
@@ -179,7 +187,7 @@ def describe_offers(offers: Offers) -> str:
     elif offers.max_top_k:
         parts.append(f"top_k<={offers.max_top_k}")
     parts += [name for name, on in (("topk_tail", offers.tail), ("token_logprobs", offers.token_logprobs),
-                                    (SCORE_IDS.name, offers.score_ids), ("whole outputs", offers.full_outputs),
+                                    (SCORE_IDS.name, offers.score_ids), ("dense outputs", offers.full_outputs),
                                     ("text prompts", offers.text_prompts)) if on]
     return f"{offers.protocol}: {', '.join(parts) or 'nothing'}"
 

@@ -91,6 +91,11 @@ def test_offers_come_from_the_record_and_default_to_everything() -> None:
     assert not offers.complete and ALL.complete
     assert describe_offers(offers) == "vllm: top_k<=20, token_logprobs"
     assert "everything" in describe_offers(ALL)
+    static_engine = offers_of(registry_pb2.TeacherRecord(endpoint="127.0.0.1:3", protocol="sglang"))
+    assert (static_engine.protocol, static_engine.declared, static_engine.score_ids, static_engine.full_outputs,
+            static_engine.token_logprobs, static_engine.max_top_k) == ("sglang", False, False, False, True,
+                                                                       UNBOUNDED_TOP_K)
+    assert describe_offers(static_engine) == "sglang: top_k, topk_tail, token_logprobs"
 
 
 def test_missing_names_each_gap() -> None:
@@ -98,7 +103,7 @@ def test_missing_names_each_gap() -> None:
     assert missing(engine, Needs(top_k=64, token_logprobs=True, score_ids=True)) == [
         "top_k 64 > its max 20", "SCORE_IDS"]
     assert missing(engine, Needs(top_k=8, tail=True)) == ["topk_tail"]
-    assert missing(engine, Needs(full_outputs=True)) == ["whole outputs"]
+    assert missing(engine, Needs(full_outputs=True)) == ["dense outputs"]
     assert missing(Offers("kserve", True, 0, False, False, False, True), Needs(top_k=2)) == ["top_k"]
     assert missing(engine, Needs(top_k=20, token_logprobs=True)) == []
     assert covers(engine, Needs(top_k=20)) and not covers(engine, Needs(top_k=21))
@@ -239,7 +244,7 @@ def _read(mesh: dict[str, Any], n: int, scored: bool = False, **options: Any) ->
                        outputs=["LOGITS"], timeout=30.0, **options) as reader:
         seen = [int(batch["i"][0]) for batch, _ in reader]
         offers = {endpoint: t["offers"] for endpoint, t in reader.stats().teachers[mesh["service"]].items()}
-    full = f"kserve: top_k<={VOCAB}, topk_tail, token_logprobs, SCORE_IDS, whole outputs"
+    full = f"kserve: top_k<={VOCAB}, topk_tail, token_logprobs, SCORE_IDS, dense outputs"
     assert offers == {mesh["a"]["endpoint"]: full, mesh["b"]["endpoint"]: "kserve: top_k<=8, token_logprobs"}
     assert seen == list(range(n))
     return (_requests(mesh["a"]["metrics_port"]) - before[0], _requests(mesh["b"]["metrics_port"]) - before[1])
