@@ -395,6 +395,13 @@ class Delivery:
         if job.delivered or any(job.remaining.values()):
             return False
         refused = self.refuse_nonfinite and job.error is None and self._refused_nonfinite(job)
+        if job.routed is not None:
+            if job.routed.batch is not job:  # one service's rows: into the batch, which completes when all are in
+                job.delivered = True
+                job.fields = {}
+                job.routed.part_done(job, self)
+                return refused
+            job.routed.merge()
         self._measure(job)
         job.fields = {}  # the inputs are no longer needed; free them before the loop takes the batch
         self._write_back(job)
@@ -448,4 +455,6 @@ class Delivery:
         self.sink.batch(job.epoch, job.batch, self._outputs_of(job), job.size)
 
     def _outputs_of(self, job: Job) -> Any:
-        return dict(job.outputs) if len(self.services) > 1 else next(iter(job.outputs.values()))
+        if len(self.services) > 1 and not self.routed:
+            return dict(job.outputs)
+        return next(iter(job.outputs.values()))

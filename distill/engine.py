@@ -234,10 +234,10 @@ class Engine:
         batch.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, job, deadline_s)
         self._offer([job], [plan])
 
-    def route(self, batch: Any, size: int, fields: dict[str, FieldArray], sent: Any = None) -> RoutePlan | None:
+    def route(self, batch: Any, size: int, fields: dict[str, FieldArray]) -> RoutePlan | None:
         """A batch's rows by service with route_by (any thread), else None; RouteKeyError for a row
         that names no teacher."""
-        return None if self.routes is None else self.routes.plan(batch, size, fields, sent)
+        return None if self.routes is None else self.routes.plan(self.routes.which(batch, size), fields)
 
     def _offer(self, jobs: list[Job], plans: list[RoutePlan | None] | None = None) -> None:
         """New batches (in order) to every service's dispatcher, all of a service's at once; with
@@ -296,7 +296,7 @@ class Engine:
             self._finish_with_error(epoch, 0, e)
             return
 
-        cache = self.cache
+        cache, key = self.cache, self.opts.key
 
         def next_batch() -> tuple[Any, int, dict[str, FieldArray], StoredRows | None, Any] | object:
             try:
@@ -304,17 +304,20 @@ class Engine:
             except StopIteration:
                 return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            cached = None
-            if cache is not None:
-                fields, cached = cache.rows_to_send(batch, size, fields)  # only misses go to a teacher
-            if self.routes is None or (cached is not None and cached.all_hit):
+            routes, which, cached = self.routes, None, None
+            if routes is not None:
+                try:  # each row's service, here on the loader thread
+                    which = routes.which(batch, size)
+                except BatchRejectedError as e:  # rows that name no teacher: this batch is refused in its place
+                    return batch, size, fields, None, e
+            if cache is not None:  # only misses go to a teacher; routed rows are stored under their teacher
+                looked = (batch if routes is None or which is None or key is None
+                          else routes.store_keys(batch, key, which))
+                fields, cached = cache.rows_to_send(looked, size, fields)
+            if routes is None or which is None or (cached is not None and cached.all_hit):
                 return batch, size, fields, cached, None
-            try:  # each row's service, here on the loader thread
-                plan: RoutePlan | BatchRejectedError = self.routes.plan(
-                    batch, size, fields, None if cached is None else cached.miss_indices)
-            except BatchRejectedError as e:  # rows that name no teacher: this batch is refused in its place
-                plan = e
-            return batch, size, fields, cached, plan
+            return batch, size, fields, cached, routes.plan(which if cached is None else which[cached.miss_indices],
+                                                           fields)
 
         # The loader thread reads ahead on its own, a batch per free read-ahead slot (distill.readahead),
         # and the batches it read since the last look arrive here together.

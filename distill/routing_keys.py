@@ -144,24 +144,41 @@ class RouteTable:
             + ": fix the batch's keys, add the key to route_map=, or pass default_teacher= (--distill_default_teacher) "
             "to send such rows to one teacher. Only this batch is lost.", key=None if missing else key, known=known)
 
-    def plan(self, batch: Any, size: int, fields: Mapping[str, FieldArray],
-             sent: np.ndarray | None = None) -> RoutePlan:
-        """The rows of `fields` by service. `sent`: the batch rows `fields` holds (a store's misses),
-        None for all of them. Raises RouteKeyError for a row that names no teacher."""
+    def which(self, batch: Any, size: int) -> np.ndarray:
+        """Each row's service, as an index into `services`; RouteKeyError for a row that names none."""
         keys = _keys_of(batch, self.route_by, size)
-        n = size if sent is None else len(sent)
         if keys is None:  # no route field at all: every row is missing its key
             if self._default is None:
                 raise self._refuse("")
-            which = np.full(n, self._index[self._default], dtype=np.int64)
-        else:
-            if sent is not None:
-                keys = keys[sent]
-            distinct, inverse = np.unique(keys, return_inverse=True)
-            per_key = np.array([self._service_of(k) for k in distinct], dtype=np.int64)
-            if (per_key < 0).any():
-                raise self._refuse(distinct[int(np.flatnonzero(per_key < 0)[0])])
-            which = per_key[inverse.reshape(-1)]
+            return np.full(size, self._index[self._default], dtype=np.int64)
+        distinct, inverse = np.unique(keys, return_inverse=True)
+        per_key = np.array([self._service_of(k) for k in distinct], dtype=np.int64)
+        if (per_key < 0).any():
+            raise self._refuse(distinct[int(np.flatnonzero(per_key < 0)[0])])
+        return per_key[inverse.reshape(-1)]
+
+    def store_keys(self, batch: Any, key: str | int, which: np.ndarray) -> Any:
+        """`batch` as a teacher-output store looks it up: its field `key` holds each row's key prefixed
+        with its service, "SERVICE:KEY", so each stored row records its teacher and a row routed to
+        another teacher later is asked of that teacher, not served another's answer."""
+        from distill.cache.reader_side import batch_keys  # the store's own reading of the keys
+
+        keys = batch_keys(batch, key)
+        names = np.array([f"{s}:" for s in self.services])[which]
+        if isinstance(keys, np.ndarray) and keys.dtype.kind in "iuU":
+            combined: list[Any] = np.char.add(names, keys.astype(str)).tolist()
+        else:  # bytes keys (content hashes) stay bytes
+            prefixes = [n.encode() for n in names.tolist()]
+            combined = [p + (k if isinstance(k, bytes) else str(k).encode())
+                        for p, k in zip(prefixes, keys, strict=True)]
+        if isinstance(batch, Mapping):
+            return {**batch, key: combined}
+        assert isinstance(key, int)
+        return tuple(combined if i == key % len(batch) else v for i, v in enumerate(batch))
+
+    def plan(self, which: np.ndarray, fields: Mapping[str, FieldArray]) -> RoutePlan:
+        """The rows of `fields` by service, `which` naming each row's (see `which`)."""
+        n = len(which)
         tokens = _tokens(fields, n)
         order = np.argsort(which, kind="stable")
         counts = np.bincount(which, minlength=len(self.services))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,10 @@ def experts() -> Iterator[dict[str, str]]:
         yield {"math": math.url, "code": code.url}
 
 
-def _batches(n: int, rows: int, seed: int = 0, labels: bool = False) -> list[dict[str, object]]:
+def _batches(n: int, rows: int, seed: int = 0, labels: bool = False) -> list[dict[str, Any]]:
     """Batches whose rows name their teacher: by name, or as int labels (0 math, 1 code)."""
     g = torch.Generator().manual_seed(seed)
-    out: list[dict[str, object]] = []
+    out: list[dict[str, Any]] = []
     for i in range(n):
         which = torch.randint(0, 2, (rows,), generator=g)
         teacher: object = which if labels else ["math" if int(w) == 0 else "code" for w in which]
@@ -42,7 +43,7 @@ def _batches(n: int, rows: int, seed: int = 0, labels: bool = False) -> list[dic
     return out
 
 
-def _expected(batch: dict[str, object]) -> torch.Tensor:
+def _expected(batch: dict[str, Any]) -> torch.Tensor:
     x, which = batch["X"], batch["which"]
     assert isinstance(x, torch.Tensor) and isinstance(which, torch.Tensor)
     with torch.inference_mode():
@@ -140,7 +141,7 @@ def test_services_with_other_outputs_are_refused_at_start(experts: dict[str, str
      "default_teacher='c'"),
     ({"teachers": {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}, "default_teacher": "a"}, "apply with route_by"),
 ])
-def test_route_options_are_checked(kwargs: dict[str, object], message: str) -> None:
+def test_route_options_are_checked(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DistillReader([], inputs=["X"], **kwargs)
 
@@ -159,3 +160,29 @@ def test_a_teacher_killed_in_one_experts_pool_loses_nothing(experts: dict[str, s
                 assert torch.allclose(teacher["Y"], _expected(batch), atol=1e-5)  # sleepy_20 is Affine
                 seen.append(int(batch["idx"][0]))
     assert seen == list(range(40))
+
+
+def test_the_store_keeps_each_row_under_its_teacher(experts: dict[str, str], tmp_path: Path) -> None:
+    data = _batches(4, rows=8, seed=7)
+    for i, b in enumerate(data):
+        b["index"] = torch.arange(i * 8, i * 8 + 8)
+    store = str(tmp_path / "store")
+
+    def one_pass(batches: list[dict[str, Any]]) -> dict[str, int]:
+        with DistillReader(batches, teachers=experts, route_by="teacher", inputs=["X"], outputs=["Y"], cache=store,
+                           key="index") as reader:
+            for batch, teacher in reader:
+                assert torch.allclose(teacher["Y"], _expected(batch), atol=1e-5)
+            stats = reader.stats()
+        return {"hits": stats.cache_hits, "misses": stats.cache_misses}
+
+    assert one_pass(data) == {"hits": 0, "misses": 32}
+    assert one_pass(data)["hits"] == 32  # every row stored under its own teacher
+    # Rows 0..2 of each batch now go to the other teacher: asked of it, not served the first one's answer.
+    moved = []
+    for b in data:
+        which = b["which"].clone()
+        assert isinstance(which, torch.Tensor)
+        which[:3] = 1 - which[:3]
+        moved.append({**b, "which": which, "teacher": ["math" if int(w) == 0 else "code" for w in which]})
+    assert one_pass(moved) == {"hits": 20, "misses": 12}
