@@ -194,7 +194,7 @@ def describe_offers(offers: Offers) -> str:
 
 class NoCapableTeacherError(BatchRejectedError):
     """No live teacher of the service can compute what this batch asks for (a top-k wider than any
-    teacher's, token log-probs, SCORE_IDS, whole outputs from an engine that sends only log-probs),
+    teacher's, token log-probs, SCORE_IDS, dense outputs from an engine that sends only log-probs),
     as their registry records declare (`TeacherRecord.capabilities`). Raised at once, not after a
     timeout: waiting does not give a teacher a capability. Only this batch is lost, like any
     `BatchRejectedError`: catch it around ``next()`` (or the future of ``submit``) to go on, or

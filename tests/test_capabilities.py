@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import BatchRejectedError, DistillReader, NoCapableTeacherError, NoTeacherError
+from distill.batches import Chunk, Job
 from distill.capabilities import (
     ALL,
     UNBOUNDED_TOP_K,
@@ -40,6 +41,7 @@ from distill.capabilities import (
     needs_of,
     offers_of,
     request_needs,
+    unanswerable,
 )
 from distill.router import Router
 from distill.types import ChunkRequest, FieldArray, TeacherMetadata
@@ -123,6 +125,28 @@ def test_the_router_picks_only_teachers_that_can_answer() -> None:
     assert {router.pick(needs=Needs(top_k=4)).key for _ in range(40)} == {"small", "big"}  # type: ignore[union-attr]
     router.set_offers(big, Offers("kserve", True, 8, True, False, False, True))
     assert router.pick(needs=Needs(top_k=16)) is None
+
+
+def test_the_error_names_each_teachers_gaps_or_the_capable_ones_state() -> None:
+    router = Router("llm")
+    a = router.add("a", "127.0.0.1:1", None, None)  # type: ignore[arg-type]  # no client: never called
+    b = router.add("b", "127.0.0.1:2", None, None)  # type: ignore[arg-type]
+    gone = router.add("c", "127.0.0.1:3", None, None)  # type: ignore[arg-type]
+    router.set_offers(a, Offers("kserve", True, 100, True, False, True, True))
+    router.set_offers(b, Offers("vllm", True, 20, True, True, True, False))
+    router.remove("c")
+    chunk = Chunk(Job(0, 3), "llm", 0, 2)
+    needs = Needs(top_k=64, score_ids=True)
+    error = unanswerable("llm", chunk, needs, [a, b, gone])
+    assert error is not None and error.missing == ()  # no gap is common to both: each one's is named
+    assert "batch 3 of this pass (rows 0..1)" in str(error) and "127.0.0.1:3" not in str(error)
+    assert ("each lacks part of it: 127.0.0.1:1 lacks SCORE_IDS; 127.0.0.1:2 lacks top_k 64 > its max 20"
+            in str(error)), str(error)
+    assert unanswerable("llm", chunk, needs, [gone]) is None  # none live: the no-teacher case, not this one
+    able = Needs(top_k=64)
+    assert unanswerable("llm", chunk, able, [a, b]) is None  # a can answer it
+    late = unanswerable("llm", chunk, able, [a, b], waited_s=30)  # ... but was not usable for 30 s
+    assert late is not None and "the teachers that offer it were not usable for 30 s (127.0.0.1:1 [" in str(late)
 
 
 def test_teacher_server_declares_what_its_model_allows() -> None:
