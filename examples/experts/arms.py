@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from distill import DistillReader
 from distill.losses import TokenKDLoss
 from examples.experts import mesh
 from examples.experts.tasks import EOS, MAX_LEN, PAD
@@ -73,7 +74,7 @@ def rollout(model: nn.Module, batch: Mapping[str, Tensor], *, k: int, generator:
     return Rollout(ids, score_ids, mask.long(), logq)
 
 
-def onpolicy_loss(scorer: mesh.RoutedScorer, *, seed: int) -> StepLoss:
+def onpolicy_loss(scorer: DistillReader, *, seed: int) -> StepLoss:
     reverse_kl = TokenKDLoss("reverse_kl")
     generator = torch.Generator().manual_seed(seed)
 
@@ -99,6 +100,6 @@ def run(arm: str, student: nn.Module, batches: list[dict[str, Tensor]], endpoint
     if arm == "experts KD":
         return fit(student, mesh.routed_pairs(batches, experts, mesh.offpolicy_options(K)), offpolicy_loss(), lr=lr)
     if arm == "experts on-policy":
-        with mesh.RoutedScorer(experts, mesh.onpolicy_options(K)) as scorer:
+        with mesh.routed_scorer(experts, mesh.onpolicy_options(K)) as scorer:
             return fit(student, batches, onpolicy_loss(scorer, seed=seed), lr=lr)
     raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")

@@ -6,10 +6,11 @@ per-sample routing (each row to its own task's expert).
 * ``offpolicy_options`` / ``onpolicy_options``: what the reader asks for. Off-policy: the top-k
   log-probabilities with the tail mass on the reference sequences. On-policy: the log-probability
   of each sampled token, at the student's top-k ids (``SCORE_IDS``) and the teacher's own top-k.
-* ``routed_pairs`` (a loader's batches, each row to its task's expert) and ``RoutedScorer``
-  (on-policy batches the same way): the routing lives behind these two. With ``route_by`` the
-  reader does it: one ``DistillReader`` over ``teachers={task: endpoint}`` with ``route_by="task"``
-  and ``route_map`` from task index to task, the outputs coming back as one dict in row order.
+* ``routed_pairs`` (a loader's batches) and ``routed_scorer`` (on-policy batches): each row to its
+  task's expert. The reader does the routing: one ``DistillReader`` over ``teachers={task:
+  endpoint}`` with ``route_by="task"`` and ``route_map`` from the task's index to its name; the
+  outputs come back as one dict in row order, and the ``task`` field is never sent.
+* ``single_pairs``: every row to one teacher (the generalist).
 """
 
 from __future__ import annotations
@@ -67,35 +68,12 @@ def onpolicy_options(k: int) -> dict[str, Any]:
             "output_dtype": "FP32", "timeout": 60.0, "prefetch": 2}
 
 
-def _rows(batch: Mapping[str, Tensor], task: int) -> dict[str, Tensor]:
-    picked = batch[ROUTE_BY] == task
-    return {k: v[picked] for k, v in batch.items()}
-
-
-def _merge(batch: Mapping[str, Tensor], parts: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The experts' outputs for their rows, put back in the batch's row order."""
-    merged: dict[str, Tensor] = {}
-    for task, part in enumerate(parts):
-        picked = (batch[ROUTE_BY] == task).nonzero().squeeze(1)
-        for name, value in part.items():
-            if name not in merged:
-                merged[name] = value.new_zeros((batch[ROUTE_BY].shape[0], *value.shape[1:]))
-            merged[name][picked] = value
-    return merged
-
-
-def routed_pairs(batches: list[dict[str, Tensor]], experts: Mapping[str, str],
+def routed_pairs(batches: Iterable[dict[str, Tensor]], experts: Mapping[str, str],
                  options: Mapping[str, Any]) -> Iterator[tuple[dict[str, Tensor], dict[str, Tensor]]]:
-    """``(batch, outputs)`` for each batch, every row's outputs from its task's expert.
-
-    One reader per expert, fed that expert's rows of every batch (each batch holds rows of every
-    task), read in step; the outputs are merged back in row order."""
-    with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(DistillReader([_rows(b, i) for b in batches], teachers=experts[task],
-                                                     **options))
-                   for i, task in enumerate(TASKS)]
-        for batch, answered in zip(batches, zip(*readers, strict=True), strict=True):
-            yield batch, _merge(batch, [outputs for _, outputs in answered])
+    """``(batch, outputs)`` for each batch, every row's outputs from its task's expert, in row order:
+    one reader over the experts (``teachers={task: endpoint}``) with ``route_by``."""
+    with DistillReader(batches, teachers=dict(experts), route_by=ROUTE_BY, route_map=ROUTE_MAP, **options) as reader:
+        yield from reader
 
 
 def single_pairs(batches: Iterable[dict[str, Tensor]], endpoint: str,
@@ -105,22 +83,7 @@ def single_pairs(batches: Iterable[dict[str, Tensor]], endpoint: str,
         yield from reader
 
 
-class RoutedScorer:
-    """On-policy scoring, each row by its task's expert: one loader-less reader per expert."""
-
-    def __init__(self, experts: Mapping[str, str], options: Mapping[str, Any]) -> None:
-        self._readers = [DistillReader(None, teachers=experts[task], **options) for task in TASKS]
-
-    def __enter__(self) -> RoutedScorer:
-        for reader in self._readers:
-            reader.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for reader in self._readers:
-            reader.close()
-
-    def score(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The outputs of ``batch``, each row's from its expert (the experts work on their parts at once)."""
-        futures = [reader.submit(_rows(batch, i)) for i, reader in enumerate(self._readers)]
-        return _merge(batch, [f.result() for f in futures])
+def routed_scorer(experts: Mapping[str, str], options: Mapping[str, Any]) -> DistillReader:
+    """On-policy scoring, each row by its task's expert: a loader-less reader with ``route_by``
+    (``score(batch)``), started; close it when done."""
+    return DistillReader(None, teachers=dict(experts), route_by=ROUTE_BY, route_map=ROUTE_MAP, **options).start()
