@@ -2,12 +2,13 @@
 
 Readiness is the protocol's own: ServerReady, then ModelReady of the model (``--model``, else the
 only one RepositoryIndex lists); the record's tensors, batch bound, by-length batching and
-fingerprint come from ModelMetadata and ModelConfig, so a student sees what it would see by asking the engine itself.
-Every RPC has a deadline (``ProbeOptions.timeout``).
+fingerprint come from ModelMetadata and ModelConfig, so a student sees what it would see by
+asking the engine itself. Every RPC has a deadline (``ProbeOptions.timeout``).
 
 Capabilities: a model whose ModelConfig carries a ``capabilities`` parameter (the JSON form of
-``registry.Capabilities``) is described by it; any other KServe model is assumed to answer whole
-outputs (``full_outputs``) and no top-k, which is what a plain Triton model does.
+``registry.Capabilities``; teacher-server always declares one, :mod:`teacher_server.capabilities`)
+is described by it; any other KServe model is assumed to answer whole outputs (``full_outputs``)
+and no top-k, which is what a plain Triton model does.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ from google.protobuf import json_format
 from discovery.aio import describe
 from protos import registry_pb2
 from protos.kserve import BY_LENGTH_PARAMETER, FINGERPRINT_PARAMETER, service_pb2, service_pb2_grpc
+from teacher_server.capabilities import CAPABILITIES_PARAMETER
 from teacher_server.registrar.engine import EngineAddress
 from teacher_server.registrar.errors import EngineNotReady
 from teacher_server.registrar.probe import Probe, ProbeOptions
 
 __all__ = ["CAPABILITIES_PARAMETER", "KServeProbe"]
 
-CAPABILITIES_PARAMETER = "capabilities"
-"""The ModelConfig parameter whose string value is the JSON form of ``registry.Capabilities``."""
 
 
 class KServeProbe(Probe):
