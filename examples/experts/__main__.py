@@ -4,8 +4,8 @@ The whole comparison in one command: the teachers (an expert per task, trained o
 and a generalist of the same size trained on both for the same steps and batch size), their
 teacher servers on loopback, then for each seed the four arms of ``examples.experts.arms`` on the
 same batches and step budget. Prints the held-out exact-match accuracy per arm and task (mean ±
-std over the seeds) and writes every figure as JSON. ``--quick``: tiny step counts and one seed,
-the pipeline end to end in well under a minute (what the test runs).
+std over the seeds) and writes every figure as JSON. ``--quick``: small step counts and one seed,
+the pipeline end to end (what the test runs).
 """
 
 from __future__ import annotations
