@@ -47,9 +47,17 @@ GOAL = 0.95
 
 
 def save_engine_teacher(directory: Path, vocab: int, context: int) -> None:
-    """The tiny random Llama with head size 64 (vLLM's CPU attention needs it)."""
+    """The tiny random Llama with head size 64 (vLLM's CPU attention needs it), and a word-level
+    tokenizer of its whole vocabulary (vLLM loads one even for token-id prompts)."""
+    import tokenizers
     import torch
     import transformers
+
+    words = {"<pad>": 0, "<s>": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<pad>",
+                                         bos_token="<s>").save_pretrained(str(directory))
 
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=64,
