@@ -162,6 +162,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         cache = await self._loader.submit(loop, lambda: ReaderCache.open(path, self.opts, meta))
         self.cache = self._delivery.cache = cache
+        pins = {s: svc.pool.fingerprints for s, svc in self._services.items()}
+        cache.fingerprints = lambda: {s: pin.pinned for s, pin in pins.items()}  # recorded in each shard
         if meta is None:
             for svc in self._services.values():
                 svc.pool.admit(functools.partial(teacher_mismatch, self.opts, cache.store.namespace))
@@ -398,6 +400,7 @@ class Engine:
                             rejected_batches=self.rejected_batches, hung_ejections=self.hung_ejections,
                             bundled=self._dispatcher.bundled, read_ahead=self._slots.size,
                             routed={} if self._routed is None else self._routed.snapshot(),
+                            fingerprints={s: svc.pool.fingerprints.counters() for s, svc in self._services.items()},
                             **(self.cache.counters() if self.cache is not None else {}))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

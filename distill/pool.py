@@ -31,6 +31,7 @@ from distill.call_errors import (
 )
 from distill.capabilities import offers_of
 from distill.errors import NoTeacherError, TeacherAccessError, TeacherMismatchError
+from distill.fingerprints import FingerprintPin
 from distill.options import ReaderOptions
 from distill.outputs import AUX_INPUTS
 from distill.router import Router
@@ -70,7 +71,10 @@ class TeacherPool:
         self._refused: dict[str, str] = {}
         # Teachers out for their model: several served and none named, or the named one not served.
         self._model_out: set[str] = set()
-        self._admit: Callable[[TeacherMetadata], str | None] | None = None  # see admit()
+        self._admits: list[Callable[[TeacherMetadata], str | None]] = []  # see admit()
+        self.fingerprints = FingerprintPin(service, self.router, self._check_model, pinned=options.fingerprint,
+                                           on_change=options.on_fingerprint_change, setting=options.setting)
+        self.admit(self.fingerprints.check)
 
     # ---- membership -------------------------------------------------------------------------
     async def follow(self, watch: Any) -> None:
@@ -100,7 +104,9 @@ class TeacherPool:
                 meta = TeacherMetadata.from_record(entry.record)
                 if meta is not None and t.meta != meta:
                     router.set_metadata(t, meta)
+                    self._check_model(t)  # a teacher restarted in place may serve another model now
                 router.set_offers(t, offers_of(entry.record))  # what it can compute: distill.capabilities
+        self.fingerprints.propose(TeacherMetadata.from_record(e.record) for e in wanted.values())
         for key, entry in wanted.items():
             if key in router.teachers or (entry.load is not None and entry.load.draining):
                 continue
@@ -112,6 +118,7 @@ class TeacherPool:
                 self._spawn(self._fetch_metadata(t), f"metadata-{t.endpoint}")
             else:
                 self._check_model(t)
+        self.fingerprints.review()
 
     async def _close_when_idle(self, t: TeacherState) -> None:
         """A departed teacher may still answer chunks it accepted (a drain); close after them."""
@@ -135,8 +142,9 @@ class TeacherPool:
     # ---- metadata ---------------------------------------------------------------------------
     def admit(self, check: Callable[[TeacherMetadata], str | None]) -> None:
         """From now on a teacher serves this pool only if `check(its metadata)` finds nothing wrong
-        (returns None; else the reason it is refused). Applied to the members known already too."""
-        self._admit = check
+        (returns None; else the reason it is refused), besides the checks given before. Applied to
+        the members known already too."""
+        self._admits.append(check)
         for t in list(self.router.teachers.values()):
             self._check_model(t)
 
@@ -153,7 +161,7 @@ class TeacherPool:
             if missing:
                 self.router.mark_incompatible(
                     t, f"it has no output {missing[0]!r} (outputs: {sorted(t.meta.outputs)})")
-            elif self._admit is not None and (reason := self._admit(t.meta)) is not None:
+            elif (reason := next(filter(None, (check(t.meta) for check in self._admits)), None)) is not None:
                 self.router.mark_incompatible(t, reason)
 
     async def _fetch_metadata(self, t: TeacherState) -> None:
@@ -192,6 +200,7 @@ class TeacherPool:
                 t.streak = 0  # its failures so far were not ejections: its first one logs
                 self.router.set_metadata(t, meta)
                 self._check_model(t)
+                self.fingerprints.review()
                 return
             await asyncio.sleep(delay)
 
@@ -233,6 +242,8 @@ class TeacherPool:
 
     def no_teacher_error(self) -> NoTeacherError:
         """The error naming every teacher of the pool and its state, and what to do."""
+        if self.fingerprints.error is not None:
+            return self.fingerprints.error
         if any(key in self._refused for key in self.router.teachers):
             return self._access_error()
         tried = ", ".join(t.describe() for t in self.router.teachers.values()) or "none found"
@@ -248,6 +259,8 @@ class TeacherPool:
         """Every teacher is out for good and at least one refused this student access. A server's
         access rules do not change by waiting, so the reader says so now rather than after
         `no_teacher_timeout`."""
+        if self.fingerprints.error is not None:  # a finished rolling upgrade: waiting cannot help either
+            return True
         live = list(self.router.teachers.values())
         return (bool(live) and all(t.incompatible is not None for t in live)
                 and any(t.key in self._refused for t in live))
