@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "BatchRejectedError": "distill.errors",
     "DistillError": "distill.errors",
+    "FingerprintChangedError": "distill.fingerprints",
     "NoCapableTeacherError": "distill.capabilities",
     "NoTeacherError": "distill.errors",
     "ReaderClosedError": "distill.errors",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         TeacherAccessError,
         TeacherMismatchError,
     )
+    from distill.fingerprints import FingerprintChangedError
     from distill.flags import add_distill_args, distill_options_from_args
     from distill.losses import KDLoss, SparseTargets, TeacherTargets, TokenKDLoss, average_teachers, token_divergence
     from distill.options import ReaderOptions
@@ -74,6 +76,7 @@ __all__ = [
     "BatchRejectedError",
     "DistillError",
     "DistillReader",
+    "FingerprintChangedError",
     "KDLoss",
     "NoCapableTeacherError",
     "NoTeacherError",
