@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,9 @@ import pytest
 import torch
 from aiohttp import web
 
+from discovery import open_registry
+from discovery.base import TeacherRecord
+from discovery.local_etcd import LocalEtcd
 from discovery.static import parse_teachers
 from distill import BatchRejectedError, DistillReader
 from distill.call_errors import (
@@ -37,6 +41,7 @@ from distill.engines import SglangClient, VllmClient, engine_client
 from distill.engines.rows import ENGINE_OUTPUTS
 from distill.types import ChunkRequest, FieldArray
 from teacher_server import ServerConfig
+from tests.etcd_fixtures import unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, load_reference, reference_logprobs, save_vllm_llama
 from tests.servers import ServerThread
 from tests.sglang_server import SglangServer, sglang_server
@@ -139,7 +144,7 @@ def expected(model: torch.nn.Module, batch: dict[str, np.ndarray]) -> dict[str, 
 
 
 def read(teacher_list: str, data: list[dict[str, np.ndarray]], **options: Any) -> list[dict[str, torch.Tensor]]:
-    with DistillReader(data, teachers=teacher_list, **{**READER, **options}) as reader:
+    with DistillReader(data, **{"teachers": teacher_list, **READER, **options}) as reader:
         return [outputs for _, outputs in reader]
 
 
@@ -329,3 +334,35 @@ def test_engine_sessions_close(sglang: SglangServer) -> None:
             await client.ready("", 10.0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_registered_engine_records_are_called_in_their_protocols(
+        sglang: SglangServer, kserve: ServerThread, reference: torch.nn.Module) -> None:
+    """Records in a real etcd naming `protocol` sglang and vllm (with an HTTP `path` of ""): the
+    reader calls each in its protocol, and both answer every batch alike."""
+    assert kserve.server is not None
+    service = unique_service("engines")
+    records = [TeacherRecord(instance_id="sglang-0", endpoint=sglang.address, protocol="sglang"),
+               TeacherRecord(instance_id="vllm-0", endpoint=f"127.0.0.1:{kserve.server.http_port}", protocol="vllm")]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="registrations")
+    thread.start()
+    with LocalEtcd() as etcd:
+        registry = open_registry(etcd.address)
+        registrations = [registry.register(service, r, ttl=10) for r in records]
+        try:
+            for r in registrations:
+                asyncio.run_coroutine_threadsafe(r.__aenter__(), loop).result(30)
+            before = sglang.requests
+            data = batches() * 2
+            answers = read("", data, teachers=None, registry=etcd.address, service=service)
+            assert sglang.requests > before  # the SGLang record was called over HTTP, not gRPC
+            for got, sent in zip(answers, data, strict=True):
+                assert_same(got, expected(reference, sent), "registered engines")
+        finally:
+            for r in registrations:
+                asyncio.run_coroutine_threadsafe(r.__aexit__(None, None, None), loop).result(30)
+            asyncio.run_coroutine_threadsafe(registry.close(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
