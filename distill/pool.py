@@ -22,6 +22,7 @@ import grpc
 
 from discovery import TeacherSet, subset
 from discovery.aio import bounded
+from discovery.base import TeacherRecord
 from distill.call_errors import (
     ModelChoiceError,
     TeacherCallError,
@@ -40,8 +41,8 @@ from distill.teacher_state import TeacherState
 
 log = logging.getLogger("distill.reader")
 
-Connect = Callable[[str, bool], InferenceClient]
-"""Opens a client to an endpoint; the flag says whether the teacher registered as TLS."""
+Connect = Callable[[str, TeacherRecord], InferenceClient]
+"""Opens a client to an endpoint, of the kind its record names (protocol, path, TLS)."""
 
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 """Starts an auxiliary task owned (and cancelled on close) by the engine."""
@@ -111,7 +112,7 @@ class TeacherPool:
             if key in router.teachers or (entry.load is not None and entry.load.draining):
                 continue
             meta = TeacherMetadata.from_record(entry.record)
-            t = router.add(key, entry.endpoint, self._connect(entry.endpoint, entry.record.tls), meta)
+            t = router.add(key, entry.endpoint, self._connect(entry.endpoint, entry.record), meta)
             router.set_offers(t, offers_of(entry.record))
             log.info("teacher %s joined service %r", t.endpoint, self.service)
             if meta is None:

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import torch
 
+from discovery.base import TeacherRecord
 from distill.call_errors import (
     MalformedAnswerError,
     ModelChoiceError,
@@ -38,6 +39,7 @@ from distill.call_errors import (
     call_error,
 )
 from distill.config import ClientTLS
+from distill.engines.connect import engine_client
 from distill.outputs import VALID_ROWS, per_sample_shape, wanted_outputs
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
@@ -369,15 +371,23 @@ class TeacherClient:
         await self._channel.close(grace=None)
 
 
-def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None) -> Callable[[str, bool], TeacherClient]:
-    """How the reader opens a client per teacher: plaintext, unless the reader was given TLS settings
-    or the teacher registered as TLS (then the system's root certificates verify it)."""
+def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None
+                   ) -> Callable[[str, TeacherRecord], InferenceClient]:
+    """How the reader opens a client per teacher, by its registry record's `protocol`: KServe v2
+    over gRPC ("" or "kserve"), or an engine in its own protocol ("vllm", "sglang":
+    `distill.engines`, under the record's HTTP `path`). Plaintext, unless the reader was given TLS
+    settings or the teacher registered as TLS (then the system's root certificates verify it).
+    ValueError for a protocol this reader does not know."""
     configured = tls.credentials() if tls is not None else None
     server_name = tls.server_name if tls is not None else None
 
-    def connect(endpoint: str, registered_tls: bool) -> TeacherClient:
+    def connect(endpoint: str, record: TeacherRecord) -> InferenceClient:
+        protocol = record.protocol.lower()
+        if protocol not in ("", "kserve"):
+            return engine_client(protocol, endpoint, record.path, tls=tls, registered_tls=record.tls,
+                                 headers=headers)
         credentials = configured if configured is not None else (
-            grpc.ssl_channel_credentials() if registered_tls else None)
+            grpc.ssl_channel_credentials() if record.tls else None)
         return TeacherClient(endpoint, credentials, server_name, headers)
 
     return connect
