@@ -16,19 +16,17 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from distill.errors import BatchRejectedError, InputRefusal, NonFiniteOutputError
 from distill.outputs import AUX_INPUTS, VALID_ROWS
+from distill.routing_keys import Routed
 from distill.teacher_client import MalformedAnswerError
 from distill.types import FieldArray, OutputCache, ParameterValue, Signature, StoredRows
 from protos.kserve import DATATYPES, datatype_of
-
-if TYPE_CHECKING:
-    from distill.routing_rows import RoutedBatch
 
 log = logging.getLogger("distill.reader")
 
@@ -163,7 +161,7 @@ class Job:
     parameters: Mapping[str, ParameterValue] | None = None
     # With route_by: the routed batch this job belongs to (distill.routing_rows), as the whole batch or
     # as one service's rows of it; None when every row goes to every service.
-    routed: RoutedBatch | None = None
+    routed: Routed | None = None
 
     @property
     def sent(self) -> int:

@@ -62,7 +62,7 @@ from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
 from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
 from distill.routing_keys import RoutePlan, RouteTable
-from distill.routing_rows import check_routed_outputs, route_job
+from distill.routing_rows import check_routed_outputs, offer_routed, routed_rows_to_send
 from distill.service import Service
 from distill.stats import ConsumptionMeter, ReaderStats, RoutedRows, demand_report, reader_stats
 from distill.teacher_client import (
@@ -249,27 +249,13 @@ class Engine:
             if self.opts.prefetch is None:
                 self._resize()
         if self._routed is not None and plans is not None:
-            self._offer_routed(jobs, plans)
+            offer_routed(jobs, plans, self._routed, self._delivery,
+                         {s: functools.partial(self._dispatcher.offer, svc) for s, svc in self._services.items()})
             return
         for svc in self._services.values():
             for job in jobs:
                 job.remaining[svc.name] = job.sent
             self._dispatcher.offer(svc, [Chunk(job, svc.name, 0, job.sent) for job in jobs])
-
-    def _offer_routed(self, jobs: list[Job], plans: list[RoutePlan | None]) -> None:
-        assert self._routed is not None
-        chunks: dict[str, list[Chunk]] = {s: [] for s in self._services}
-        for job, plan in zip(jobs, plans, strict=True):
-            if plan is None:  # its rows named no teacher: refused in its place (job.error is set)
-                self._delivery.maybe_complete(job)
-                continue
-            self._routed.add({g.service: (g.size, g.tokens) for g in plan.groups})
-            for part in route_job(job, plan):
-                service = next(iter(part.remaining))
-                chunks[service].append(Chunk(part, service, 0, part.sent))
-        for service, mine in chunks.items():
-            if mine:
-                self._dispatcher.offer(self._services[service], mine)
 
     def _expire(self, job: Job, deadline_s: float) -> None:
         if job.delivered or job.error is not None:
@@ -306,20 +292,11 @@ class Engine:
             except StopIteration:
                 return END_OF_LOADER
             size, fields = extract_inputs(batch, inputs)
-            routes, which, cached = self.routes, None, None
-            if routes is not None:
-                try:  # each row's service, here on the loader thread
-                    which = routes.which(batch, size)
-                except BatchRejectedError as e:  # rows that name no teacher: this batch is refused in its place
-                    return batch, size, fields, None, e
-            if cache is not None:  # only misses go to a teacher; routed rows are stored under their teacher
-                looked = (batch if routes is None or which is None or key is None
-                          else routes.store_keys(batch, key, which))
-                fields, cached = cache.rows_to_send(looked, size, fields)
-            if routes is None or which is None or (cached is not None and cached.all_hit):
-                return batch, size, fields, cached, None
-            return batch, size, fields, cached, routes.plan(which if cached is None else which[cached.miss_indices],
-                                                           fields)
+            if self.routes is not None:  # each row's service, here on the loader thread
+                return batch, size, *routed_rows_to_send(self.routes, batch, size, fields, cache=cache, key=key)
+            if cache is None:
+                return batch, size, fields, None, None
+            return batch, size, *cache.rows_to_send(batch, size, fields), None  # only misses go to a teacher
 
         # The loader thread reads ahead on its own, a batch per free read-ahead slot (distill.readahead),
         # and the batches it read since the last look arrive here together.

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from distill.errors import RouteKeyError
 from distill.types import FieldArray
 
-__all__ = ["RouteGroup", "RoutePlan", "RouteTable", "check_route_options"]
+__all__ = ["RouteGroup", "RoutePlan", "RouteTable", "Routed", "check_route_options"]
 
 _NONE = np.array([None], dtype=object)
 _MASK = "ATTENTION_MASK"  # with this input a row's tokens are its mask's sum, else its padded width
@@ -50,6 +50,19 @@ def check_route_options(route_by: Any, route_map: Mapping[Any, str], default: st
                              f"{list(services)}")
     if default is not None and default not in services:
         raise ValueError(f"default_teacher={default!r} is not one of this reader's services {list(services)}")
+
+
+class Routed(Protocol):
+    """A batch whose rows go to several services, as a batch's jobs (`distill.batches.Job`) know it
+    (`distill.routing_rows.RoutedBatch`): the batch's own job, and each part's completion."""
+
+    batch: Any  # the batch's own job; each part is one service's rows of it
+
+    def part_done(self, part: Any, delivery: Any) -> None: ...
+
+    def merge(self) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -157,24 +170,16 @@ class RouteTable:
             raise self._refuse(distinct[int(np.flatnonzero(per_key < 0)[0])])
         return per_key[inverse.reshape(-1)]
 
-    def store_keys(self, batch: Any, key: str | int, which: np.ndarray) -> Any:
-        """`batch` as a teacher-output store looks it up: its field `key` holds each row's key prefixed
-        with its service, "SERVICE:KEY", so each stored row records its teacher and a row routed to
-        another teacher later is asked of that teacher, not served another's answer."""
-        from distill.cache.reader_side import batch_keys  # the store's own reading of the keys
-
-        keys = batch_keys(batch, key)
+    def store_keys(self, keys: Any, which: np.ndarray) -> Any:
+        """A batch's store keys (as the store reads them) prefixed with each row's service,
+        "SERVICE:KEY": each stored row records its teacher, so a row routed to another teacher later
+        is asked of that teacher, not served another's answer."""
         names = np.array([f"{s}:" for s in self.services])[which]
         if isinstance(keys, np.ndarray) and keys.dtype.kind in "iuU":
             combined: list[Any] = np.char.add(names, keys.astype(str)).tolist()
-        else:  # bytes keys (content hashes) stay bytes
-            prefixes = [n.encode() for n in names.tolist()]
-            combined = [p + (k if isinstance(k, bytes) else str(k).encode())
-                        for p, k in zip(prefixes, keys, strict=True)]
-        if isinstance(batch, Mapping):
-            return {**batch, key: combined}
-        assert isinstance(key, int)
-        return tuple(combined if i == key % len(batch) else v for i, v in enumerate(batch))
+            return combined
+        prefixes = [n.encode() for n in names.tolist()]  # bytes keys (content hashes) stay bytes
+        return [p + (k if isinstance(k, bytes) else str(k).encode()) for p, k in zip(prefixes, keys, strict=True)]
 
     def plan(self, which: np.ndarray, fields: Mapping[str, FieldArray]) -> RoutePlan:
         """The rows of `fields` by service, `which` naming each row's (see `which`)."""

@@ -12,19 +12,21 @@ unevenly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from distill.batches import Delivery, Job, signature_of
-from distill.cache.reader_side import fit_width
+from distill.batches import Chunk, Delivery, Job, signature_of
+from distill.cache.reader_side import batch_keys, fit_width
 from distill.errors import BatchRejectedError, RoutedOutputsMismatchError
 from distill.options import ReaderOptions
 from distill.outputs import VALID_ROWS, base_output, per_sample_shape, wanted_outputs
-from distill.routing_keys import RoutePlan
-from distill.types import TeacherMetadata
+from distill.routing_keys import RoutePlan, RouteTable
+from distill.stats import RoutedRows
+from distill.types import FieldArray, OutputCache, StoredRows, TeacherMetadata
 
-__all__ = ["RoutedBatch", "check_routed_outputs", "route_job"]
+__all__ = ["RoutedBatch", "check_routed_outputs", "offer_routed", "route_job", "routed_rows_to_send"]
 
 MERGED = ""  # the key of a merged batch's one dict of outputs in `Job.outputs`
 
@@ -41,6 +43,53 @@ def route_job(job: Job, plan: RoutePlan) -> list[Job]:
     job.routed = routed
     job.remaining = {g.service: g.size for g in groups}
     return list(routed.parts.values())
+
+
+def routed_rows_to_send(routes: RouteTable, batch: Any, size: int, fields: dict[str, FieldArray], *,
+                        cache: OutputCache | None, key: str | int | None
+                        ) -> tuple[dict[str, FieldArray], StoredRows | None, RoutePlan | BatchRejectedError | None]:
+    """What of a loader's batch goes to which teacher (on the loader thread): the inputs to send
+    (a store's misses), what the store held, and the plan; a `RouteKeyError` in the plan's place
+    when rows name no teacher (the batch is refused in its place), None when nothing is sent. With
+    a store, each routed row is looked up and stored under its teacher (`RouteTable.store_keys`)."""
+    try:
+        which = routes.which(batch, size)
+    except BatchRejectedError as e:
+        return fields, None, e
+    cached = None
+    if cache is not None:
+        looked = batch if key is None else _with_keys(batch, key, routes.store_keys(batch_keys(batch, key), which))
+        fields, cached = cache.rows_to_send(looked, size, fields)
+        if cached.all_hit:
+            return fields, cached, None
+        which = which[cached.miss_indices]
+    return fields, cached, routes.plan(which, fields)
+
+
+def _with_keys(batch: Any, key: str | int, keys: Any) -> Any:
+    """`batch` with its field `key` replaced, as the store reads it."""
+    if isinstance(batch, Mapping):
+        return {**batch, key: keys}
+    assert isinstance(key, int)
+    return tuple(keys if i == key % len(batch) else v for i, v in enumerate(batch))
+
+
+def offer_routed(jobs: list[Job], plans: list[RoutePlan | None], counter: RoutedRows, delivery: Delivery,
+                 offer: Mapping[str, Callable[[list[Chunk]], None]]) -> None:
+    """New batches (in order) to the dispatchers (`offer`, per service), each service its rows of
+    each batch, all of a service's at once; a batch without a plan was refused (its error is set)."""
+    chunks: dict[str, list[Chunk]] = {s: [] for s in offer}
+    for job, plan in zip(jobs, plans, strict=True):
+        if plan is None:
+            delivery.maybe_complete(job)
+            continue
+        counter.add({g.service: (g.size, g.tokens) for g in plan.groups})
+        for part in route_job(job, plan):
+            service = next(iter(part.remaining))
+            chunks[service].append(Chunk(part, service, 0, part.sent))
+    for service, mine in chunks.items():
+        if mine:
+            offer[service](mine)
 
 
 class RoutedBatch:
