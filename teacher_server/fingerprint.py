@@ -9,7 +9,9 @@ that serves other weights. The digest covers:
   files' bytes; for any other (a ``module:factory``, a module handed in), the state_dict's tensors'
   bytes, dtype and shape, in name order;
 * the config: the files of an ``hf:DIR`` include its ``config.json`` (and ``generation_config.json``);
-  a factory's spec is its ``module:factory`` reference and its ``--model-arg`` values;
+  a factory's spec is the class of the module it built (module and qualified name: the code its
+  forward runs, so two factories building one model give one fingerprint) and its ``--model-arg``
+  values;
 * the tokenizer files of an ``hf:DIR`` (``tokenizer.json``, ``tokenizer_config.json``, vocabularies);
 * the compute dtype (``--compute-dtype``): the same weights computed in bf16 are another teacher.
 
@@ -83,7 +85,7 @@ def of_files(files: Iterable[tuple[str, Path]], compute_dtype: str) -> str:
 
 def of_model(module: Any, spec: Mapping[str, Any], compute_dtype: str) -> str:
     """The fingerprint of a loaded module: its state_dict's tensors (name, dtype, shape, bytes, in
-    name order, copied to the host `CHUNK_BYTES` at a time), its spec (a factory's reference and
+    name order, copied to the host `CHUNK_BYTES` at a time), its spec (its class and a factory's
     arguments) and `compute_dtype`. A callable without a state_dict is known by its spec alone."""
     h = hashlib.sha256(f"tensors;dtype={compute_dtype}\n".encode())
     h.update(json.dumps(dict(spec), sort_keys=True, default=str).encode() + b"\n")
@@ -127,8 +129,10 @@ def of_source(source: str, compute_dtype: str) -> str | None:
 def fingerprint(model: LoadedModel, source: str, compute_dtype: str,
                 model_args: Mapping[str, Any] | None = None) -> str:
     """The fingerprint of `model`, loaded from `source` (blocking: reads files or tensors)."""
-    return (of_source(source, compute_dtype)
-            or of_model(model.module, {"source": source, "args": dict(model_args or {})}, compute_dtype))
+    module = model.module
+    code = f"{type(module).__module__}.{type(module).__qualname__}"  # what its forward runs, whichever factory built it
+    return of_source(source, compute_dtype) or of_model(module, {"class": code, "args": dict(model_args or {})},
+                                                        compute_dtype)
 
 
 async def compute(model: LoadedModel, config: ServerConfig) -> str:
