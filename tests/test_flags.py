@@ -40,6 +40,8 @@ KEYS = {
     "tls_cert",
     "tls_key",
     "registry_options",
+    "route_by",
+    "default_teacher",
 }
 
 
@@ -89,6 +91,8 @@ def test_static_teachers_with_defaults() -> None:
         "tls_cert": None,
         "tls_key": None,
         "registry_options": {},
+        "route_by": None,
+        "default_teacher": None,
     }
 
 
@@ -115,6 +119,8 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_temperature", "2",
             "--no-distill_topk_tail",
             "--distill_header", "Triton-GRPC-Protocol-Triton-Access-Token=s3cret-token",
+            "--distill_route_by", "teacher",
+            "--distill_default_teacher", "math",
         ]
     )  # fmt: skip
     assert set(opts) == KEYS
@@ -136,6 +142,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["output_dtype"] == "BF16"
     assert opts["logprobs"] is True and opts["temperature"] == 2.0 and opts["topk_tail"] is False
     assert opts["headers"] == {"triton-grpc-protocol-triton-access-token": "s3cret-token"}  # name lower-cased
+    assert opts["route_by"] == "teacher" and opts["default_teacher"] == "math"
 
 
 def test_addresses_are_normalised() -> None:
@@ -169,6 +176,8 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_model",
         "--distill_fingerprint",
         "--distill_on_fingerprint_change",
+        "--distill_route_by",
+        "--distill_default_teacher",
         "--distill_top_k",
         "--distill_output_dtype",
         "--distill_logprobs",

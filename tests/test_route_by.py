@@ -186,3 +186,34 @@ def test_the_store_keeps_each_row_under_its_teacher(experts: dict[str, str], tmp
         which[:3] = 1 - which[:3]
         moved.append({**b, "which": which, "teacher": ["math" if int(w) == 0 else "code" for w in which]})
     assert one_pass(moved) == {"hits": 20, "misses": 12}
+
+
+def test_padded_rows_come_back_at_the_batchs_own_width() -> None:
+    from tests import seq_models
+
+    def seq_server() -> ServerThread:
+        return ServerThread(ServerConfig(model="tests.seq_models:causal_conv_lm", name="seq", device="cpu",
+                                         batching=BatchingConfig(max_batch_size=16, max_queue_delay_us=200)))
+
+    lengths = [3, 12, 2, 9, 4, 12, 5, 11]  # short rows to "short", long ones to "long": groups of other widths
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.zeros(len(lengths), 12, dtype=torch.int64)
+    mask = torch.zeros_like(tokens)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = torch.randint(1, seq_models.VOCAB, (n,), generator=g)
+        mask[i, :n] = 1
+    batch = {"TOKENS": tokens, "MASK": mask, "teacher": ["short" if n <= 5 else "long" for n in lengths]}
+    ref = seq_models.causal_conv_lm()
+    with seq_server() as short, seq_server() as long, \
+            DistillReader(None, teachers={"short": short.url, "long": long.url}, route_by="teacher",
+                          inputs=["TOKENS", "MASK"], outputs=["LOGITS", "POOLED"]) as reader:
+        out = reader.score(batch)
+        routed = reader.stats().routed
+    assert out["LOGITS"].shape == (8, 12, seq_models.VOCAB) and out["POOLED"].shape == (8, seq_models.HIDDEN)
+    for i, n in enumerate(lengths):
+        with torch.inference_mode():
+            want = ref(tokens[i:i + 1, :n], mask[i:i + 1, :n])
+        assert torch.allclose(out["LOGITS"][i, :n], want["LOGITS"][0], atol=1e-5), f"row {i}"
+        assert torch.allclose(out["POOLED"][i], want["POOLED"][0], atol=1e-5), f"row {i}"
+    # No input named ATTENTION_MASK: a row's tokens are the token ids' padded width.
+    assert routed["short"] == {"rows": 4, "tokens": 4 * 12} and routed["long"] == {"rows": 4, "tokens": 4 * 12}
