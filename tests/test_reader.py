@@ -146,17 +146,22 @@ def test_unknown_output_fails_at_start(two_teachers: tuple[ServerThread, ServerT
 def test_mismatched_teacher_is_ejected_and_others_serve(two_teachers: tuple[ServerThread, ServerThread],
                                                          caplog: pytest.LogCaptureFixture) -> None:
     good, _ = two_teachers
-    # Same model name and tensor names, but this teacher expects X with 4 features, not 8.
+    # Same model name and tensor names, but this teacher expects X with 4 features, not 8: another
+    # model, so another fingerprint. The reader is told the good one's (with a fixed list the first
+    # teacher whose metadata arrives would fix it otherwise); the odd one out of equal fingerprints
+    # (teachers that state none) is test_a_teacher_whose_inputs_fit_no_batch_fails_each_batch_at_once's.
     cfg = ServerConfig(model="tests.models:linear4", name="affine", device="cpu",
                        io=ModelIO.parse(["X:FP32:4"], ["Y:FP32:3"]))
+    assert good.server is not None
     with ServerThread(cfg) as bad, caplog.at_level(logging.ERROR, logger="distill"):
         data = _batches(12)
-        with DistillReader(data, teachers=f"{bad.url},{good.url}", inputs=["X"], outputs=["Y"]) as reader:
+        with DistillReader(data, teachers=f"{bad.url},{good.url}", inputs=["X"], outputs=["Y"],
+                           fingerprint=good.server.record().fingerprint) as reader:
             for batch, teacher in reader:
                 assert torch.allclose(teacher["Y"], _expected(batch["X"]), atol=1e-5)
             stats = reader.stats().teachers["teachers"]
     assert stats[bad.url]["samples"] == 0 and "incompatible" in str(stats[bad.url]["state"])
-    assert any(f"teacher {bad.url}" in r.message and "expects FP32[4]" in r.message for r in caplog.records)
+    assert any(f"teacher {bad.url}" in r.message and "its fingerprint" in r.message for r in caplog.records)
 
 
 def test_no_teacher_raises_after_timeout() -> None:
