@@ -4,7 +4,8 @@ The whole comparison in one command: the teachers (an expert per task, trained o
 and a generalist of the same size trained on both for the same steps and batch size), their
 teacher servers on loopback, then for each seed the four arms of ``examples.experts.arms`` on the
 same batches and step budget. Prints the held-out exact-match accuracy per arm and task (mean ±
-std over the seeds) and writes every figure as JSON. ``--quick``: small step counts and one seed,
+std over the seeds) and writes every figure as JSON. ``--jobs`` worker processes (``runs.run_all``)
+train the teachers and run the seeds side by side. ``--quick``: small step counts and one seed,
 the pipeline end to end (what the test runs).
 """
 
@@ -25,15 +26,13 @@ import torch
 
 from examples.common import cache_dir
 from examples.experts import arms, mesh
-from examples.experts.models import TinyLM, parameter_count, save
-from examples.experts.tasks import TASKS, mixed_batches
-from examples.experts.train import accuracy, answer_ce, fit, held_out
+from examples.experts import runs as runs_
+from examples.experts.models import TinyLM, parameter_count
+from examples.experts.tasks import TASKS
 
 RESULTS = Path(__file__).with_name("results.json")
 TEACHERS = {"add": ("add",), "rev": ("rev",), "generalist": TASKS}
 """Each teacher and the tasks it trains on; the experts are named after their task."""
-BATCH = 32
-TEACHER_SEED = 7
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,35 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, teachers and students (default: 3e-3)")
     p.add_argument("--eval", type=int, default=300, help="held-out problems per task (default: 300)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the student, and of each teacher server")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes for the teachers' training and the seeds (default: 2, or 1 on one core)")
     p.add_argument("--out", type=Path, default=None,
                    help="the JSON results (default: examples/experts/results.json; with --quick, "
                         "<cache>/experts/results-quick.json)")
     p.add_argument("--quick", action="store_true", help="120 teacher steps, 10 student steps, one seed, 50 problems")
     return p
-
-
-def train_teachers(directory: Path, steps: int, lr: float, evaluate: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Each teacher trained on its tasks' reference answers and saved; returns the files and, per
-    teacher, its size, seconds and held-out accuracy."""
-    files: dict[str, Path] = {}
-    info: dict[str, Any] = {}
-    problems = held_out(evaluate)
-    for name, tasks in TEACHERS.items():
-        torch.manual_seed(TEACHER_SEED)
-        model = TinyLM("teacher")
-        started = time.perf_counter()
-        fit(model, mixed_batches(steps, BATCH, TEACHER_SEED, tasks), answer_ce, lr=lr)
-        files[name] = directory / f"{name}.pt"
-        save(model, files[name])
-        info[name] = {"tasks": list(tasks), "parameters": parameter_count(model),
-                      "seconds": round(time.perf_counter() - started, 1), "accuracy": accuracy(model, problems)}
-        print(f"teacher {name:<10} trained on {'+'.join(tasks)}: {steps} steps in {info[name]['seconds']} s; "
-              f"held-out accuracy {_row(info[name]['accuracy'])}", flush=True)
-    return files, info
-
-
-def _row(acc: dict[str, float]) -> str:
-    return ", ".join(f"{t} {acc[t]:.3f}" for t in TASKS)
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -105,31 +82,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or (cache_dir() / "experts" / "results-quick.json" if args.quick else RESULTS)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    files, teachers = train_teachers(cache_dir() / "experts" / ("quick" if args.quick else "teachers"),
-                                     args.teacher_steps, args.lr, args.eval)
-    problems = held_out(args.eval)
-    runs: list[dict[str, Any]] = []
+    directory = cache_dir() / "experts" / ("quick" if args.quick else "teachers")
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {name: directory / f"{name}.pt" for name in TEACHERS}
+    work = {"lr": args.lr, "evaluate": args.eval, "threads": args.threads}
+    infos = runs_.run_all(runs_.teacher, [((name, tasks, files[name]), {"steps": args.teacher_steps, **work})
+                                          for name, tasks in TEACHERS.items()], args.jobs)
+    teachers = dict(zip(TEACHERS, infos, strict=True))
     student_parameters = parameter_count(TinyLM("student"))
-    with mesh.serve(files, max_batch_size=BATCH, threads=args.threads) as endpoints:
+    with mesh.serve(files, max_batch_size=runs_.BATCH, threads=args.threads) as endpoints:
         print(f"teachers served: {', '.join(f'{n} {e}' for n, e in endpoints.items())}", flush=True)
-        for seed in args.seeds:
-            batches = mixed_batches(args.steps, BATCH, 1000 + seed)
-            for arm in arms.ARMS:
-                torch.manual_seed(seed)
-                student = TinyLM("student")
-                t0 = time.perf_counter()
-                losses = arms.run(arm, student, batches, endpoints, lr=args.lr, seed=seed)
-                acc = accuracy(student, problems)
-                runs.append({"arm": arm, "seed": seed, "accuracy": acc, "final_loss": losses[-1],
-                             "seconds": round(time.perf_counter() - t0, 1)})
-                print(f"seed {seed} {arm:<18} {_row(acc)} ({runs[-1]['seconds']} s)", flush=True)
+        per_seed = runs_.run_all(runs_.seed, [((s, endpoints), {"steps": args.steps, **work}) for s in args.seeds],
+                                 args.jobs)
+    runs = [r for rs in per_seed for r in rs]
     means = summary(runs)
     seconds = time.perf_counter() - started
     print(table(teachers, means, len(args.seeds)))
     print(f"total {seconds:.0f} s (teachers' training included)")
-    result = {"settings": {"teacher_steps": args.teacher_steps, "student_steps": args.steps, "batch_size": BATCH,
+    result = {"settings": {"teacher_steps": args.teacher_steps, "student_steps": args.steps, "batch_size": runs_.BATCH,
                            "seeds": args.seeds, "lr": args.lr, "held_out_per_task": args.eval, "top_k": arms.K,
-                           "alpha": arms.ALPHA, "threads": args.threads, "quick": args.quick},
+                           "alpha": arms.ALPHA, "threads": args.threads, "jobs": args.jobs,
+                           "quick": args.quick},
               "parameters": {"teacher": teachers["add"]["parameters"], "student": student_parameters},
               "teachers": teachers, "summary": means, "runs": runs, "seconds": round(seconds, 1),
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
