@@ -144,8 +144,9 @@ class Engine:
         for svc in self._services.values():
             await svc.pool.wait_first()
         if self.routes is not None:  # one dict of outputs per batch: the services must answer alike
-            check_routed_outputs(opts, {s: t.meta for s, svc in self._services.items()
-                                        for t in list(svc.router.teachers.values())[:1] if t.meta is not None})
+            metas = {s: [t.meta for t in svc.router.teachers.values() if t.meta is not None]
+                     for s, svc in self._services.items()}
+            check_routed_outputs(opts, {s: found[0] for s, found in metas.items() if found})
         if opts.cache is not None:
             await self._open_cache(os.fspath(opts.cache))
 
