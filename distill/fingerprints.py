@@ -114,6 +114,8 @@ class FingerprintPin:
         if not self.pinned or self.error is not None:
             return
         members = [t for t in self._router.teachers.values() if not t.removed]
+        if self._unproven(members):
+            return
         if any(t.meta is None or t.meta.fingerprint in ("", self.pinned) for t in members):
             return
         others = collections.Counter(t.meta.fingerprint for t in members if t.meta is not None)
@@ -126,12 +128,7 @@ class FingerprintPin:
             self.switches += 1
             log.warning("service %r: no teacher of fingerprint %s is left; switching to %s (%d teacher(s)), as "
                         "on_fingerprint_change='switch' says", self.service, old, new, count)
-            for t in members:
-                if t.incompatible is not None and t.incompatible.startswith(_REFUSED):
-                    t.incompatible = None
-                    assert t.meta is not None
-                    self._router.set_metadata(t, t.meta)  # wakes the choosers, recounts teachers by length
-                    self._recheck(t)
+            self._readmit(members)
             return
         self.error = FingerprintChangedError(
             f"service {self.service!r}: no teacher of fingerprint {old} is left, and {sum(others.values())} "
@@ -140,6 +137,32 @@ class FingerprintPin:
             f"teacher, or start the run again with {self._setting('fingerprint', new)}.", old=old, new=new)
         log.error("%s", self.error)
         self._router.notify()
+
+    def _unproven(self, members: list[TeacherState]) -> bool:
+        """A pin that came from the first teacher admitted, whose teachers are all out (their answers
+        contradicted their metadata, they refused access) before answering anything, moves to the
+        fingerprint most of the teachers it refused state: nothing was learned from it, so no
+        teachers are mixed. True when it moved."""
+        pinned = [t for t in members if t.meta is not None and t.meta.fingerprint == self.pinned]
+        if self.given or not pinned or any(t.incompatible is None or t.ok or t.samples for t in pinned):
+            return False
+        refused = collections.Counter(t.meta.fingerprint for t in self.refused() if t.meta is not None)
+        if not refused:
+            return False
+        old, self.pinned = self.pinned, refused.most_common(1)[0][0]
+        log.info("service %r: the teachers of fingerprint %s are out before answering anything; this reader uses "
+                 "those of fingerprint %s instead", self.service, old, self.pinned)
+        self._readmit(members)
+        return True
+
+    def _readmit(self, members: list[TeacherState]) -> None:
+        """Check the members refused for their fingerprint again, against the new pin."""
+        for t in members:
+            if t.incompatible is not None and t.incompatible.startswith(_REFUSED):
+                t.incompatible = None
+                assert t.meta is not None
+                self._router.set_metadata(t, t.meta)  # wakes the choosers, recounts teachers by length
+                self._recheck(t)
 
     def refused(self) -> list[TeacherState]:
         """The members refused for their fingerprint."""

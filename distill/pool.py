@@ -260,6 +260,7 @@ class TeacherPool:
         """Every teacher is out for good and at least one refused this student access. A server's
         access rules do not change by waiting, so the reader says so now rather than after
         `no_teacher_timeout`."""
+        self.fingerprints.review()  # a pin on teachers that are out before answering anything moves on
         if self.fingerprints.error is not None:  # a finished rolling upgrade: waiting cannot help either
             return True
         live = list(self.router.teachers.values())
