@@ -130,9 +130,11 @@ class Engine:
             self._spawn(svc.pool.follow(watch), f"watch-{svc.name}")
             self._spawn(self._dispatcher.run(svc), f"dispatch-{svc.name}")
             if opts.registry and not opts.static:
-                share = None if self._routed is None else functools.partial(self._routed.share, svc.name)
-                demand = registry.publish_demand(svc.name, demand_report(opts.student_id, self._meter, svc.router,
-                                                                         share), student_id=opts.student_id)
+                routed = self._routed
+                report = demand_report(opts.student_id, self._meter, svc.router,
+                                       None if routed is None else functools.partial(routed.share, svc.name),
+                                       None if routed is None else functools.partial(routed.counts, svc.name))
+                demand = registry.publish_demand(svc.name, report, student_id=opts.student_id)
                 await demand.__aenter__()
                 self._closing.append(demand)
         if opts.offline and opts.cache is not None:

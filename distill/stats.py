@@ -123,26 +123,34 @@ class RoutedRows:
             mine = sum(e.get(service, 0) for e in events)
         return mine / total if total else 1.0 / max(1, len(self.rows))
 
+    def counts(self, service: str) -> tuple[int, int]:
+        """Rows and tokens routed to `service` since the reader started."""
+        with self._lock:
+            return self.rows[service], self.tokens[service]
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {s: {"rows": self.rows[s], "tokens": self.tokens[s]} for s in self.rows}
 
 
 def demand_report(student_id: str, meter: ConsumptionMeter, router: Router,
-                  share: Callable[[], float] | None = None) -> Callable[[], registry_pb2.StudentDemand]:
-    """What this student publishes for the autoscaler, sampled when called. `share`: with route_by,
-    the service's share of the rows, which scales the samples per second it is asked for."""
+                  share: Callable[[], float] | None = None,
+                  routed: Callable[[], tuple[int, int]] | None = None) -> Callable[[], registry_pb2.StudentDemand]:
+    """What this student publishes for the autoscaler, sampled when called. With route_by, `share`
+    is the service's share of the rows, which scales the samples per second it is asked for, and
+    `routed` its rows and tokens so far (what `distill top` shows per teacher)."""
 
     def demand() -> registry_pb2.StudentDemand:
         rate, wait = meter.figures()
         if share is not None:
             rate *= share()
+        rows, tokens = routed() if routed is not None else (0, 0)
         now = time.monotonic()
         return registry_pb2.StudentDemand(
             student_id=student_id, samples_per_s=rate, wait_fraction=wait,
             in_flight=sum(t.in_flight for t in router.teachers.values()),
             teachers_in_use=sum(1 for t in router.teachers.values() if t.usable(now)),
-            updated_at=time.time(),
+            updated_at=time.time(), rows_routed=rows, tokens_routed=tokens,
         )
 
     return demand

@@ -93,17 +93,21 @@ class TeacherLoad(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., capacity_samples_per_s: _Optional[float] = ..., updated_at: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class StudentDemand(_message.Message):
-    __slots__ = ("student_id", "samples_per_s", "wait_fraction", "in_flight", "teachers_in_use", "updated_at")
+    __slots__ = ("student_id", "samples_per_s", "wait_fraction", "in_flight", "teachers_in_use", "updated_at", "rows_routed", "tokens_routed")
     STUDENT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TEACHERS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     student_id: str
     samples_per_s: float
     wait_fraction: float
     in_flight: int
     teachers_in_use: int
     updated_at: float
-    def __init__(self, student_id: _Optional[str] = ..., samples_per_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., in_flight: _Optional[int] = ..., teachers_in_use: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    rows_routed: int
+    tokens_routed: int
+    def __init__(self, student_id: _Optional[str] = ..., samples_per_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., in_flight: _Optional[int] = ..., teachers_in_use: _Optional[int] = ..., updated_at: _Optional[float] = ..., rows_routed: _Optional[int] = ..., tokens_routed: _Optional[int] = ...) -> None: ...

@@ -80,13 +80,13 @@ def test_each_expert_gets_demand_in_proportion_to_its_rows(tmp_path: Path) -> No
         student = Student(etcd.address, (math, code))
         student.start()
 
-        async def demands() -> dict[str, tuple[float, float]]:
+        async def demands() -> dict[str, tuple[float, float, int, int]]:
             registry = open_registry(etcd.address, timeout=2.0)
             try:
                 deadline = time.monotonic() + 45
                 while True:  # until both services hold a settled demand of the student, at most 45 s
-                    got = {s: [(d.samples_per_s, d.wait_fraction) for d in await registry.demand(s)]
-                           for s in (math, code)}
+                    got = {s: [(d.samples_per_s, d.wait_fraction, d.rows_routed, d.tokens_routed)
+                               for d in await registry.demand(s)] for s in (math, code)}
                     rates = {s: v[0] for s, v in got.items() if v and v[0][0] > 0}
                     if len(rates) == 2 and student.batches > 60:
                         return rates
@@ -105,10 +105,13 @@ def test_each_expert_gets_demand_in_proportion_to_its_rows(tmp_path: Path) -> No
     assert 2.5 <= ratio <= 6.0, f"demand should follow the 80/20 rows: {rates}"
     routed = student.routed
     assert routed[math]["rows"] == 4 * routed[code]["rows"]
+    # The rows routed so far reach the registry with the demand (what distill top shows per teacher).
+    assert rates[math][2] > 0 and rates[code][2] > 0 and rates[math][2] >= 3 * rates[code][2], rates
+    assert rates[math][3] == rates[math][2] and rates[code][3] == rates[code][2], rates  # one token per row
     # What the autoscaler's policy makes of it: with teachers that each serve the code share, the math
     # pool needs about four times as many.
     needed: dict[str, int] = {}
-    for service, (rate, wait) in rates.items():
+    for service, (rate, wait, _rows, _tokens) in rates.items():
         snapshot = ScaleSnapshot(current=1, teachers=(TeacherSample("t", capacity=rates[code][0] / 0.8),),
                                  students=(StudentSample("router-student", rate, wait),))
         decision = decide(snapshot, PolicyConfig(min_teachers=1, max_teachers=16), PolicyState(), time.monotonic())

@@ -307,5 +307,20 @@ def test_render_fits_80_columns_and_keeps_the_throughput_columns() -> None:
         assert f"123,45{6 + i}" in row and "87%" in row and "234,567" in row, row
         assert row.lstrip().startswith("teacher-") and ":9898" in row, row  # both ends of a cut endpoint
     assert "STUDENT" in text and "9,999" in text and "5%" in text
+    assert "ROWS ROUTED" not in wide  # no routing student: no routed columns
     assert "autoscaler decision: action=up" in text and "desired=4" in text
     assert "etcd-1.etcd" in text  # the title wraps instead of losing its end
+
+
+def test_top_shows_each_services_rows_and_tokens_routed_by_a_routing_student() -> None:
+    kvs = []
+    for service, rows, tokens in (("math", 8_000, 512_000), ("code", 2_000, 96_000)):
+        demand = registry_pb2.StudentDemand(student_id="router", samples_per_s=50.0, updated_at=999.0,
+                                            rows_routed=rows, tokens_routed=tokens)
+        kvs.append(_kv(f"/distill/v1/{service}/students/router", demand))
+    text = dtop.render(dtop.MeshView("etcd://127.0.0.1:2379", 7, 1000.0, parse_kvs(kvs)), width=160)
+    assert "ROWS ROUTED" in text and "TOKENS ROUTED" in text, text
+    sections = {part.split(":", 1)[0]: part for part in text.split("service ")[1:]}
+    math_part, code_part = sections["math"], sections["code"]
+    assert "8,000" in math_part and "512,000" in math_part, text
+    assert "2,000" in code_part and "96,000" in code_part, text

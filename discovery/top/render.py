@@ -182,10 +182,13 @@ def _render_service(view: ServiceView, now: float, max_rows: int, width: int | N
     if view.students:
         busiest = sorted(view.students, key=lambda d: -d.samples_per_s)[:max_rows]
         busiest.sort(key=lambda d: d.student_id)
+        routing = any(d.rows_routed for d in busiest)  # route_by: each row to one service, counted here
         rows = [[d.student_id, _rate(d.samples_per_s), _pct(d.wait_fraction), str(d.in_flight),
-                 str(d.teachers_in_use), age(now - d.updated_at) if d.updated_at else "-"] for d in busiest]
-        lines += _table(["STUDENT", "SAMPLES/S", "STALL", "INFLIGHT", "TEACHERS", "AGE"], rows, width=width,
-                        drop=("AGE", "TEACHERS", "INFLIGHT"), shrink=("STUDENT",))
+                 str(d.teachers_in_use), *([f"{d.rows_routed:,}", f"{d.tokens_routed:,}"] if routing else []),
+                 age(now - d.updated_at) if d.updated_at else "-"] for d in busiest]
+        lines += _table(["STUDENT", "SAMPLES/S", "STALL", "INFLIGHT", "TEACHERS",
+                         *(["ROWS ROUTED", "TOKENS ROUTED"] if routing else []), "AGE"], rows, width=width,
+                        drop=("AGE", "TOKENS ROUTED", "TEACHERS", "INFLIGHT", "ROWS ROUTED"), shrink=("STUDENT",))
         if len(view.students) > max_rows:
             lines.append(f"  ... and {len(view.students) - max_rows} more student(s) (showing the busiest)")
     else:
