@@ -30,12 +30,14 @@ if TYPE_CHECKING:
     from distill.teacher_state import TeacherState
     from distill.types import TeacherMetadata
 
-__all__ = ["FINGERPRINT_CHANGES", "FingerprintChangedError", "FingerprintPin", "fingerprint_change_choice",
+__all__ = ["ANY", "FINGERPRINT_CHANGES", "FingerprintChangedError", "FingerprintPin", "fingerprint_change_choice",
            "fingerprint_value"]
 
 log = logging.getLogger("distill.reader")
 
 FINGERPRINT_CHANGES = ("fail", "switch")
+ANY = "any"
+"""`ReaderOptions.fingerprint` that pins nothing: replicas that differ on purpose all serve."""
 _REFUSED = "its fingerprint "  # how a refusal for the fingerprint begins (TeacherState.incompatible)
 
 
@@ -57,10 +59,15 @@ def fingerprint_change_choice(text: str) -> str:
 
 
 def fingerprint_value(text: str) -> str:
-    """A fingerprint as teachers state it ("fp-" and hex digits; see ``distill check-teachers``)."""
+    """A fingerprint as teachers state it ("fp-" and hex digits; see ``distill check-teachers``), or
+    `ANY` (no pin: every teacher serves whatever its fingerprint)."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"must be a teacher's fingerprint such as 'fp-0123456789abcdef', got {text!r}")
+        raise ValueError(f"must be a teacher's fingerprint such as 'fp-0123456789abcdef', or {ANY!r}, got {text!r}")
     return text.strip()
+
+
+def _nothing(t: TeacherState) -> None:
+    """The recheck of a closed pool's pin."""
 
 
 class FingerprintPin:
@@ -82,6 +89,11 @@ class FingerprintPin:
         self._recheck = recheck
         self._setting = setting  # ReaderOptions.setting: the keyword and flag that fix something
 
+    def detach(self) -> None:
+        """At the pool's close: drop the pool's method this pin calls back (a reference cycle that
+        would keep the pool and its channels alive until the next garbage collection)."""
+        self._recheck = _nothing
+
     def propose(self, metas: Iterable[TeacherMetadata | None]) -> None:
         """The teachers of the first snapshot, before they are checked: with none pinned yet, pin the
         fingerprint most of them state (the first of those tied), so that one odd replica listed
@@ -96,7 +108,7 @@ class FingerprintPin:
     def check(self, meta: TeacherMetadata) -> str | None:
         """None when a teacher with `meta` may serve; else why not. The first fingerprint seen is pinned."""
         fp = meta.fingerprint
-        if not fp or fp == self.pinned:
+        if not fp or self.pinned in (fp, ANY):
             return None
         if not self.pinned:
             self.pinned = fp
@@ -111,7 +123,7 @@ class FingerprintPin:
         """After the members changed: with no replica of the pinned fingerprint left and replicas of
         another live, fail or switch (`on_change`). Members whose metadata is still coming may be
         the pinned teacher starting: nothing is decided while one is."""
-        if not self.pinned or self.error is not None:
+        if not self.pinned or self.pinned == ANY or self.error is not None:
             return
         members = [t for t in self._router.teachers.values() if not t.removed]
         if self._unproven(members):

@@ -120,7 +120,8 @@ class ReaderOptions:
     fingerprint: str | None = option(
         None, help="use only teachers of this fingerprint (a digest of their weights, config, tokenizer and compute "
         "dtype; distill check-teachers and distill top show it); default: the first teacher admitted fixes it for "
-        "the run", check=fingerprint_value, flag=Flag(metavar="FP"))
+        "the run; 'any': use every teacher whatever its fingerprint (replicas that differ on purpose)",
+        check=fingerprint_value, flag=Flag(metavar="FP"))
     on_fingerprint_change: str = option(
         "fail", help="when no teacher of the pinned fingerprint is left while teachers of another are live (a "
         "finished rolling upgrade): raise FingerprintChangedError ('fail'), or go on with the new one ('switch')",

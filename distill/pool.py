@@ -132,9 +132,11 @@ class TeacherPool:
         """Close every member's client (the engine has cancelled their calls already), then drop the
         references that would keep the clients and their gRPC channels alive past close: the members,
         and `_spawn` and the router's `on_by_length`, the engine's own methods (reference cycles through
-        the engine)."""
+        the engine), and the admission checks with the fingerprint pin that calls back into this pool."""
         self._spawn = spawn_closed
         self.router.on_by_length = None  # the engine's method, like `_spawn`
+        self._admits.clear()
+        self.fingerprints.detach()
         for t in list(self.router.teachers.values()):
             with contextlib.suppress(Exception):  # a timeout included: the next channel still closes
                 await bounded(t.client.close(), CLIENT_CLOSE_TIMEOUT_S)

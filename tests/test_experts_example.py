@@ -68,8 +68,12 @@ def test_routed_rows_get_their_own_experts_outputs(quick: tuple[dict[str, Any], 
         assert torch.equal(batch["input_ids"], batches[step]["input_ids"])
         for i, task in enumerate(tasks.TASKS):
             rows = batch["task"] == i
-            for name in ("LOGITS_TOPK_VALUES", "LOGITS_TOPK_INDICES", "LOGITS_TOPK_TAIL"):
-                assert torch.equal(outputs[name][rows], alone[task][step][1][name][rows]), (step, task, name)
+            # The server batches a row with other rows, routed or alone: equal up to float rounding.
+            assert torch.equal(outputs["LOGITS_TOPK_INDICES"][rows],
+                               alone[task][step][1]["LOGITS_TOPK_INDICES"][rows]), (step, task)
+            for name in ("LOGITS_TOPK_VALUES", "LOGITS_TOPK_TAIL"):
+                assert torch.allclose(outputs[name][rows], alone[task][step][1][name][rows], atol=1e-5), \
+                    (step, task, name)
     # The two experts differ, so a row read from the wrong one would show.
     a, b = (alone[t][0][1]["LOGITS_TOPK_VALUES"] for t in tasks.TASKS)
     assert not torch.equal(a, b)
