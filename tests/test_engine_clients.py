@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,7 +45,7 @@ from distill.types import ChunkRequest, FieldArray
 from teacher_server import ServerConfig
 from tests.etcd_fixtures import unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, load_reference, reference_logprobs, save_vllm_llama
-from tests.servers import ServerThread
+from tests.servers import ServerThread, teacher_process
 from tests.sglang_server import SglangServer, sglang_server
 from tests.vllm_env import VllmServer, vllm_server
 
@@ -366,3 +368,41 @@ def test_registered_engine_records_are_called_in_their_protocols(
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+
+def test_a_mixed_pool_of_a_real_vllm_and_a_teacher_server_loses_nothing_to_a_sigkill(
+        vllm: VllmServer, llama_dir: Path, reference: torch.nn.Module, tmp_path: Path) -> None:
+    """One service in a real etcd: a real vLLM put there by `distill register`, and a teacher-server
+    process registered by itself. Both serve the stream until the teacher-server is SIGKILLed mid-run;
+    every batch still arrives once, in order, equal to the model, the rest answered by vLLM."""
+    service = unique_service("mixed")
+    data = batches() * 8
+    with LocalEtcd() as etcd:
+        log = tmp_path / "registrar.log"
+        with log.open("wb") as out:
+            registrar = subprocess.Popen(
+                [sys.executable, "-m", "distill.cli", "register", "--engine", "vllm", "--url",
+                 f"http://{vllm.address}", "--model", "llama", "--registry", etcd.address, "--service", service,
+                 "--probe-interval", "0.2", "--ttl", "3"], stdout=out, stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parent.parent)
+        try:
+            args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--registry", etcd.address,
+                    "--service", service, "--ttl", "3"]
+            with teacher_process(args, tmp_path) as (teacher, _), DistillReader(
+                    data, registry=etcd.address, service=service, prefetch=2, **READER) as reader:
+                deadline = time.monotonic() + 60
+                while reader.stats().teachers_in_use < 2:  # both members, before the stream starts
+                    assert time.monotonic() < deadline, (reader.stats().teachers, log.read_text()[-2000:])
+                    time.sleep(0.1)
+                got = []
+                for i, (batch, outputs) in enumerate(reader):
+                    got.append((batch, outputs))
+                    if i == 3:
+                        teacher.kill()  # SIGKILL: no drain, no deregistration
+        finally:
+            registrar.terminate()
+            registrar.wait(30)
+    assert len(got) == len(data)
+    for (batch, outputs), sent in zip(got, data, strict=True):
+        assert np.array_equal(batch["INPUT_IDS"], sent["INPUT_IDS"])  # in order, each once
+        assert_same(outputs, expected(reference, sent), "mixed pool after a SIGKILL")
