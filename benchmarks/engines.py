@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import format_table, machine_info, median, run_and_report
-from benchmarks.gateway import start_gateway, wait_healthy
+from benchmarks.gateway import start_gateway, stop_gateway, wait_healthy
 from benchmarks.vllm_json import Settings, draw, measure_json
 
 VARIANTS = ("direct", "gateway", "reader")
@@ -131,14 +130,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
             finally:
                 for reader in readers.values():
                     reader.close()
-                gateway.terminate()
-                try:
-                    gateway.wait(20)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
-                    gateway.wait(10)
-                if gateway.stdout is not None:
-                    gateway.stdout.close()
+                stop_gateway(gateway)
     summary = {v: {k: round(median([m[k] for m in ms]), 2) for k in ("tokens_per_s", "ms_per_sequence")}
                for v, ms in per_rep.items()}
     relative = {v: round(median([m["tokens_per_s"] / d["tokens_per_s"]

@@ -40,6 +40,18 @@ VARIANTS = ("direct", "gateway")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def stop_gateway(gateway: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the gateway started by `start_gateway`, SIGKILL it after 20 s, and close its pipe."""
+    gateway.terminate()
+    try:
+        gateway.wait(20)
+    except subprocess.TimeoutExpired:
+        gateway.kill()
+        gateway.wait(10)
+    if gateway.stdout is not None:
+        gateway.stdout.close()
+
+
 def start_gateway(address: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`distill gateway --teachers ADDRESS --port 0`; (process, URL) once it listens and has the teacher."""
     with open(log, "wb") as err:
@@ -104,14 +116,7 @@ def run(s: Settings) -> dict[str, Any]:
                               f"ms/request  teacher {m['teacher_cpu_us_per_token']:5,.0f}  gateway "
                               f"{m['gateway_cpu_us_per_token']:5,.0f} CPU µs/token", flush=True)
             finally:
-                gateway.terminate()
-                try:
-                    gateway.wait(20)
-                except subprocess.TimeoutExpired:
-                    gateway.kill()
-                    gateway.wait(10)
-                if gateway.stdout is not None:
-                    gateway.stdout.close()
+                stop_gateway(gateway)
     keys = ("tokens_per_s", "ms_per_request", "teacher_cpu_us_per_token", "gateway_cpu_us_per_token")
     summary: dict[str, dict[str, float]] = {
         name: {k: round(median([m[k] for m in ms]), 2) for k in keys} for name, ms in per_rep.items()}
