@@ -1,6 +1,6 @@
-"""Byte spans of two real tokenizers' tokens (`teacher_server.text_spans`): they tile each text's
-bytes, added special tokens have none, and where a byte-level BPE's tokens are whole they are the
-tokens' own bytes."""
+"""Byte spans and vocabulary pieces of two real tokenizers (`teacher_server.text_spans`,
+`teacher_server.vocab_pieces`): spans tile each text's bytes, added special tokens have none, a
+byte-level BPE's spans are its tokens' own bytes, and its pieces are GPT-2's byte table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from teacher_server.text_spans import NO_SPAN, byte_spans, char_to_byte
+from teacher_server.vocab_pieces import vocab_pieces
 from tests.tokenizer_models import KINDS, TEXTS, save_tokenizer
 
 
@@ -89,3 +90,29 @@ def test_bad_offsets_are_refused_with_what_to_pass() -> None:
     assert (byte_spans("ab", [(0, 0)], [1]) == NO_SPAN).all()
     assert byte_spans("ab", [(0, 1), (1, 2)], [0, 0], [b"a", b"x"]).tolist() == [[0, 1], [1, 2]], \
         "pieces that are not the text's bytes fall back to the offsets"
+
+
+def test_byte_level_pieces_are_gpt2s_bytes_and_added_tokens_their_text(tmp_path: Path) -> None:
+    tokenizer = save_tokenizer(tmp_path, "byte_bpe")
+    decoder = _gpt2_byte_decoder()
+    pieces = vocab_pieces(tokenizer)
+    assert len(pieces) == len(tokenizer)
+    for token, i in tokenizer.get_vocab().items():
+        want = token.encode() if i in tokenizer.all_special_ids else bytes(decoder[c] for c in token)
+        assert pieces[i] == want, f"id {i} ({token!r})"
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert b"".join(pieces[i] or b"?" for i in ids) == text.encode()
+
+
+def test_metaspace_pieces_write_spaces_and_fall_back_to_offsets(tmp_path: Path) -> None:
+    tokenizer = save_tokenizer(tmp_path, "unigram")
+    pieces = vocab_pieces(tokenizer)
+    assert pieces[tokenizer.convert_tokens_to_ids("▁")] == b" "
+    assert pieces[tokenizer.unk_token_id] == b"<unk>"
+    text = TEXTS[0]
+    enc = tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    with_pieces = byte_spans(text, enc["offset_mapping"], enc["special_tokens_mask"],
+                             [pieces[i] for i in enc["input_ids"]])
+    assert (with_pieces == byte_spans(text, enc["offset_mapping"], enc["special_tokens_mask"])).all(), \
+        "pieces that add a leading space are not the text's bytes: the offsets decide"
