@@ -63,5 +63,5 @@ class InProcessTextTeacher:
         out = {"TEXT_IDS": ids, "TEXT_SPANS": spans, "TEXT_MASK": mask, "LOGITS_TOPK_VALUES": values,
                "LOGITS_TOPK_INDICES": indices, "LOGITS_TOKEN_LOGPROBS": torch.where(has_next, token, 0.0)}
         if tail:
-            out["LOGITS_TOPK_TAIL"] = -torch.expm1(torch.logsumexp(values, dim=-1)).clamp_min(0.0)
+            out["LOGITS_TOPK_TAIL"] = (-torch.expm1(torch.logsumexp(values, dim=-1))).clamp_min(0.0)
         return out
