@@ -1,0 +1,145 @@
+"""The cross-tokenizer example (examples/crosstok): its --quick run end to end, and its parts.
+
+``python -m examples.crosstok --quick`` runs once for the module in this process: two byte-level
+BPEs of different sizes and a tiny teacher trained into a temporary cache, a real
+``teacher-server`` process serving the teacher on loopback, and the student arms reading through
+``DistillReader``. The assertions are on the JSON and the table it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from examples.common import CACHE_ENV
+from examples.crosstok import __main__ as crosstok_main
+from examples.crosstok import arms
+from examples.crosstok.corpus import TEXT, TextCollator, context, get_tokenizer, load_texts, plan, text_pieces
+from examples.crosstok.train import bits_per_byte
+from examples.llm.data import IGNORE_INDEX
+from examples.llm.tokenizer import load_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], str, Path]]:
+    """The --quick run's JSON, its printed output, and the cache it trained into."""
+    cache = tmp_path_factory.mktemp("crosstok-cache")
+    out = cache / "results.json"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(cache))
+        with contextlib.redirect_stdout(printed):
+            assert crosstok_main.main(["--quick", "--out", str(out)]) == 0
+        yield json.loads(out.read_text()), printed.getvalue(), cache
+
+
+def test_quick_run_measures_every_arm_below_the_uniform_bound(quick: tuple[dict[str, Any], str, Path]) -> None:
+    result, _, _ = quick
+    summary, disabled = result["summary"], result["disabled"]
+    assert set(summary) | set(disabled) == set(arms.ARMS)
+    assert not set(summary) & set(disabled)
+    assert set(disabled) <= {"crosstok_kd"}, disabled  # the other arms need nothing beyond the example
+    assert all(isinstance(reason, str) and reason for reason in disabled.values())
+    seeds = result["settings"]["seeds"]
+    assert seeds == [0, 1]
+    assert sorted((r["arm"], r["seed"]) for r in result["runs"]) == sorted((a, s) for a in summary for s in seeds)
+    for run in result["runs"]:
+        assert math.isfinite(run["bits_per_byte"]) and run["bits_per_byte"] > 0.0, run
+        assert run["bytes"] == result["teacher"]["bytes"]  # every arm scores the same held-out text
+        assert math.isfinite(run["first_loss"]) and math.isfinite(run["last_loss"]), run
+    for arm in ("no_kd", "same_tokenizer_reference"):
+        m = summary[arm]
+        assert math.isfinite(m["mean"]) and m["std"] >= 0.0
+        assert m["mean"] < m["uniform_bits_per_byte"], (arm, m)
+    # The reference student has the teacher's tokenizer, the no-KD student the smaller one.
+    by_arm = {r["arm"]: r for r in result["runs"]}
+    assert by_arm["same_tokenizer_reference"]["vocab_size"] == result["teacher"]["settings"]["vocab_size"] == 512
+    assert by_arm["no_kd"]["vocab_size"] == 320
+    teacher = result["teacher"]
+    assert teacher["bits_per_byte"] < teacher["uniform_bits_per_byte"]
+    assert teacher["parameters"] > by_arm["no_kd"]["parameters"]
+
+
+def test_quick_run_prints_the_table(quick: tuple[dict[str, Any], str, Path]) -> None:
+    result, printed, _ = quick
+    lines = printed.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("held-out bits per byte"))
+    assert "seed 0" in lines[head] and "seed 1" in lines[head] and "mean ± std" in lines[head]
+    rows = {line.split()[0]: line for line in lines[head + 1 : head + 2 + len(arms.ARMS)]}
+    assert set(rows) == {"teacher", *arms.ARMS}
+    for arm, m in result["summary"].items():
+        assert f"{m['mean']:.4f} ± {m['std']:.4f}" in rows[arm]
+    for arm, reason in result["disabled"].items():
+        assert rows[arm].split(None, 1)[1] == f"not run: {reason}"
+    assert f"{result['teacher']['bits_per_byte']:.4f}" in rows["teacher"]
+
+
+def test_the_teacher_directory_is_a_served_model_with_its_bos_adding_tokenizer(
+        quick: tuple[dict[str, Any], str, Path]) -> None:
+    _, _, cache = quick
+    directory = cache / "crosstok" / "teacher-512-quick"
+    assert (directory / "config.json").is_file() and (directory / "train_info.json").is_file()
+    tok = load_tokenizer(directory)
+    assert len(tok) == 512
+    ids = tok("def f():\n    return 1")["input_ids"]
+    assert ids[0] == tok.eos_token_id  # the BOS every text gets, so its first byte has a score
+    assert tok.decode(ids[1:]) == "def f():\n    return 1"
+
+
+def test_text_pieces_cut_at_lines_within_the_byte_limit() -> None:
+    texts = ["one\ntwo\nthree\n", "é" * 7 + "\nx", "a\n" * 3]
+    pieces = text_pieces(texts, 6)
+    assert all(0 < len(p.encode()) <= 6 for p in pieces)
+    assert "".join(pieces) == "".join(texts)
+    assert pieces[:3] == ["one\n", "two\n", "three\n"]
+    assert pieces[3:6] == ["ééé", "ééé", "é\nx"]  # a long line cut at characters, never inside one
+    with pytest.raises(ValueError, match="max_bytes"):
+        text_pieces(texts, 3)
+
+
+def test_plan_repeats_the_seed_and_covers_every_piece_per_pass() -> None:
+    a = plan(10, batch_size=4, steps=6, seed=3)
+    assert a == plan(10, batch_size=4, steps=6, seed=3) and a != plan(10, batch_size=4, steps=6, seed=4)
+    assert [len(b) for b in a] == [4, 4, 2, 4, 4, 2]
+    assert sorted(i for b in a[:3] for i in b) == list(range(10))
+
+
+class _Uniform(nn.Module):
+    """A causal LM that gives every token the same probability."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.unused = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, self.vocab))
+
+
+def test_bits_per_byte_of_a_uniform_model_is_the_uniform_bound(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    corpus = load_texts(quick=True)
+    tok = get_tokenizer(300, corpus, quick=True)
+    pieces = text_pieces(list(corpus.texts("held_out"))[:2], 64)[:20]
+    batch = TextCollator(tok, context(64))(pieces[:3])
+    assert batch[TEXT] == pieces[:3]
+    assert (batch["input_ids"][:, 0] == tok.eos_token_id).all()
+    assert (batch["labels"] == IGNORE_INDEX).equal(batch["attention_mask"] == 0)
+    m = bits_per_byte(_Uniform(len(tok)), tok, pieces, max_len=context(64), batch_size=7)
+    assert m.bytes == sum(len(p.encode()) for p in pieces)
+    assert m.tokens == sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in pieces)
+    assert m.bits_per_byte == pytest.approx(m.uniform_bits_per_byte, rel=1e-5)
+    assert m.uniform_bits_per_byte == pytest.approx(m.tokens * math.log2(300) / m.bytes)
