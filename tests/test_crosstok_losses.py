@@ -226,16 +226,16 @@ def test_matched_classes_add_their_entries_and_the_rest_takes_everything_else() 
         matched_rows(z, p[:, [2, 3, 1]].log(), top, None, vm, temperature=1.0, beta=1.0)
 
 
-def test_the_aligned_teacher_scores_are_the_models_on_the_text_before_each_chunk(crossed) -> None:
+def test_the_aligned_teacher_scores_are_the_models_on_each_row_alone(crossed) -> None:
     texts, teacher_model, teacher, _s, _, _, a = crossed
     chunk_lp = teacher_chunk_logprobs(teacher, a)
     assert teacher.topk_values is not None and teacher.topk_indices is not None
     checked = 0
     for b in range(2):
+        # the row alone, unpadded: a causal model's position t sees the tokens up to t only
+        logp = teacher_model.log_probs(teacher.ids[b, : int(teacher.mask[b].sum())].unsqueeze(0))[0]
         for c in range(int(a.num_chunks[b])):
             j0, j1 = int(a.teacher_first[b, c]), int(a.teacher_last[b, c])
-            prefix = teacher.ids[b, : j1 + 1].unsqueeze(0)
-            logp = teacher_model.log_probs(prefix)[0]
             torch.testing.assert_close(logp[j0 - 1].gather(0, teacher.topk_indices[b, j0 - 1]),
                                        teacher.topk_values[b, j0 - 1], rtol=1e-4, atol=1e-4)
             want = sum(logp[j - 1, teacher.ids[b, j]].item() for j in range(j0, j1 + 1))

@@ -22,6 +22,25 @@ def first_ids(ids: Tensor, first: Tensor) -> Tensor:
     return ids.to(first.device).gather(1, first.clamp_min(0))
 
 
+def later_token_logprobs(student_logits: Tensor, ids: Tensor, chunk: Tensor, first: Tensor, where: Tensor, *,
+                         temperature: float) -> Tensor:
+    """``[B, C]``: the student's log-probability of the tokens after the first of each chunk `where`
+    selects, summed per chunk (0 for a one-token chunk); differentiable. Only those tokens' logit rows
+    are read."""
+    dev = student_logits.device
+    chunk = chunk.to(dev)
+    safe = chunk.clamp_min(0)
+    index = torch.arange(chunk.shape[1], device=dev).expand_as(chunk)
+    later = (chunk >= 0) & where.to(dev).gather(1, safe) & (index > first.to(dev).gather(1, safe))
+    b, i = later.nonzero(as_tuple=True)
+    out = torch.zeros(where.shape, dtype=torch.float32, device=dev)
+    if b.numel() == 0:
+        return out
+    rows = student_logits[b, i - 1].float() / temperature
+    picked = rows.gather(1, ids.to(dev)[b, i].unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)
+    return out.index_put((b, chunk[b, i]), picked, accumulate=True)
+
+
 def student_token_logprobs(student_logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
     """float ``[B, T]``: log q(ids[i]) from the logits at ``i - 1`` (0 for token 0); differentiable."""
     t = _check_temperature(temperature)

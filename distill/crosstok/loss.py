@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from distill.crosstok._select import chunk_rows, student_token_logprobs
+from distill.crosstok._select import chunk_rows, later_token_logprobs
 from distill.crosstok.align import Alignment, align, chunk_sums
 from distill.crosstok.gold import gold_chunks, matched_rows
 from distill.crosstok.spans import TextTokens
@@ -113,12 +113,9 @@ class CrossTokenizerLoss(nn.Module):
         count = where.shape[1]
         b, ps = chunk_rows(alignment.student_first.to(dev), where)
         _, pt = chunk_rows(alignment.teacher_first.to(dev), where)
-        s_scale = torch.zeros(b.shape[0], device=dev)
+        s_scale = later_token_logprobs(student_logits, student.ids, alignment.student_chunk,
+                                       alignment.student_first, where, temperature=self.temperature)[where]
         t_scale = torch.zeros(b.shape[0], device=dev)
-        if bool((alignment.student_count.to(dev)[where] > 1).any()):
-            log_q = student_token_logprobs(student_logits, student.ids, self.temperature)
-            sums = chunk_sums(log_q, alignment.student_chunk.to(dev), count)
-            s_scale = sums[where] - log_q[b, ps + 1]
         if bool((alignment.teacher_count.to(dev)[where] > 1).any()):
             scores = teacher.token_scores().to(dev)
             sums = chunk_sums(scores, alignment.teacher_chunk.to(dev), count)
