@@ -94,6 +94,8 @@ def _input(t: service_pb2.ModelInferRequest.InferInputTensor) -> InputTensor:
         dt = DATATYPES.get(t.datatype)
         if dt is not None and dt.contents_field is not None:
             values = getattr(t.contents, dt.contents_field)
+        elif t.datatype == "BYTES":  # text requests (`protos.text`)
+            values = t.contents.bytes_contents
     params = _parameters(t.parameters, f"input {t.name!r}") if t.parameters else _NONE
     return InputTensor(t.name, t.datatype, t.shape, values, params)
 

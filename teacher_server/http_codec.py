@@ -27,6 +27,7 @@ import torch
 
 from protos.kserve import DATATYPES, NONFINITE_ROWS_PARAMETER, shape_numel
 from protos.outputs import TOPK_INDICES, TOPK_TAIL, TOPK_VALUES
+from protos.text import decode_bytes, encode_bytes
 from teacher_server.errors import (
     InferError,
     InvalidRequestError,
@@ -124,6 +125,17 @@ def _shape(raw: object, where: str) -> list[int]:
 
 def _json_data(data: object, datatype: str, shape: list[int], where: str) -> RawBuffer:
     """Raw bytes of JSON `data` (flat or nested), converted by numpy in one call."""
+    if datatype == "BYTES":  # strings (text requests: `protos.text`), serialised as the binary form is
+        try:
+            items = np.asarray(data, dtype=object).reshape(-1)
+        except ValueError:
+            items = np.asarray([None], dtype=object)
+        if not all(isinstance(v, str) for v in items.tolist()):
+            raise _Malformed(f"{where}: BYTES 'data' must be strings, flat or nested as the shape")
+        if all(d >= 0 for d in shape) and items.size != shape_numel(shape):
+            raise _Malformed(f"{where}: {items.size} strings in 'data' for shape {shape} "
+                             f"({shape_numel(shape)} expected)")
+        return encode_bytes([v.encode("utf-8", "surrogatepass") for v in items.tolist()])
     dt = DATATYPES.get(datatype)
     if dt is None:
         return _EMPTY  # validation names the datatype the model expects
@@ -219,7 +231,9 @@ def decode_infer(body: bytes, header_length: str | None, model_name: str, versio
         return DecodedInfer(InferRequest(model_name=model_name, model_version=version, malformed=str(e)))
 
 
-def _json_values(dtype: str, raw: bytes) -> list[Any]:
+def _json_values(dtype: str, raw: bytes, shape: Sequence[int]) -> list[Any]:
+    if dtype == "BYTES":  # strings; bytes that are not UTF-8 as lone surrogates (binary_data keeps them)
+        return [b.decode("utf-8", "surrogateescape") for b in decode_bytes(raw, shape_numel(shape))]
     dt = DATATYPES[dtype]
     arr = np.frombuffer(raw, dtype=dt.numpy_dtype)
     if dt.name == "BF16":
@@ -255,7 +269,7 @@ def encode_response(decoded: DecodedInfer, model_name: str, version: str,
             entry["parameters"] = {"binary_data_size": len(raw)}
             binary.append(raw)
         else:
-            entry["data"] = _json_values(dtype, raw)
+            entry["data"] = _json_values(dtype, raw, shape)
         out.append(entry)
     body: dict[str, Any] = {"model_name": model_name, "model_version": version, "outputs": out}
     if decoded.request.id:

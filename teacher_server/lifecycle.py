@@ -3,6 +3,9 @@
     admit  ->  validate  ->  answer size  ->  rows  ->  batcher queue  ->  model instance  ->  encoded outputs
     (model name/version, serving state)   (in-flight count, metrics and failure reasons throughout)
 
+`text`: a request that sends TEXT (or VOCAB_IDS) becomes the ids request the rest of the path serves,
+and its answer gains the text outputs (`teacher_server.text_requests`); the batcher sees only ids.
+
 `rows`: a padded model's request whose attention mask marks padding is cut into its rows, each
 back to its own length, so they batch with every other queued sequence; its answer is reassembled
 at the request's padded width (`teacher_server.rows`).
@@ -39,6 +42,7 @@ from teacher_server.metrics import ServerMetrics
 from teacher_server.outputs import EncodedOutput, OutputDefaults
 from teacher_server.rows import Rows, RowSplitter
 from teacher_server.spec import ModelIO
+from teacher_server.text_requests import TextPlan, TextRequests
 from teacher_server.validation import validate
 
 
@@ -63,6 +67,7 @@ class ServedModel:
     # larger is refused before it is queued (`teacher_server.answer_size`). 0: no bound.
     max_answer_bytes: int = 0
     fingerprint: str = ""  # which model it computes with (teacher_server.fingerprint), once loaded
+    text_prompts: bool = False  # it scores text with its tokenizer (teacher_server.text_requests), once loaded
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class RequestLifecycle:
         self._io: ModelIO | None = None
         self._batcher: DynamicBatcher | None = None
         self._rows: RowSplitter | None = None
+        self.text = TextRequests(model.source)  # its tokenizer is the vLLM routes' too
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -188,6 +194,13 @@ class RequestLifecycle:
         self.check_model(request.model_name, request.model_version)
         if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
             raise self._unavailable()
+        text: TextPlan | None = None
+        if TextRequests.applies(request, self._io):
+            text = await self.text.prepare(request, self._io, self.model.batching.max_batch_size,
+                                           self.model.max_answer_bytes)
+            if text.request is None:
+                return text.outputs, Timing(0, 0, text.batch_size), text.batch_size
+            request = text.request
         work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
         limit = self.model.max_answer_bytes
         names = len(self.model.name) + len(self.model.version) + len(request.id)
@@ -211,6 +224,8 @@ class RequestLifecycle:
             raise
         except Exception as e:
             raise ModelExecutionError(f"model execution failed: {e}") from e
+        if text is not None:
+            outputs = text.answer(outputs)
         if limit:
             check_answer_sent(outputs, limit, names)
         return outputs, timing, work.batch_size

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 from protos.kserve import BY_LENGTH_PARAMETER, DATATYPES, FINGERPRINT_PARAMETER, model_config_pb2, service_pb2
 from teacher_server.capabilities import CAPABILITIES_PARAMETER, capabilities_json
 from teacher_server.spec import ModelIO
+from teacher_server.text_requests import text_tensors
 
 if TYPE_CHECKING:
     from teacher_server.lifecycle import ServedModel
@@ -30,12 +31,18 @@ _INT64 = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, Fie
 
 
 def metadata_message(model: ServedModel, io: ModelIO) -> service_pb2.ModelMetadataResponse:
-    """The model's KServe v2 metadata: its tensors, batch dimension first (-1)."""
+    """The model's KServe v2 metadata: its tensors, batch dimension first (-1), and, when it scores
+    text, the text tensors (`protos.text`)."""
     resp = service_pb2.ModelMetadataResponse(name=model.name, versions=[model.version], platform="pytorch_libtorch")
     for s in io.inputs:
         resp.inputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
     for s in io.outputs:
         resp.outputs.add(name=s.name, datatype=s.datatype, shape=[-1, *s.shape])
+    inputs, outputs = text_tensors(model.text_prompts)  # optional: ModelConfig marks them so
+    for name, dtype, shape in inputs:
+        resp.inputs.add(name=name, datatype=dtype, shape=[-1, *shape])
+    for name, dtype, shape in outputs:
+        resp.outputs.add(name=name, datatype=dtype, shape=[-1, *shape])
     return resp
 
 
@@ -52,6 +59,11 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
         cfg.input.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
     for s in io.outputs:
         cfg.output.add(name=s.name, data_type=DATATYPES[s.datatype].config_type, dims=list(s.shape))
+    inputs, outputs = text_tensors(model.text_prompts)
+    for name, dtype, shape in inputs:  # sent in place of the model's inputs (text) or alone (vocabulary)
+        cfg.input.add(name=name, data_type=_config_type(dtype), dims=list(shape), optional=True)
+    for name, dtype, shape in outputs:
+        cfg.output.add(name=name, data_type=_config_type(dtype), dims=list(shape))
     if batching.enabled:
         cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
         cfg.dynamic_batching.default_queue_policy.max_queue_size = batching.queue_bound(io.padded)
@@ -59,7 +71,7 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
         cfg.parameters[BY_LENGTH_PARAMETER].string_value = "true"
     if model.fingerprint:
         cfg.parameters[FINGERPRINT_PARAMETER].string_value = model.fingerprint
-    cfg.parameters[CAPABILITIES_PARAMETER].string_value = capabilities_json(io)  # as its registry record says
+    cfg.parameters[CAPABILITIES_PARAMETER].string_value = capabilities_json(io, model.text_prompts)  # as the record
     gpu = model.device.type == "cuda"
     group = cfg.instance_group.add(
         name=f"{model.name}_0", count=model.instances,
@@ -68,6 +80,11 @@ def config_message(model: ServedModel, io: ModelIO) -> model_config_pb2.ModelCon
     if gpu:
         group.gpus.append(model.device.index or 0)
     return cfg
+
+
+def _config_type(dtype: str) -> int:
+    """ModelConfig's data type of a KServe datatype (BYTES is Triton's TYPE_STRING)."""
+    return model_config_pb2.DataType.TYPE_STRING if dtype == "BYTES" else DATATYPES[dtype].config_type
 
 
 def as_json(message: Message) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from teacher_server.lifecycle import RequestLifecycle, ServedModel, ServingState
 from teacher_server.metrics import LoadMeter, MetricsHTTPServer, ServerMetrics
 from teacher_server.model import LoadedModel, _probe, load_model, resolve_device
 from teacher_server.spec import ModelIO, SpecError
+from teacher_server.text_requests import text_scoreable, text_tensors
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -197,7 +198,9 @@ class TeacherServer:
                 log.info("warming up %s on %s", cfg.model, self.device)
                 model = self._model
                 model.io = await asyncio.to_thread(_probe, model)
-            self.requests.model = replace(self.requests.model, fingerprint=await fingerprint.compute(self._model, cfg))
+            text = await self.requests.text.load() and text_scoreable(self._model.io)
+            self.requests.model = replace(self.requests.model, fingerprint=await fingerprint.compute(self._model, cfg),
+                                          text_prompts=text)
             chunk = cfg.output_chunk_mb << 20
             clock = BusyClock()  # the instances share the model's one device
             instances = [ModelInstance(self._model, i, cfg.batching.max_batch_size, chunk_bytes=chunk,
@@ -298,8 +301,13 @@ class TeacherServer:
             rec.inputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
         for s in io.outputs:
             rec.outputs.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
+        text = self.requests.model.text_prompts
+        for name, dtype, shape in text_tensors(text)[0]:
+            rec.inputs.add(name=name, datatype=dtype, shape=list(shape))
+        for name, dtype, shape in text_tensors(text)[1]:
+            rec.outputs.add(name=name, datatype=dtype, shape=list(shape))
         rec.protocol = "kserve"
-        rec.capabilities.CopyFrom(declared_capabilities(io))
+        rec.capabilities.CopyFrom(declared_capabilities(io, text_prompts=text))
         return rec
 
     def load(self) -> registry_pb2.TeacherLoad:

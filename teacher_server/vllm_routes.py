@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -45,7 +43,6 @@ from protos.vllm import (
     resolve_prompt_logprobs,
 )
 from teacher_server.errors import InferError, capped
-from teacher_server.hf_model import PREFIX as HF_PREFIX
 from teacher_server.http_body import BodyReader, BodyRefused
 from teacher_server.http_codec import http_status
 from teacher_server.lifecycle import RequestLifecycle
@@ -60,7 +57,6 @@ log = logging.getLogger(__name__)
 OFFLOAD_BYTES = 256 << 10
 OFFLOAD_ENTRIES = 4096
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _PATHS = ("/health", "/v1/models", "/v1/completions")
 
 
@@ -73,64 +69,6 @@ def _json(body: bytes) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-class Tokenizer:
-    """The teacher's tokenizer, loaded once on first use when `hf:DIR` has one; `why_not` says
-    what is missing otherwise. Calls into it are serialised (a fast tokenizer is not reentrant)."""
-
-    def __init__(self, source: str) -> None:
-        self._source = source
-        self._loaded = False
-        self._tokenizer: Any = None
-        self.why_not = ""
-        self._load_lock = asyncio.Lock()
-        self._use = threading.Lock()
-
-    async def get(self) -> Any:
-        """The tokenizer, or None (then `why_not` is set)."""
-        if not self._loaded:
-            async with self._load_lock:
-                if not self._loaded:
-                    self._tokenizer, self.why_not = await asyncio.to_thread(self._load)
-                    self._loaded = True
-        return self._tokenizer
-
-    def _load(self) -> tuple[Any, str]:
-        if not self._source.startswith(HF_PREFIX):
-            return None, f"the teacher ({self._source or 'this model'}) is not an hf: directory with a tokenizer"
-        directory = Path(self._source[len(HF_PREFIX):]).expanduser()
-        if not any((directory / f).is_file() for f in _TOKENIZER_FILES):
-            return None, f"{directory} holds no tokenizer files (save the tokenizer with save_pretrained there)"
-        try:
-            import transformers
-
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except Exception as e:  # a tokenizer that does not load only costs text prompts
-            log.warning("the tokenizer in %s does not load (%s); text prompts are refused", directory, e)
-            return None, f"the tokenizer in {directory} does not load: {e}"
-        log.info("tokenizer of %s loaded for text prompts and decoded tokens", directory)
-        return tokenizer, ""
-
-    def encode(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
-        with self._use:
-            ids: list[list[int]] = self._tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
-        return ids
-
-    def decode(self, ids: Sequence[int]) -> Mapping[int, str]:
-        with self._use:
-            texts = self._tokenizer.batch_decode([[i] for i in ids])
-        return dict(zip(ids, texts, strict=True))
-
-    def continuation(self, prompt: Sequence[int], token: int) -> str:
-        """The text `token` adds after `prompt`, as vLLM's incremental detokenizer writes a generated
-        token (a word-level tokenizer's space between words included), special tokens skipped."""
-        with self._use:
-            before = self._tokenizer.decode(list(prompt), skip_special_tokens=True)
-            after = self._tokenizer.decode([*prompt, token], skip_special_tokens=True)
-            if after.startswith(before):
-                return str(after[len(before):])
-            return str(self._tokenizer.decode([token], skip_special_tokens=True))
-
-
 class VLLMRoutes:
     """The handlers for the one model a RequestLifecycle serves; `register(app)` adds them."""
 
@@ -139,7 +77,7 @@ class VLLMRoutes:
         self._lifecycle = lifecycle
         self._bodies = bodies
         self._max_logprobs = max_logprobs
-        self._tokenizer = Tokenizer(lifecycle.model.source)
+        self._tokenizer = lifecycle.text.tokenizer  # one tokenizer per server, shared with KServe text requests
 
     def register(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
