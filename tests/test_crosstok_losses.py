@@ -224,6 +224,11 @@ def test_matched_classes_add_their_entries_and_the_rest_takes_everything_else() 
     assert torch.isfinite(g).all() and g.abs().sum() > 0
     with pytest.raises(ValueError, match="tail"):
         matched_rows(z, p[:, [2, 3, 1]].log(), top, None, vm, temperature=1.0, beta=1.0)
+    wide = torch.cat([z.detach(), torch.tensor([[2.0]])], dim=1)  # a padded embedding: one more logit
+    qw = torch.softmax(wide, -1)[0].tolist()
+    got = matched_rows(wide, p.log(), ids, None, vm, temperature=1.0, beta=0.0)
+    want = 0.1 * math.log(0.1 / qw[0]) + 0.5 * math.log(0.5 / qw[1]) + 0.4 * math.log(0.4 / (qw[2] + qw[3] + qw[4]))
+    assert got.item() == pytest.approx(want, rel=1e-5), "a logit beyond the tokenizer's entries is unmatched"
 
 
 def test_the_aligned_teacher_scores_are_the_models_on_each_row_alone(crossed) -> None:
@@ -254,6 +259,8 @@ def test_missing_teacher_outputs_say_what_to_ask_for(shared) -> None:
     _, _, answer, s, logits, vm = shared
     with pytest.raises(KeyError, match="TEXT_SPANS"):
         TeacherText.from_outputs({k: v for k, v in answer.items() if k != "TEXT_SPANS"})
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        CrossTokenizerLoss(vm)(logits[:, :-1], s, TeacherText.from_outputs(answer))
     bare = TeacherText.from_outputs({k: answer[k] for k in ("TEXT_IDS", "TEXT_SPANS", "TEXT_MASK")})
     with pytest.raises(ValueError, match="top_k"):
         CrossTokenizerLoss(vm)(logits, s, bare)

@@ -51,7 +51,8 @@ def _fit(student_class: Tensor, width: int) -> Tensor:
     tokenizer (padded embeddings); those extra entries are unmatched."""
     if width <= student_class.numel():
         return student_class[:width]
-    return torch.cat([student_class, torch.full((width - student_class.numel(),), -1, dtype=student_class.dtype)])
+    return torch.cat([student_class, torch.full((width - student_class.numel(),), -1, dtype=student_class.dtype,
+                                                 device=student_class.device)])
 
 
 def _student_classes(z: Tensor, student_class: Tensor, classes: int) -> Tensor:

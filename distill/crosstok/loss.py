@@ -73,6 +73,13 @@ class CrossTokenizerLoss(nn.Module):
         _check_token_reduction(reduction)
         self.reduction: TokenReduction = reduction
         self.chunk_size = _check_chunk_size(chunk_size)
+        self._vocab_on: dict[torch.device, VocabMap] = {}
+
+    def _vocab(self, device: torch.device) -> VocabMap:
+        """The vocabulary map on `device`, moved there once."""
+        if device not in self._vocab_on:
+            self._vocab_on[device] = self.vocab.to(device)
+        return self._vocab_on[device]
 
     def extra_repr(self) -> str:
         return (f"divergence={self.divergence!r}, beta={self.beta}, temperature={self.temperature}, "
@@ -85,9 +92,13 @@ class CrossTokenizerLoss(nn.Module):
         if alignment is None:
             alignment = align(student.spans, student.mask, teacher.spans, teacher.mask)
         dev = student_logits.device
+        if student_logits.dim() != 3 or tuple(student_logits.shape[:2]) != tuple(student.ids.shape):
+            raise ValueError(f"student logits {tuple(student_logits.shape)} must be [B, T, V] over the student's "
+                             f"tokens {tuple(student.ids.shape)}: run the student on the SpanTokenizer's ids")
+        vocab = self._vocab(dev)
         counted = alignment.counted(student_loss_mask).to(dev)
         values, indices = teacher.require_topk()
-        gold_mask = gold_chunks(alignment, student.ids, teacher.ids, self.vocab).to(dev) & counted
+        gold_mask = gold_chunks(alignment, student.ids, teacher.ids, vocab).to(dev) & counted
         uld_mask = counted & ~gold_mask
         shape = counted.shape
         gold = torch.zeros(shape, dtype=torch.float32, device=dev)
@@ -98,7 +109,7 @@ class CrossTokenizerLoss(nn.Module):
             bt = b.to(values.device)
             pt = pt.to(values.device)
             tail = None if teacher.topk_tail is None else teacher.topk_tail[bt, pt]
-            rows = matched_rows(student_logits[b, ps], values[bt, pt], indices[bt, pt], tail, self.vocab,
+            rows = matched_rows(student_logits[b, ps], values[bt, pt], indices[bt, pt], tail, vocab,
                                 temperature=self.temperature, beta=self.beta, chunk_size=self.chunk_size)
             gold = gold.index_put(gold_mask.nonzero(as_tuple=True), rows.to(dev))
         if self.uld_weight and bool(uld_mask.any()):
