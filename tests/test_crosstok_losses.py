@@ -16,6 +16,7 @@ from distill.crosstok import (
     CrossTokenizerLoss,
     SpanTokenizer,
     TeacherText,
+    TextTokens,
     VocabMap,
     align,
     chunk_log_ratio,
@@ -269,3 +270,20 @@ def test_missing_teacher_outputs_say_what_to_ask_for(shared) -> None:
     with pytest.raises(ValueError, match="tail"):
         no_tail = TeacherText.from_outputs({k: v for k, v in answer.items() if k != "LOGITS_TOPK_TAIL"})
         CrossTokenizerLoss(vm, divergence="reverse_kl")(logits, s, no_tail)
+
+
+def test_a_batch_without_chunks_gives_zero_attached_to_the_graph() -> None:
+    spans = torch.tensor([[[-1, -1]]])  # one row: the BOS alone (an empty text)
+    mask = torch.ones(1, 1, dtype=torch.int8)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    teacher = TeacherText(ids, spans, mask, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, dtype=torch.long), None,
+                          torch.zeros(1, 1))
+    a = align(spans, mask, spans, mask)
+    assert a.num_chunks.tolist() == [0] and a.valid.shape == (1, 0)
+    logits = torch.randn(1, 1, 4, requires_grad=True)
+    vm = VocabMap.from_pieces([b"a", b"b", b"c", b"d"], [b"a", b"b"])
+    for value in (CrossTokenizerLoss(vm)(logits, TextTokens(ids, spans, mask), teacher, a),
+                  chunk_pg_loss(logits, ids, teacher, a)):
+        assert value.item() == 0.0 and value.requires_grad
+        (g,) = torch.autograd.grad(value, logits)
+        assert (g == 0).all()

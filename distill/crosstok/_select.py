@@ -51,4 +51,4 @@ def student_token_logprobs(student_logits: Tensor, ids: Tensor, temperature: flo
     nxt = ids[:, 1:]
     valid = torch.ones_like(nxt, dtype=torch.bool)
     picked = _student_token_logprobs(student_logits[:, :-1], nxt, valid, t)
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    return torch.cat([picked.new_zeros(picked.shape[0], 1), picked], dim=1)

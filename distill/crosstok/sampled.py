@@ -33,11 +33,13 @@ __all__ = ["chunk_log_ratio", "chunk_pg_loss", "teacher_chunk_logprobs"]
 def _spread(per_chunk: Tensor, alignment: Alignment, counted: Tensor) -> tuple[Tensor, Tensor]:
     """(per-position values ``[B, Ts]``, bool counted positions): each chunk's value / its student
     token count on its student tokens, shifted to the position before each token."""
-    chunk = alignment.student_chunk.to(per_chunk.device)
-    safe = chunk.clamp_min(0)
-    count = alignment.student_count.to(per_chunk.device).clamp_min(1)
-    value = (per_chunk / count).gather(1, safe)
-    keep = (chunk >= 0) & counted.to(per_chunk.device).gather(1, safe)
+    dev = per_chunk.device
+    chunk = alignment.student_chunk.to(dev)
+    rows, count = per_chunk.shape
+    dump = torch.where(chunk >= 0, chunk, torch.full_like(chunk, count))  # column `count`: no chunk
+    n = torch.cat([alignment.student_count.to(dev).clamp_min(1), chunk.new_ones(rows, 1)], dim=1)
+    value = (torch.cat([per_chunk, per_chunk.new_zeros(rows, 1)], dim=1) / n).gather(1, dump)
+    keep = torch.cat([counted.to(dev), counted.new_zeros(rows, 1).to(dev)], dim=1).gather(1, dump)
     value = torch.where(keep, value, torch.zeros_like(value))
     pad = torch.zeros_like(value[:, :1])
     return torch.cat([value[:, 1:], pad], dim=1), torch.cat([keep[:, 1:], pad.bool()], dim=1)
