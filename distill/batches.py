@@ -1,13 +1,9 @@
 """A user's batch inside the reader (pulled from the loader on a thread of its own by
-`distill.readahead`): its teacher inputs found inside whatever the loader yields, split into
-chunks for teachers (`Job`, `Chunk`), the answers copied into the batch's tensors, and the batch
-handed to the reader's sink exactly once, in loader order (`Delivery`).
-
-A batch may be a tensor, a tuple/list, or a dict (a torch DataLoader yields all three). The
-`inputs` option says which fields go to the teacher and under which teacher input name:
-`["INPUT"]` sends field "INPUT" as input "INPUT"; `{"INPUT": "image"}` sends field "image";
-`{"INPUT": 0}` sends position 0 of a tuple; a bare tensor batch is sent whole. Fields become
-C-contiguous CPU numpy arrays without copying when they already are.
+`distill.readahead`): its teacher inputs found inside whatever the loader yields
+(`distill.batch_fields`), split into chunks for teachers (`Job`, `Chunk`), the answers copied into
+the batch's tensors (a text batch's chunks of other widths padded to its widest:
+`distill.text_fields`), and the batch handed to the reader's sink exactly once, in loader order
+(`Delivery`).
 """
 
 from __future__ import annotations
@@ -21,90 +17,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from distill.batch_fields import extract_inputs, signature_of
 from distill.errors import BatchRejectedError, InputRefusal, NonFiniteOutputError
-from distill.outputs import AUX_INPUTS, VALID_ROWS
+from distill.outputs import VALID_ROWS
 from distill.routing_keys import Routed
 from distill.teacher_client import MalformedAnswerError
+from distill.text_fields import pad_value, widen
 from distill.types import FieldArray, OutputCache, ParameterValue, Signature, StoredRows
-from protos.kserve import DATATYPES, datatype_of
+
+__all__ = ["Chunk", "Delivery", "Job", "Sink", "Submitted", "extract_inputs", "signature_of"]
 
 log = logging.getLogger("distill.reader")
-
-_NUMPY_TO_WIRE = {d.numpy_dtype: d.name for d in DATATYPES.values() if d.name != "BF16"}
-
-
-def _pick(batch: Any, name: str, field: str | int, single: bool) -> Any:
-    if isinstance(batch, Mapping):
-        if field not in batch:
-            raise TypeError(f"teacher input {name!r}: the batch has no key {field!r} (keys: {list(batch)})")
-        return batch[field]
-    if isinstance(batch, (tuple, list)):
-        if not isinstance(field, int):
-            raise TypeError(
-                f"teacher input {name!r}: the batch is a {type(batch).__name__}, so its field must be a "
-                f"position; use inputs={{{name!r}: 0}} (got {field!r})"
-            )
-        if not -len(batch) <= field < len(batch):
-            raise TypeError(f"teacher input {name!r}: position {field} is outside a batch of {len(batch)} fields")
-        return batch[field]
-    if isinstance(batch, (torch.Tensor, np.ndarray)) and single:
-        return batch
-    raise TypeError(
-        f"cannot take teacher input {name!r} from a batch of type {type(batch).__name__}; the loader must "
-        "yield tensors, tuples or dicts of tensors"
-    )
-
-
-def _as_array(value: Any, name: str) -> FieldArray:
-    if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        dt = datatype_of(t.dtype)
-        arr = t.view(torch.int16).numpy() if t.dtype is torch.bfloat16 else t.numpy()
-        return FieldArray(arr, dt.name)
-    if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        wire = _NUMPY_TO_WIRE.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
-        if wire is None or arr.dtype.byteorder == ">":
-            raise TypeError(f"teacher input {name!r}: numpy dtype {arr.dtype} has no KServe v2 datatype")
-        return FieldArray(arr, wire)
-    raise TypeError(
-        f"teacher input {name!r} is a {type(value).__name__}; the reader sends torch tensors or numpy arrays "
-        "whose first dimension is the batch"
-    )
-
-
-def extract_inputs(batch: Any, inputs: Mapping[str, str | int]) -> tuple[int, dict[str, FieldArray]]:
-    """(batch size, teacher input name -> FieldArray), or TypeError naming the field and the problem."""
-    single = len(inputs) == 1
-    out: dict[str, FieldArray] = {}
-    size: int | None = None
-    for name, source in inputs.items():
-        fa = _as_array(_pick(batch, name, source, single), name)
-        if fa.array.ndim == 0:
-            raise TypeError(f"teacher input {name!r} is a scalar; it needs a batch dimension first")
-        n = fa.array.shape[0]
-        if size is not None and n != size:
-            raise TypeError(f"teacher input {name!r} has {n} rows but the other inputs have {size}")
-        size = n
-        want = AUX_INPUTS.get(name)
-        if want is not None and fa.datatype != want:
-            raise TypeError(f"teacher input {name!r} must be {want} (ids per position, padded like the ids), got "
-                            f"{fa.datatype}: convert it, e.g. score_ids.to(torch.int32)")
-        out[name] = fa
-    assert size is not None
-    if size == 0:
-        raise TypeError("the loader yielded an empty batch (0 rows); teachers cannot answer it")
-    return size, out
-
-
-def signature_of(fields: Mapping[str, FieldArray]) -> Signature:
-    """What a teacher's declared inputs must take: every field but the auxiliary inputs (SCORE_IDS),
-    which a teacher reads without declaring them (the teacher checks them itself)."""
-    return tuple((n, f.datatype, f.sample_shape) for n, f in fields.items() if n not in AUX_INPUTS)
-
 
 class Submitted:
     """A batch the training loop handed to ``submit``: its outputs settle `future` (on the engine's
@@ -162,6 +85,11 @@ class Job:
     # With route_by: the routed batch this job belongs to (distill.routing_rows), as the whole batch or
     # as one service's rows of it; None when every row goes to every service.
     routed: Routed | None = None
+
+    @property
+    def text(self) -> bool:
+        """Whether the batch sends texts: its chunks' answers may differ in width (`distill.text_fields`)."""
+        return any(dtype == "BYTES" for _, dtype, _ in self.signature)
 
     @property
     def sent(self) -> int:
@@ -244,9 +172,10 @@ class Delivery:
         """An answer must match the answers already in the batch's tensors (outputs whose metadata
         leaves a dimension open, -1, can still disagree between teachers)."""
         dest = chunk.job.outputs.get(chunk.service)
+        skip = 2 if chunk.job.text else 1  # a text batch's chunks may differ in positions
         for name, value in outputs.items():
             buf = None if dest is None else dest.get(name)
-            if buf is not None and buf.shape[1:] != value.shape[1:]:
+            if buf is not None and (buf.dim() != value.dim() or buf.shape[skip:] != value.shape[skip:]):
                 raise MalformedAnswerError(f"output {name!r} came as {list(value.shape[1:])} per sample; the "
                                            f"batch's other chunks have {list(buf.shape[1:])}")
 
@@ -284,15 +213,22 @@ class Delivery:
         cached = job.cached
         rows = None if cached is None or len(cached.miss_indices) == job.size else torch.from_numpy(
             cached.miss_indices[chunk.start:chunk.stop])
+        text = job.text
         for name, value in outputs.items():
             buf = dest.get(name)
             if buf is None:
-                buf = torch.empty((job.size, *value.shape[1:]), dtype=value.dtype, pin_memory=self.pin_memory)
+                shape = (job.size, *value.shape[1:])
+                buf = (torch.full(shape, pad_value(name), dtype=value.dtype, pin_memory=self.pin_memory) if text
+                       else torch.empty(shape, dtype=value.dtype, pin_memory=self.pin_memory))
                 if rows is not None:  # a partial hit: the stored rows go in their places in the batch
                     assert cached is not None
                     buf[torch.from_numpy(cached.hit_indices)] = cached.fit(name, value)
                 dest[name] = buf
-            if rows is None:
+            if text and value.dim() >= 2 and value.shape[1] != buf.shape[1]:  # chunks of other widths
+                if value.shape[1] > buf.shape[1]:
+                    buf = dest[name] = widen(buf, value.shape[1], name)
+                buf[chunk.start:chunk.stop, :value.shape[1]].copy_(value)
+            elif rows is None:
                 buf[chunk.start:chunk.stop].copy_(value)
             else:
                 buf[rows] = value

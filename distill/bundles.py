@@ -40,13 +40,13 @@ def fits_with(first: Chunk, other: Chunk) -> bool:
     """Whether `other` can share a request with `first`: the same inputs, sample shapes included
     (a padded batch of another length cannot join), the same request parameters (a request has one
     temperature), and neither a chunk that was refused, alone or in a bundle (it goes alone until it
-    is answered or fails)."""
+    is answered or fails), nor texts (`distill.text_fields`)."""
     if other.suspect or first.suspect or other.alone or first.alone:
         return False
     if first.job.parameters is not other.job.parameters and first.job.parameters != other.job.parameters:
         return False
     a, b = first.job.fields, other.job.fields
-    if a.keys() != b.keys():
+    if a.keys() != b.keys() or first.job.text:  # texts go alone: each batch's answer at its own width
         return False
     return _layout(first) == _layout(other)
 

@@ -11,11 +11,12 @@ metadata declares, as before capabilities existed; one that speaks an engine's p
 ``vllm://`` or ``sglang://`` item) what every engine's protocol carries (`ENGINE`).
 
 A request's needs follow from its request parameters (`top_k`, `token_logprobs`, `topk_tail`, by
-their wire names) and its auxiliary inputs (SCORE_IDS); it needs whole outputs when it asks for no
-derived output at all. `missing(offers, needs)` names each gap in words ("top_k 64 > its max 20",
-"SCORE_IDS"). The router (`distill.router`) picks among the teachers whose offers cover a chunk's
-needs; when no live teacher of the service covers them the batch fails at once with
-`NoCapableTeacherError` (`unanswerable`).
+their wire names), its auxiliary inputs (SCORE_IDS) and whether it sends texts (the TEXT input:
+only a record declaring `text_prompts` takes those; one that declares nothing does not); it needs
+whole outputs when it asks for no derived output at all. `missing(offers, needs)` names each gap in
+words ("top_k 64 > its max 20", "SCORE_IDS"). The router (`distill.router`) picks among the
+teachers whose offers cover a chunk's needs; when no live teacher of the service covers them the
+batch fails at once with `NoCapableTeacherError` (`unanswerable`).
 
 The hot path pays a dict lookup: a request's needs are computed once per distinct parameter
 mapping and SCORE_IDS presence (the reader reuses the same mapping for its whole life), a
@@ -34,6 +35,7 @@ from distill.errors import BatchRejectedError
 from distill.types import ChunkRequest, ParameterValue
 from protos import outputs as declared_outputs
 from protos.outputs import SCORE_IDS
+from protos.text import TEXT
 
 if TYPE_CHECKING:
     from protos import registry_pb2
@@ -67,6 +69,7 @@ class Needs(NamedTuple):
     tail: bool = False  # <OUT>_TOPK_TAIL, the mass outside the top-k
     score_ids: bool = False  # the SCORE_IDS input, <OUT>_SCORED_LOGPROBS
     full_outputs: bool = False  # the outputs whole: no derived output is asked for
+    text: bool = False  # the TEXT input: texts scored in the teacher's own tokens (protos.text)
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,14 @@ def offers_of(record: registry_pb2.TeacherRecord | None) -> Offers:
 
 # Needs by (id of the parameter mapping, SCORE_IDS sent); an entry keeps the mapping it was made
 # from, so the id in its key stays that mapping's (as distill.teacher_client's `_expected`).
-_NEEDS: dict[tuple[int, bool], tuple[Mapping[str, ParameterValue], Needs]] = {}
+_NEEDS: dict[tuple[int, bool, bool], tuple[Mapping[str, ParameterValue], Needs]] = {}
 
 
 def needs_of(parameters: Mapping[str, ParameterValue], inputs: Collection[str] = ()) -> Needs:
     """What a request with these request parameters (wire names) and inputs needs of a teacher."""
     scored = SCORE_IDS.name in inputs
-    key = (id(parameters), scored)
+    text = TEXT in inputs
+    key = (id(parameters), scored, text)
     hit = _NEEDS.get(key)
     if hit is not None and hit[0] is parameters:
         return hit[1]
@@ -129,7 +133,7 @@ def needs_of(parameters: Mapping[str, ParameterValue], inputs: Collection[str] =
     sent = (SCORE_IDS.name,) if scored else ()
     derived = any(d.active(parameters, sent) for d in declared_outputs.DERIVED)
     needs = Needs(top_k, bool(parameters.get("token_logprobs")), top_k > 0 and bool(parameters.get("topk_tail")),
-                  scored, not derived)
+                  scored, not derived, text)
     if len(_NEEDS) >= 256:
         _NEEDS.clear()
     _NEEDS[key] = (parameters, needs)
@@ -154,6 +158,8 @@ def _gaps(offers: Offers, needs: Needs) -> list[tuple[str, str]]:
         gaps.append(("score_ids", SCORE_IDS.name))
     if needs.full_outputs and not offers.full_outputs:
         gaps.append(("full_outputs", "dense outputs"))
+    if needs.text and not offers.text_prompts:
+        gaps.append(("text", "text prompts"))
     return gaps
 
 
@@ -166,14 +172,15 @@ def missing(offers: Offers, needs: Needs) -> list[str]:
 @functools.lru_cache(maxsize=4096)
 def covers(offers: Offers, needs: Needs) -> bool:
     """Whether a teacher with `offers` can answer a request with `needs` (cached per pair)."""
-    return offers.complete or not _gaps(offers, needs)
+    return (offers.complete and not needs.text) or not _gaps(offers, needs)
 
 
 def describe_needs(needs: Needs) -> str:
     """A request's needs in words: "top_k 64, token_logprobs, SCORE_IDS"."""
     parts = [f"top_k {needs.top_k}"] if needs.top_k else []
     parts += [name for name, on in (("topk_tail", needs.tail), ("token_logprobs", needs.token_logprobs),
-                                    (SCORE_IDS.name, needs.score_ids), ("dense outputs", needs.full_outputs)) if on]
+                                    (SCORE_IDS.name, needs.score_ids), ("dense outputs", needs.full_outputs),
+                                    ("text prompts", needs.text)) if on]
     return ", ".join(parts) or "nothing beyond its model"
 
 

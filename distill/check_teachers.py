@@ -36,6 +36,7 @@ from distill.checks import registry_address, service_name, teacher_list
 from distill.teacher_client import TeacherClient
 from distill.types import ChunkRequest, FieldArray, TeacherMetadata
 from protos.kserve import DATATYPES
+from protos.text import OPTIONAL_INPUTS
 
 __all__ = ["Replica", "add_parser", "check", "probe_inputs", "run"]
 
@@ -75,6 +76,8 @@ def probe_inputs(meta: TeacherMetadata) -> dict[str, FieldArray]:
     """The fixed probe batch for `meta`'s declared inputs (the same on every run and machine)."""
     fields = {}
     for name, t in meta.inputs.items():
+        if name in OPTIONAL_INPUTS:  # text and vocabulary requests: sent instead of the ids, never beside them
+            continue
         shape = (PROBE_ROWS, *(PROBE_LENGTH if d < 0 else d for d in t.shape))
         n = math.prod(shape)
         dt = DATATYPES.get(t.datatype)

@@ -41,6 +41,7 @@ from distill.capabilities import Needs, NoCapableTeacherError, needs_of, unanswe
 from distill.errors import BatchRejectedError, InputRefusal
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
+from distill.outputs import default_outputs
 from distill.pool import Spawn, spawn_closed
 from distill.service import Service
 from distill.teacher_client import ChunkRequest
@@ -316,7 +317,8 @@ class Dispatcher:
             rid = f"{job.epoch}:{job.seq}:{first.start}+{len(chunks) - 1}"
         return ChunkRequest(
             model_name=t.meta.model_name, model_version=self.opts.model_version, request_id=rid, inputs=job.fields,
-            start=start, stop=stop, outputs=tuple(self.opts.outputs or t.meta.outputs), declared=t.meta.outputs,
+            start=start, stop=stop, outputs=tuple(self.opts.outputs or default_outputs(t.meta.outputs, job.text)),
+            declared=t.meta.outputs,
             parameters=self.opts.request_parameters if job.parameters is None else job.parameters,
             owned=len(chunks) == 1 and self.delivery.whole(first),
             pieces=pieces,

@@ -55,6 +55,7 @@ from distill.headers import HeaderArg, headers_from_flags, headers_map
 from distill.routing import PolicySpec, policy_spec
 from distill.routing_keys import check_route_options
 from distill.types import ParameterValue
+from protos.text import TEXT
 
 if TYPE_CHECKING:  # imported where used: the flags (distill --help) need no torch
     import torch
@@ -364,6 +365,9 @@ class ReaderOptions:
         check_route_options(self.route_by, values["route_map"], self.default_teacher, services)
         if self.cache is None:
             return
+        if TEXT in values["inputs"]:
+            raise ValueError("cache= does not store answers to texts (input TEXT): their positions are each teacher's "
+                             "own tokens, which a store's samples cannot line up; drop cache= for this reader")
         if self.key is None:
             raise ValueError("cache= needs key=: the batch field holding each sample's key (a dataset index or a "
                              "content hash), e.g. key='index'")

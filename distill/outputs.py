@@ -19,9 +19,11 @@ from collections.abc import Collection, Mapping
 from distill.types import ParameterValue, TensorMeta
 from protos import outputs as declared_outputs
 from protos.outputs import SCORED_LOGPROBS, TOPK_INDICES, TOPK_TAIL, TOPK_VALUES
+from protos.text import TEXT_ONLY_OUTPUTS, VOCAB_PIECES
 
 __all__ = ["AUX_INPUTS", "SCORED", "TOKEN_LOGPROBS", "TOKEN_RANKS", "TOPK_PARTS", "VALID_ROWS", "base_output",
-           "derived_names", "ids_output", "per_sample_shape", "register", "unregister", "wanted_outputs"]
+           "default_outputs", "derived_names", "ids_output", "per_sample_shape", "register", "unregister",
+           "wanted_outputs"]
 
 _TOPK = "_TOPK_"
 TOPK_PARTS = tuple(d.suffix.removeprefix(_TOPK) for d in (TOPK_VALUES, TOPK_INDICES, TOPK_TAIL))
@@ -61,7 +63,14 @@ def wanted_outputs(outputs: tuple[str, ...], parameters: Mapping[str, ParameterV
     suffixes = [d.suffix for d in declared_outputs.DERIVED if d.active(parameters, sent)]
     if not suffixes:
         return list(outputs)
-    return [f"{n}{suffix}" for n in outputs for suffix in suffixes]
+    return [name for n in outputs  # a text request's own outputs (TEXT_IDS, ...) come as they are
+            for name in ((n,) if n in TEXT_ONLY_OUTPUTS else (f"{n}{suffix}" for suffix in suffixes))]
+
+
+def default_outputs(declared: Mapping[str, TensorMeta], text: bool) -> tuple[str, ...]:
+    """The outputs asked of a teacher when the reader names none: every output it declares, but the
+    text outputs (`protos.text`) only for a batch that sends texts, and never the vocabulary's."""
+    return tuple(n for n in declared if n not in TEXT_ONLY_OUTPUTS or (text and n != VOCAB_PIECES))
 
 
 def per_sample_shape(name: str, declared: Mapping[str, TensorMeta],

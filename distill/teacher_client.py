@@ -41,6 +41,7 @@ from distill.call_errors import (
 from distill.config import ClientTLS
 from distill.engines.connect import engine_client
 from distill.outputs import VALID_ROWS, per_sample_shape, wanted_outputs
+from distill.text_fields import text_rows
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
 from protos.kserve import (
     BY_LENGTH_PARAMETER,
@@ -147,8 +148,11 @@ def encode_request(req: ChunkRequest) -> bytes:
     that copy). Protobuf parsers take fields in any order, so the result is a valid ModelInferRequest
     for any server."""
     parts: list[Any] = [_header(req), *length_delimited(_ID_FIELD, [req.request_id.encode()])]
-    for name in req.inputs:
-        parts += length_delimited(RAW_INPUT_FIELD, [inputs[name].array[a:b] for inputs, a, b in req.parts])
+    for name, f in req.inputs.items():
+        if f.datatype == "BYTES":  # texts: serialised per row (distill.text_fields)
+            parts += length_delimited(RAW_INPUT_FIELD, [text_rows(inputs[name], a, b) for inputs, a, b in req.parts])
+        else:
+            parts += length_delimited(RAW_INPUT_FIELD, [inputs[name].array[a:b] for inputs, a, b in req.parts])
     return b"".join(parts)
 
 

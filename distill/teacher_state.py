@@ -58,7 +58,7 @@ class TeacherState:
 
     def can(self, needs: Needs) -> bool:
         """Whether its offers cover a request's `needs` (`distill.capabilities.covers`)."""
-        return self.offers.complete or covers(self.offers, needs)
+        return (self.offers.complete and not needs.text) or covers(self.offers, needs)
 
     @property
     def by_length(self) -> bool:
