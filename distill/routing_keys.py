@@ -8,8 +8,9 @@ label, an alias) that maps to one. A row whose key is missing (None, "") or unkn
 key and the known teachers. The route field itself is never sent to a teacher.
 
 `RouteTable.plan` runs where the batch's inputs are taken (the loader thread, or the thread that
-calls ``submit``), never on the event loop: it sorts the rows by teacher with numpy (one pass over
-the distinct keys, none over the rows) and gathers each teacher's rows of every input.
+calls ``submit``), never on the event loop: it finds each row's teacher with numpy (one vectorised
+comparison per known key, a lookup per other distinct key, none per row), sorts the rows by teacher
+and gathers each teacher's rows of every input.
 """
 
 from __future__ import annotations
@@ -134,6 +135,13 @@ class RouteTable:
         self._index = {s: i for i, s in enumerate(services)}
         self._map = {**{s: s for s in services}, **route_map}
         self._default = default
+        # The keys compared with a batch's keys in one vectorised pass per key, by the kind of array
+        # they match exactly (str keys against unicode, bytes against bytes, ints, not bools, against
+        # ints); a row none of them names (an int written as a string, a missing key, one left to the
+        # default) takes `_service_of`, once per distinct key.
+        self._fast: dict[str, tuple[tuple[Any, int], ...]] = {
+            kind: tuple((k, self._index[s]) for k, s in self._map.items() if type(k) is exact)
+            for kind, exact in (("U", str), ("S", bytes), ("i", int), ("u", int))}
 
     def _service_of(self, key: Any) -> int:
         """The service index of one distinct key; -1 when it names none and there is no default."""
@@ -164,11 +172,18 @@ class RouteTable:
             if self._default is None:
                 raise self._refuse("")
             return np.full(size, self._index[self._default], dtype=np.int64)
-        distinct, inverse = np.unique(keys, return_inverse=True)
+        which = np.full(size, -1, dtype=np.int64)
+        for key, index in self._fast.get(keys.dtype.kind, ()):
+            which[keys == key] = index
+        unknown = which < 0
+        if not unknown.any():
+            return which
+        distinct, inverse = np.unique(keys[unknown], return_inverse=True)  # the rest, one lookup per key
         per_key = np.array([self._service_of(k) for k in distinct], dtype=np.int64)
         if (per_key < 0).any():
             raise self._refuse(distinct[int(np.flatnonzero(per_key < 0)[0])])
-        return per_key[inverse.reshape(-1)]
+        which[unknown] = per_key[inverse.reshape(-1)]
+        return which
 
     def store_keys(self, keys: Any, which: np.ndarray) -> Any:
         """A batch's store keys (as the store reads them) prefixed with each row's service,

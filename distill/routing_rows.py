@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-from distill.batches import Chunk, Delivery, Job, signature_of
+from distill.batches import Chunk, Delivery, Job
 from distill.cache.reader_side import batch_keys, fit_width
 from distill.errors import BatchRejectedError, RoutedOutputsMismatchError
 from distill.options import ReaderOptions
@@ -93,20 +94,21 @@ def offer_routed(jobs: list[Job], plans: list[RoutePlan | None], counter: Routed
 
 
 class RoutedBatch:
-    """A batch whose rows go to several services: its part per service, and the merge."""
+    """A batch whose rows go to several services: its part per service, and the merge. Both run on
+    the engine's thread for every routed batch, so they do per batch only what they must: the
+    parts share the batch's signature, and the merge scatters with numpy (less work per call than
+    torch's indexing at these sizes), torch only for what numpy cannot hold (bfloat16)."""
 
     def __init__(self, batch: Job, plan: RoutePlan) -> None:
         self.batch = batch
-        self.rows = {g.service: torch.from_numpy(g.rows) for g in plan.groups}
+        self.rows = {g.service: g.rows for g in plan.groups}  # each part's positions among the rows sent
         self.parts: dict[str, Job] = {}
         for g in plan.groups:
-            part = Job(batch.epoch, batch.seq, None, g.size, g.fields, signature_of(g.fields),
+            # A part's inputs are rows of the batch's: the same names, datatypes and sample shapes.
+            part = Job(batch.epoch, batch.seq, None, g.size, g.fields, batch.signature,
                        parameters=batch.parameters, routed=self)
             part.remaining = {g.service: g.size}
             self.parts[g.service] = part
-        # The batch's padded width: the second dimension its sequence inputs share (None: none, or they differ).
-        widths = {f.array.shape[1] for f in batch.fields.values() if f.array.ndim >= 2}
-        self.width = widths.pop() if len(widths) == 1 else None
 
     def part_done(self, part: Job, delivery: Delivery) -> None:
         """A service's rows are answered (or failed): into the batch; its first error fails it, and the
@@ -140,40 +142,55 @@ class RoutedBatch:
         if any(a is None for a in answers):
             batch.outputs = {MERGED: None}  # hard labels for the whole batch
             return
-        parts = [(self.rows[s], a) for s, a in zip(self.parts, answers, strict=True) if a is not None]
-        names = [n for n in parts[0][1] if n != VALID_ROWS]
         cached = batch.cached
-        partial = cached is not None and len(cached.miss_indices) != batch.size
-        miss = torch.from_numpy(cached.miss_indices) if partial and cached is not None else None
+        miss = cached.miss_indices if cached is not None and len(cached.miss_indices) != batch.size else None
+        # Where each part's rows go in the batch: its positions among the rows sent, which with a
+        # store's partial hit are the missing rows.
+        parts = [(self.rows[s] if miss is None else miss[self.rows[s]], a)
+                 for s, a in zip(self.parts, answers, strict=True) if a is not None]
+        names = [n for n in parts[0][1] if n != VALID_ROWS]
         merged: dict[str, torch.Tensor] = {}
         try:
             for name in names:
-                merged[name] = self._merge_one(name, parts, miss)
+                merged[name] = self._merge_one(name, parts, miss is not None)
         except KeyError as e:
             batch.error = BatchRejectedError(
                 f"batch {batch.seq}: the services answered different outputs ({e} is missing from one); the "
                 "teachers changed since the reader started: restart it, or route to teachers of the same outputs")
             return
         if any(VALID_ROWS in a for _, a in parts):
-            mask = torch.ones(batch.size, dtype=torch.bool)
+            mask = np.ones(batch.size, dtype=bool)
             for rows, a in parts:
                 if (valid := a.get(VALID_ROWS)) is not None:
-                    mask[rows if miss is None else miss[rows]] = valid
-            merged[VALID_ROWS] = mask
+                    mask[rows] = valid.numpy()
+            merged[VALID_ROWS] = torch.from_numpy(mask)
         batch.outputs = {MERGED: merged}
 
-    def _merge_one(self, name: str, parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                   miss: torch.Tensor | None) -> torch.Tensor:
+    def _width(self) -> int | None:
+        """The batch's padded width: the second dimension its sequence inputs share (None: none, or
+        they differ)."""
+        widths = {f.array.shape[1] for f in self.batch.fields.values() if f.array.ndim >= 2}
+        return widths.pop() if len(widths) == 1 else None
+
+    def _merge_one(self, name: str, parts: list[tuple[np.ndarray, dict[str, torch.Tensor]]], stored: bool
+                   ) -> torch.Tensor:
         values = [a[name] for _, a in parts]
         first = values[0]
-        if any(v.shape[1:] != first.shape[1:] for v in values) and first.ndim >= 2:
-            width = self.width or max(v.shape[1] for v in values)
+        if first.ndim >= 2 and any(v.shape[1:] != first.shape[1:] for v in values):
+            width = self._width() or max(v.shape[1] for v in values)
             values = [fit_width(v, width) for v in values]  # padded rows: each group at its own width
         batch = self.batch
-        out = torch.empty((batch.size, *values[0].shape[1:]), dtype=first.dtype)
-        for (rows, _), value in zip(parts, values, strict=True):
-            out[rows if miss is None else miss[rows]] = value.to(first.dtype)
-        if miss is not None and batch.cached is not None:
+        shape = (batch.size, *values[0].shape[1:])
+        if first.dtype is torch.bfloat16:  # numpy has no bfloat16
+            out = torch.empty(shape, dtype=first.dtype)
+            for (rows, _), value in zip(parts, values, strict=True):
+                out[torch.from_numpy(rows)] = value.to(first.dtype)
+        else:
+            buf = np.empty(shape, dtype=first.numpy().dtype)
+            for (rows, _), value in zip(parts, values, strict=True):
+                buf[rows] = (value if value.dtype is first.dtype else value.to(first.dtype)).numpy()
+            out = torch.from_numpy(buf)
+        if stored and batch.cached is not None:
             out[torch.from_numpy(batch.cached.hit_indices)] = batch.cached.fit(name, values[0])
         return out
 

@@ -217,3 +217,63 @@ def test_padded_rows_come_back_at_the_batchs_own_width() -> None:
         assert torch.allclose(out["POOLED"][i], want["POOLED"][0], atol=1e-5), f"row {i}"
     # No input named ATTENTION_MASK: a row's tokens are the token ids' padded width.
     assert routed["short"] == {"rows": 4, "tokens": 4 * 12} and routed["long"] == {"rows": 4, "tokens": 4 * 12}
+
+
+def test_each_rows_service_whatever_form_its_key_takes() -> None:
+    import numpy as np
+
+    from distill.routing_keys import RouteTable
+
+    services = ("math", "code", "bio")
+    table = RouteTable("teacher", services, {0: "math", 1: "code", "alias": "bio", b"raw": "code"}, "bio")
+
+    def one_by_one(keys: list[Any]) -> list[int]:  # each key on its own: names, aliases, labels, the default
+        lookup = {"math": 0, "code": 1, "bio": 2, 0: 0, 1: 1, "alias": 2, b"raw": 1}
+        return [lookup.get(int(k) if isinstance(k, str) and k.isdigit() else k, 2) for k in keys]
+
+    cases: list[list[Any]] = [
+        ["math", "code", "alias", "math", "bio", "code"],  # names and an alias
+        ["math", "1", "", "nobody", "code", "0"],  # int labels written as strings, a missing and an unknown key
+        [0, 1, 1, 0, 7],  # int labels; 7 goes to the default
+        [b"raw", b"math", b"zzz"],  # bytes keys
+        ["code", None, 0, "math"],  # a mixed list: None missing, 0 a label
+    ]
+    for keys in cases:
+        got = table.which({"teacher": keys}, len(keys))
+        assert got.dtype == np.int64 and got.tolist() == one_by_one(keys), keys
+    labels = torch.tensor([1, 0, 0, 1, 5])
+    assert table.which({"teacher": labels}, 5).tolist() == [1, 0, 0, 1, 2]
+    assert table.which({"teacher": "code"}, 3).tolist() == [1, 1, 1]  # one key for the whole batch
+    strict = RouteTable("teacher", services, {"alias": "bio"}, None)
+    with pytest.raises(RouteKeyError, match="'nobody'") as err:  # the first unknown key, in sorted order
+        strict.which({"teacher": ["math", "zed", "nobody", "code"]}, 4)
+    assert err.value.key == "nobody"
+
+
+def test_a_routed_batch_merges_bfloat16_and_marks_rows_of_inf_or_nan() -> None:
+    import numpy as np
+
+    from distill.batches import Job, signature_of
+    from distill.outputs import VALID_ROWS
+    from distill.routing_keys import RouteTable
+    from distill.routing_rows import MERGED, route_job
+    from distill.types import FieldArray
+
+    keys = ["code", "math", "math", "code", "math"]
+    fields = {"X": FieldArray(np.arange(10, dtype=np.float32).reshape(5, 2), "FP32")}
+    table = RouteTable("teacher", ("math", "code"), {}, None)
+    job = Job(0, 0, None, 5, fields, signature_of(fields))
+    parts = route_job(job, table.plan(table.which({"teacher": keys}, 5), fields))
+    assert [next(iter(p.remaining)) for p in parts] == ["math", "code"] and job.routed is not None
+    for part in parts:  # each service answers its rows' inputs, doubled; "code" marks its second row invalid
+        service = next(iter(part.remaining))
+        x = torch.from_numpy(part.fields["X"].array)
+        job.outputs[service] = {"Y": (2 * x).to(torch.bfloat16), "N": 2 * x,
+                                **({VALID_ROWS: torch.tensor([True, False])} if service == "code" else {})}
+    job.routed.merge()
+    merged = job.outputs[MERGED]
+    assert merged is not None
+    want = 2 * torch.from_numpy(fields["X"].array)
+    assert merged["Y"].dtype == torch.bfloat16 and torch.equal(merged["Y"].float(), want)
+    assert merged["N"].dtype == torch.float32 and torch.equal(merged["N"], want)
+    assert merged[VALID_ROWS].tolist() == [True, True, True, False, True]  # row 3: code's second row
