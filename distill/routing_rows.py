@@ -22,10 +22,11 @@ from distill.batches import Chunk, Delivery, Job
 from distill.cache.reader_side import batch_keys, fit_width
 from distill.errors import BatchRejectedError, RoutedOutputsMismatchError
 from distill.options import ReaderOptions
-from distill.outputs import VALID_ROWS, base_output, per_sample_shape, wanted_outputs
+from distill.outputs import VALID_ROWS, base_output, default_outputs, per_sample_shape, wanted_outputs
 from distill.routing_keys import RoutePlan, RouteTable
 from distill.stats import RoutedRows
 from distill.types import FieldArray, OutputCache, StoredRows, TeacherMetadata
+from protos.text import TEXT
 
 __all__ = ["RoutedBatch", "check_routed_outputs", "offer_routed", "route_job", "routed_rows_to_send"]
 
@@ -200,7 +201,9 @@ def _answer_layout(opts: ReaderOptions, meta: TeacherMetadata) -> dict[str, tupl
     reader's transforms (top-k, token log-probs, output dtype)."""
     params = opts.request_parameters
     out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
-    for name in wanted_outputs(tuple(opts.outputs or meta.outputs), params, inputs=tuple(opts.inputs)):
+    text = TEXT in opts.inputs
+    for name in wanted_outputs(tuple(opts.outputs or default_outputs(meta.outputs, text)), params,
+                               inputs=tuple(opts.inputs)):
         base = meta.outputs.get(base_output(name))
         datatype = "?" if base is None else base.datatype
         if opts.output_dtype and datatype in ("FP32", "FP16", "BF16", "FP64"):
