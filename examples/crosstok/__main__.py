@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from examples.common import cache_dir, write_json
-from examples.crosstok import arms, kd
+from examples.crosstok import arms, mesh
 from examples.crosstok.corpus import context, get_tokenizer, load_texts, spread, text_pieces
 from examples.crosstok.train import get_teacher
-from examples.llm import mesh
 from examples.llm.common import quiet, use_all_cores
 
 RESULTS = Path(__file__).with_name("results.json")
@@ -76,16 +75,14 @@ def summary(runs: Sequence[dict[str, Any]], arm_names: Sequence[str]) -> dict[st
 
 
 def table(teacher: dict[str, Any], runs: Sequence[dict[str, Any]], means: dict[str, dict[str, float]],
-          disabled: dict[str, str], seeds: Sequence[int]) -> str:
+          seeds: Sequence[int]) -> str:
     """The printed table: held-out bits per byte per arm, per seed and mean ± std."""
     head = f"{'held-out bits per byte':<26}{'vocab':>7}" + "".join(f"{'seed ' + str(s):>10}" for s in seeds)
     lines = [head + f"{'mean ± std':>18}",
              f"{'teacher':<26}{teacher['settings']['vocab_size']:>7}" + " " * 10 * len(seeds)
              + f"{teacher['bits_per_byte']:>18.4f}"]
     for arm in arms.ARMS:
-        if arm in disabled:
-            lines.append(f"{arm:<26}   not run: {disabled[arm]}")
-        elif arm in means:
+        if arm in means:
             own = {r["seed"]: r for r in runs if r["arm"] == arm}
             m = means[arm]
             lines.append(f"{arm:<26}{next(iter(own.values()))['vocab_size']:>7}"
@@ -119,22 +116,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                           steps=args.teacher_steps, batch_size=args.batch_size, lr=args.lr, max_len=max_len)
     print(f"teacher: {teacher['parameters']:,} parameters, held-out {teacher['bits_per_byte']:.4f} bits per byte "
           f"(uniform {teacher['uniform_bits_per_byte']:.4f}); {teacher_dir}", flush=True)
-    disabled: dict[str, str] = {}
-    reason = kd.missing()
-    if reason is not None and "crosstok_kd" in args.arms:
-        disabled["crosstok_kd"] = reason
-        print(f"crosstok_kd is not run: {reason}", flush=True)
-    wanted = [a for a in args.arms if a not in disabled]
+    wanted = [a for a in arms.ARMS if a in args.arms]
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        endpoint = ""
+        served = None
         if any(a != "no_kd" for a in wanted):
-            endpoint = stack.enter_context(mesh.serve_teacher(teacher_dir, k=args.k, temperature=args.temperature,
-                                                              max_batch_size=args.batch_size, threads=threads))
-            print(f"teacher server: {endpoint} serving hf:{teacher_dir}", flush=True)
+            served = stack.enter_context(mesh.serve(teacher_dir, k=args.k, temperature=args.temperature,
+                                                    max_batch_size=args.batch_size, threads=threads))
+            print(f"teacher server: {served.endpoint} serving hf:{teacher_dir}, registered as {served.service!r} "
+                  f"in {served.registry}", flush=True)
         setup = arms.Setup(student_tok, teacher_tok, train, held_out, role="student-smoke" if args.quick else "student",
                            max_len=max_len, steps=args.steps, batch_size=args.batch_size, lr=args.lr, k=args.k,
-                           temperature=args.temperature, alpha=args.alpha, teachers=endpoint)
+                           temperature=args.temperature, alpha=args.alpha, mesh=served)
         for seed in args.seeds:
             for arm in wanted:
                 r = arms.run(arm, seed, setup)
@@ -142,12 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  seed {seed} {arm:<26} {r['bits_per_byte']:.4f} bits per byte; train loss "
                       f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}; {r['seconds']} s", flush=True)
     means = summary(runs, wanted)
-    print(table(teacher, runs, means, disabled, args.seeds))
+    print(table(teacher, runs, means, args.seeds))
     seconds = time.perf_counter() - started
     print(f"total {seconds:.0f} s")
     write_json(out, {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "teacher": teacher, "summary": means, "disabled": disabled, "runs": runs, "seconds": round(seconds, 1),
+        "teacher": teacher, "summary": means, "runs": runs, "seconds": round(seconds, 1),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}})
     print(f"wrote {out}")
     return 0

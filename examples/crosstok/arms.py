@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,8 +28,9 @@ from distill.losses import TokenKDLoss
 from examples.common import seed_everything
 from examples.crosstok import kd
 from examples.crosstok.corpus import TextCollator, batches, plan
+from examples.crosstok.mesh import OUTPUT, Mesh, topk_options
 from examples.crosstok.train import Batch, LossFn, bits_per_byte, fit, next_token_ce
-from examples.llm import mesh, models
+from examples.llm import models
 from examples.llm.student import kd_loss, targets_from_outputs
 
 ARMS = ("no_kd", "crosstok_kd", "same_tokenizer_reference")
@@ -51,7 +52,7 @@ class Setup:
     k: int
     temperature: float
     alpha: float
-    teachers: str  # host:port of the teacher server
+    mesh: Mesh | None  # where the teacher is (None: no KD arm runs)
     timeout: float = 60.0
 
 
@@ -67,12 +68,22 @@ def run(arm: str, seed: int, setup: Setup) -> dict[str, Any]:
     order = plan(len(setup.train), batch_size=setup.batch_size, steps=setup.steps, seed=seed)
     loader = list(batches(setup.train, TextCollator(tokenizer, setup.max_len), order))
     started = time.perf_counter()
+    taught = [0]
     with _source(arm, setup, loader) as (pairs, loss_fn):
-        losses, seconds = fit(student, pairs, loss_fn, steps=setup.steps, lr=setup.lr)
+        losses, seconds = fit(student, _counted(pairs, taught), loss_fn, steps=setup.steps, lr=setup.lr)
     metric = bits_per_byte(student, tokenizer, setup.held_out, max_len=setup.max_len)
     return {"arm": arm, "seed": seed, **asdict(metric), "vocab_size": len(tokenizer),
             "parameters": models.parameter_count(student), "first_loss": losses[0], "last_loss": losses[-1],
-            "train_seconds": round(seconds, 1), "seconds": round(time.perf_counter() - started, 1)}
+            "teacher_steps": taught[0], "train_seconds": round(seconds, 1),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _counted(pairs: Iterable[tuple[Batch, Any]], taught: list[int]) -> Iterator[tuple[Batch, Any]]:
+    """``pairs`` unchanged, counting in ``taught[0]`` the steps that had teacher outputs (a reader
+    yields None for a batch no teacher answered, which then trains on its hard labels alone)."""
+    for batch, outputs in pairs:
+        taught[0] += outputs is not None
+        yield batch, outputs
 
 
 @contextlib.contextmanager
@@ -83,10 +94,13 @@ def _source(arm: str, setup: Setup, loader: list[Batch]) -> Iterator[tuple[Any, 
         return
     from distill import DistillReader
 
+    if setup.mesh is None:
+        raise ValueError(f"the {arm} arm needs the teacher: run it with a Setup whose mesh is served")
     if arm == "same_tokenizer_reference":
         token_kd = TokenKDLoss(temperature=setup.temperature, alpha=setup.alpha)
-        options = mesh.reader_options(k=setup.k, temperature=setup.temperature, teachers=setup.teachers,
-                                      timeout=setup.timeout)
+        options = {**setup.mesh.reader_location(), "inputs": {"INPUT_IDS": "input_ids", "ATTENTION_MASK":
+                   "attention_mask"}, "outputs": [OUTPUT], **topk_options(k=setup.k, temperature=setup.temperature),
+                   "timeout": setup.timeout}
 
         def reference_loss(logits: Any, batch: Batch, outputs: Any) -> Any:
             return kd_loss(token_kd, logits, targets_from_outputs(outputs), batch)
@@ -94,7 +108,7 @@ def _source(arm: str, setup: Setup, loader: list[Batch]) -> Iterator[tuple[Any, 
         with DistillReader(loader, **options) as reader:
             yield iter(reader), reference_loss
         return
-    crosstok = kd.CrossTokenizerKD(setup.student_tokenizer, setup.teacher_tokenizer, teachers=setup.teachers, k=setup.k,
+    crosstok = kd.CrossTokenizerKD(setup.student_tokenizer, setup.mesh, k=setup.k,
                                    temperature=setup.temperature, alpha=setup.alpha, timeout=setup.timeout)
     with DistillReader(crosstok.prepare(loader), **crosstok.reader_options()) as reader:
         yield iter(reader), crosstok.loss

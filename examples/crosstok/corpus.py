@@ -28,12 +28,13 @@ import torch
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
+import protos.text
 from examples.common import cache_dir
 from examples.llm.common import SMOKE_FILES
 from examples.llm.data import IGNORE_INDEX, Corpus, load_corpus
 from examples.llm.tokenizer import EOS, load_tokenizer, train_tokenizer
 
-TEXT = "TEXT"
+TEXT = protos.text.TEXT
 """The batch field holding the pieces' texts (a list of str), named as the teacher's text input."""
 
 

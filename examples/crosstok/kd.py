@@ -19,69 +19,43 @@ scales it (ULD's distance is not a KL), so the default ``T = 1`` is where the KD
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerFast
 
+from distill.crosstok import CrossTokenizerLoss, SpanTokenizer, TeacherText, VocabMap, fetch_vocab_pieces
 from examples.crosstok.corpus import TEXT
+from examples.crosstok.mesh import OUTPUT, Mesh, topk_options
 from examples.crosstok.train import Batch, next_token_ce
-from examples.llm import mesh
+from examples.llm.mesh import MODEL_NAME
+from protos.text import TEXT_IDS, TEXT_MASK, TEXT_SPANS
 
-OUTPUT = "LOGITS"
-TEXT_OUTPUTS = ("TEXT_IDS", "TEXT_SPANS", "TEXT_MASK")
 STUDENT = "student_tokens"
 """The batch field holding the student's ``TextTokens`` (ids, byte spans, mask) of the batch's texts."""
 
-_NEEDS = {"distill.crosstok": ("CrossTokenizerLoss", "SpanTokenizer", "TeacherText", "VocabMap")}
-
-
-def missing() -> str | None:
-    """Why the cross-tokenizer arm cannot run in this tree (None when it can): the student side's
-    alignment and losses (``distill.crosstok``) and a reader that sends text fields."""
-    for module, names in _NEEDS.items():
-        try:
-            found = importlib.import_module(module)
-        except ImportError as e:
-            return f"{module} cannot be imported ({e})"
-        absent = [n for n in names if not callable(getattr(found, n, None))]
-        if absent:
-            return f"{module} lacks {', '.join(absent)}"
-    from distill.batches import extract_inputs
-
-    try:
-        extract_inputs({TEXT: ["a text"]}, {TEXT: TEXT})
-    except TypeError as e:
-        return f"the reader cannot send a text field ({e})"
-    return None
-
 
 class CrossTokenizerKD:
-    """The arm's reader keywords, its batches' student side and its loss, for one teacher server.
+    """The arm's reader keywords, its batches' student side and its loss, for the teacher of ``mesh``.
 
-    ``teachers`` is the ``host:port`` of the server of ``examples.llm.mesh.serve_teacher``; the
-    vocabulary map is fetched from it on construction (``timeout`` is that call's deadline too).
+    The teacher's vocabulary pieces are fetched from its server on construction (``timeout`` is
+    that call's deadline, and each chunk's at the teacher).
     """
 
-    def __init__(self, student_tokenizer: PreTrainedTokenizerFast, teacher_tokenizer: PreTrainedTokenizerFast, *,
-                 teachers: str, k: int, temperature: float, alpha: float, timeout: float) -> None:
-        from distill.crosstok import CrossTokenizerLoss, SpanTokenizer, VocabMap
-        from teacher_server.vocab_pieces import vocab_pieces
-
-        self.teachers, self.k, self.temperature, self.alpha, self.timeout = teachers, k, temperature, alpha, timeout
+    def __init__(self, student_tokenizer: PreTrainedTokenizerFast, mesh: Mesh, *, k: int, temperature: float,
+                 alpha: float, timeout: float) -> None:
+        self.mesh, self.k, self.temperature, self.alpha, self.timeout = mesh, k, temperature, alpha, timeout
         self.tokens = SpanTokenizer(student_tokenizer)
-        teacher_pieces = vocab_pieces(teacher_tokenizer)
+        teacher_pieces = fetch_vocab_pieces(mesh.endpoint, MODEL_NAME, output=OUTPUT, timeout=timeout)
         self.vocab = VocabMap.from_pieces(self.tokens.pieces, teacher_pieces)
         self.loss_fn = CrossTokenizerLoss(self.vocab, temperature=temperature)
 
     def reader_options(self) -> dict[str, Any]:
-        """``DistillReader`` keywords: the texts in, the text outputs and the top-k with tail and token
-        log-probabilities out (float16 values, as the reference arm gets them)."""
-        return {"inputs": [TEXT], "outputs": [*TEXT_OUTPUTS, OUTPUT], "teachers": self.teachers,
-                "model": mesh.MODEL_NAME, "top_k": self.k, "logprobs": True, "topk_tail": True,
-                "token_logprobs": True, "temperature": self.temperature, "output_dtype": "FP16",
+        """``DistillReader`` keywords: the texts in; the text outputs, the top-k with the tail and the
+        token log-probabilities (ULD scales a chunk of several teacher tokens by them) out."""
+        return {**self.mesh.reader_location(), "inputs": [TEXT], "outputs": [TEXT_IDS, TEXT_SPANS, TEXT_MASK, OUTPUT],
+                **topk_options(k=self.k, temperature=self.temperature), "token_logprobs": True,
                 "timeout": self.timeout}
 
     def prepare(self, batches: Iterable[Batch]) -> list[Batch]:
@@ -98,8 +72,6 @@ class CrossTokenizerKD:
 
     def loss(self, logits: Tensor, batch: Batch, outputs: Mapping[str, Tensor] | None) -> Tensor:
         """``alpha · CE + (1 - alpha) · CrossTokenizerLoss``; the plain CE for a batch no teacher answered."""
-        from distill.crosstok import TeacherText
-
         ce = next_token_ce(logits, batch)
         if outputs is None:
             return ce
