@@ -79,16 +79,23 @@ def _with_keys(batch: Any, key: str | int, keys: Any) -> Any:
 def offer_routed(jobs: list[Job], plans: list[RoutePlan | None], counter: RoutedRows, delivery: Delivery,
                  offer: Mapping[str, Callable[[list[Chunk]], None]]) -> None:
     """New batches (in order) to the dispatchers (`offer`, per service), each service its rows of
-    each batch, all of a service's at once; a batch without a plan was refused (its error is set)."""
+    each batch, all of a service's at once; a batch without a plan was refused (its error is set).
+    The batches' rows and tokens are counted once for them all (one event of the demand's window)."""
     chunks: dict[str, list[Chunk]] = {s: [] for s in offer}
+    counts = {s: [0, 0] for s in offer}
     for job, plan in zip(jobs, plans, strict=True):
         if plan is None:
             delivery.maybe_complete(job)
             continue
-        counter.add({g.service: (g.size, g.tokens) for g in plan.groups})
+        for g in plan.groups:
+            counted = counts[g.service]
+            counted[0] += g.size
+            counted[1] += g.tokens
         for part in route_job(job, plan):
             service = next(iter(part.remaining))
             chunks[service].append(Chunk(part, service, 0, part.sent))
+    if any(rows for rows, _ in counts.values()):
+        counter.add({s: (rows, tokens) for s, (rows, tokens) in counts.items() if rows})
     for service, mine in chunks.items():
         if mine:
             offer[service](mine)
