@@ -1,9 +1,10 @@
 """The cross-tokenizer example (examples/crosstok): its --quick run end to end, and its parts.
 
 ``python -m examples.crosstok --quick`` runs once for the module in this process: two byte-level
-BPEs of different sizes and a tiny teacher trained into a temporary cache, a real
-``teacher-server`` process serving the teacher on loopback, and the student arms reading through
-``DistillReader``. The assertions are on the JSON and the table it wrote.
+BPEs of different sizes and a tiny teacher trained into a temporary cache, a real etcd and a real
+``teacher-server`` process registered in it on loopback, and the three student arms, the KD ones
+reading through ``DistillReader`` (texts for the cross-tokenizer arm, ids for the reference). The
+assertions are on the JSON and the table it wrote.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def test_quick_run_measures_every_arm_below_the_uniform_bound(quick: tuple[dict[
     assert by_arm["no_kd"]["vocab_size"] == by_arm["crosstok_kd"]["vocab_size"] == 320
     assert by_arm["no_kd"]["parameters"] == by_arm["crosstok_kd"]["parameters"]
     assert by_arm["no_kd"]["tokens"] == by_arm["crosstok_kd"]["tokens"] != by_arm["same_tokenizer_reference"]["tokens"]
+    # Same initial weights, same batches: only the teacher's term can tell the two apart, on every seed.
+    for seed in seeds:
+        own = {r["arm"]: r["bits_per_byte"] for r in result["runs"] if r["seed"] == seed}
+        assert own["crosstok_kd"] != own["no_kd"], own
     teacher = result["teacher"]
     assert teacher["bits_per_byte"] < teacher["uniform_bits_per_byte"]
     assert teacher["parameters"] > by_arm["no_kd"]["parameters"]

@@ -24,6 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from distill import DistillReader
 from distill.losses import TokenKDLoss
 from examples.common import seed_everything
 from examples.crosstok import kd
@@ -31,6 +32,7 @@ from examples.crosstok.corpus import TextCollator, batches, plan
 from examples.crosstok.mesh import OUTPUT, Mesh, topk_options
 from examples.crosstok.train import Batch, LossFn, bits_per_byte, fit, next_token_ce
 from examples.llm import models
+from examples.llm.mesh import INPUTS
 from examples.llm.student import kd_loss, targets_from_outputs
 
 ARMS = ("no_kd", "crosstok_kd", "same_tokenizer_reference")
@@ -92,15 +94,12 @@ def _source(arm: str, setup: Setup, loader: list[Batch]) -> Iterator[tuple[Any, 
     if arm == "no_kd":
         yield ((b, None) for b in loader), next_token_ce
         return
-    from distill import DistillReader
-
     if setup.mesh is None:
         raise ValueError(f"the {arm} arm needs the teacher: run it with a Setup whose mesh is served")
     if arm == "same_tokenizer_reference":
         token_kd = TokenKDLoss(temperature=setup.temperature, alpha=setup.alpha)
-        options = {**setup.mesh.reader_location(), "inputs": {"INPUT_IDS": "input_ids", "ATTENTION_MASK":
-                   "attention_mask"}, "outputs": [OUTPUT], **topk_options(k=setup.k, temperature=setup.temperature),
-                   "timeout": setup.timeout}
+        options = {**setup.mesh.reader_location(), "inputs": INPUTS, "outputs": [OUTPUT],
+                   **topk_options(k=setup.k, temperature=setup.temperature), "timeout": setup.timeout}
 
         def reference_loss(logits: Any, batch: Batch, outputs: Any) -> Any:
             return kd_loss(token_kd, logits, targets_from_outputs(outputs), batch)
