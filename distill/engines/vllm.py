@@ -14,6 +14,8 @@ log-prob is dropped: the teacher-server's is 0 there). The generated token is no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -25,45 +27,56 @@ from distill.engines.rows import Plan, RowScores
 __all__ = ["VllmClient", "decode_prompt_logprobs"]
 
 
+_LOGPROB = itemgetter("logprob")
+_RANK = itemgetter("rank")
+
+
 def decode_prompt_logprobs(entries: Any, prompt: Sequence[int], k: int) -> RowScores:
     """One choice's `prompt_logprobs` for `prompt` sent with its last token repeated, as the
-    mesh's positions (module docstring); MalformedAnswerError when it does not fit."""
+    mesh's positions (module docstring); MalformedAnswerError when it does not fit.
+
+    The entries are read into flat arrays (token ids, log-probs, ranks, in the answer's order), one
+    pass each, and cut into positions by index arithmetic, never a Python step per entry: this runs
+    for every token of every answer, on the reader's event loop."""
     n = len(prompt)
     if not isinstance(entries, list) or len(entries) != n + 1 or entries[0] is not None:
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
         raise MalformedAnswerError(f"prompt_logprobs has {got} entries for a prompt of {n + 1} tokens (want "
                                    f"{n + 1}: null, then one per token after the first)")
-    values = np.empty((n, k), dtype=np.float64)
-    ids = np.empty((n, k), dtype=np.int64)
-    ranks = np.empty((n, k), dtype=np.int64)
-    own_values = np.empty(n, dtype=np.float64)
-    own_ranks = np.empty(n, dtype=np.int64)
+    rows = entries[1:]
+    if not all(isinstance(row, dict) for row in rows):
+        t = next(t for t, row in enumerate(rows) if not isinstance(row, dict))
+        got = "null" if rows[t] is None else type(rows[t]).__name__
+        raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] is {got}, not vLLM's map from "
+                                   "token id to its log-prob and rank")
     try:
-        for t in range(n):
-            items = list(entries[t + 1].items())
-            token, own = items[0]
-            expected = prompt[t + 1] if t + 1 < n else prompt[-1]
-            if int(token) != expected:
-                raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] starts with token {token}, not the prompt's "
-                                           f"{expected}")
-            own_values[t] = own["logprob"]
-            own_ranks[t] = own["rank"]
-            top = items[1:] if len(items) == k + 1 else items
-            if len(top) != k:
-                raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] has {len(items)} entries; want {k} or "
-                                           f"{k + 1} for prompt_logprobs {k}")
-            for j, (tid, entry) in enumerate(top):
-                ids[t, j] = int(tid)
-                values[t, j] = entry["logprob"]
-                ranks[t, j] = entry["rank"]
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        if isinstance(e, MalformedAnswerError):
-            raise
+        fields = list(chain.from_iterable(map(dict.values, rows)))
+        count = len(fields)
+        ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=count)
+        logprobs = np.fromiter(map(_LOGPROB, fields), dtype=np.float64, count=count)
+        ranks = np.fromiter(map(_RANK, fields), dtype=np.int64, count=count)
+    except (KeyError, OverflowError, TypeError, ValueError) as e:
         raise MalformedAnswerError(f"prompt_logprobs do not have vLLM's layout ({type(e).__name__}: {e})") from None
-    order = np.argsort(ranks, axis=1, kind="stable")
-    return RowScores(np.take_along_axis(values, order, axis=1).astype(np.float32),
-                     np.take_along_axis(ids, order, axis=1).astype(np.int32),
-                     own_values.astype(np.float32), own_ranks.astype(np.int32))
+    sizes = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+    firsts = np.cumsum(sizes) - sizes  # each position's first entry: the prompt's own token
+    expected = np.asarray([*prompt[1:], prompt[-1]], dtype=np.int64)
+    # The first position that does not fit, and why (a wrong token before a wrong count at one position).
+    held = np.flatnonzero(sizes > 0)
+    wrong_token = held[ids[firsts[held]] != expected[held]]
+    wrong_size = np.flatnonzero((sizes != k + 1) & ((sizes != k) | (k == 0)))
+    t = int(min(wrong_token[0] if len(wrong_token) else n, wrong_size[0] if len(wrong_size) else n))
+    if t < n and len(wrong_token) and wrong_token[0] == t:
+        raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] starts with token {ids[firsts[t]]}, not the prompt's "
+                                   f"{expected[t]}")
+    if t < n:
+        want = f"{k} or {k + 1}" if k else "1"
+        raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] has {sizes[t]} entries; want {want} for "
+                                   f"prompt_logprobs {k}")
+    # Each position's top-k are its last k entries (the own token comes first unless it is among them).
+    top = (firsts + sizes - k)[:, None] + np.arange(k)
+    top = np.take_along_axis(top, np.argsort(ranks[top], axis=1, kind="stable"), axis=1)
+    return RowScores(logprobs[top].astype(np.float32), ids[top].astype(np.int32),
+                     logprobs[firsts].astype(np.float32), ranks[firsts].astype(np.int32))
 
 
 class VllmClient(EngineClient):

@@ -1,0 +1,121 @@
+"""vLLM's `prompt_logprobs` between the mesh's arrays and JSON text, without a server.
+
+The writer (`protos.vllm.prompt_logprobs`: the gateway's and teacher-server's answers, checked
+against real vLLM's by tests/test_vllm_parity.py) and the reader's decoder
+(`distill.engines.vllm.decode_prompt_logprobs`) are each other's inverse: what one writes for a
+prompt sent with its last token repeated, the other reads back as the same top-k, ids, and the
+prompt tokens' own log-probs and ranks. An answer that does not fit vLLM's layout is refused with
+`MalformedAnswerError` naming the position.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distill.call_errors import MalformedAnswerError
+from distill.engines.vllm import decode_prompt_logprobs
+from protos.vllm import Scored, prompt_logprobs
+
+VOCAB = 300
+N = 40
+
+
+def answer(k: int, seed: int) -> tuple[list[int], Scored]:
+    """A prompt of N tokens and a teacher's arrays for it sent with its last token repeated (N + 1
+    positions): distinct top-k ids per position in falling log-prob order, the next token among
+    them at about a third of the positions."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, N).tolist()
+    sent = [*prompt, prompt[-1]]
+    top_ids = np.stack([rng.choice(VOCAB, k, replace=False) for _ in sent]).astype(np.int32).reshape(N + 1, k)
+    for t in range(N):
+        if k and t % 3 == 0 and sent[t + 1] not in top_ids[t]:
+            top_ids[t, rng.integers(k)] = sent[t + 1]
+    top_values = -np.sort(rng.uniform(0.1, 12.0, (N + 1, k)), axis=1).astype(np.float32)
+    own = -rng.uniform(0.1, 20.0, N + 1).astype(np.float32)
+    ranks = rng.integers(k + 1, VOCAB, N + 1).astype(np.int32)
+    return prompt, Scored(top_values, top_ids, own, ranks)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_the_decoder_reads_back_what_the_writer_wrote(k: int) -> None:
+    prompt, result = answer(k, seed=k)
+    sent = [*prompt, prompt[-1]]
+    entries = json.loads(prompt_logprobs(sent, result, k, None))
+    got = decode_prompt_logprobs(entries, prompt, k)
+
+    assert np.array_equal(got.top_ids, result.top_ids[:N]) and got.top_ids.dtype == np.int32
+    assert np.array_equal(got.top_values, result.top_values[:N]) and got.top_values.dtype == np.float32
+    # A token among the top-k is written once, with its top-k value and rank; the others with their own.
+    own, own_ranks = result.token_logprobs[:N].copy(), result.token_ranks[:N].copy()
+    inside = 0
+    for t in range(N):
+        row = result.top_ids[t].tolist()
+        if sent[t + 1] in row:
+            j = row.index(sent[t + 1])
+            own[t], own_ranks[t] = result.top_values[t, j], j + 1
+            inside += 1
+    assert k == 0 or 0 < inside < N  # both layouts of a position are exercised
+    assert got.token_ranks is not None
+    assert np.array_equal(got.token_logprobs, own) and np.array_equal(got.token_ranks, own_ranks)
+
+
+def test_top_k_entries_out_of_rank_order_are_put_in_it() -> None:
+    k = 5
+    prompt, result = answer(k, seed=7)
+    entries = json.loads(prompt_logprobs([*prompt, prompt[-1]], result, k, None))
+    shuffled = [entries[0]]
+    for position in entries[1:]:
+        items = list(position.items())
+        shuffled.append(dict([items[0], *reversed(items[1:])]))
+    got = decode_prompt_logprobs(shuffled, prompt, k)
+    assert np.array_equal(got.top_ids, result.top_ids[:N])
+    assert np.array_equal(got.top_values, result.top_values[:N])
+
+
+def _position(t: int, change: Callable[[dict[str, Any]], Any]) -> Callable[[list[Any]], list[Any]]:
+    def mutate(entries: list[Any]) -> list[Any]:
+        entries[t] = change(entries[t])
+        return entries
+    return mutate
+
+
+def _other_first_token(position: dict[str, Any]) -> dict[str, Any]:
+    items = list(position.items())
+    return dict([(str(VOCAB + 1), items[0][1]), *items[1:]])
+
+
+def _drop_last(position: dict[str, Any]) -> dict[str, Any]:
+    return dict(list(position.items())[:-2])
+
+
+def _no_rank(position: dict[str, Any]) -> dict[str, Any]:
+    first = next(iter(position))
+    position[first] = {"logprob": -1.0}
+    return position
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda e: {"0": e}, r"prompt_logprobs has dict entries for a prompt of 41 tokens"),
+    (lambda e: e[:-1], r"prompt_logprobs has 40 entries for a prompt of 41 tokens"),
+    (lambda e: [e[1], *e[1:]], r"prompt_logprobs has 41 entries .*null, then one per token"),
+    (_position(2, lambda p: None), r"prompt_logprobs\[2\] is null, not vLLM's map"),
+    (_position(5, lambda p: list(p.items())), r"prompt_logprobs\[5\] is list, not vLLM's map"),
+    (_position(3, _other_first_token), rf"prompt_logprobs\[3\] starts with token {VOCAB + 1}, not the prompt's"),
+    (_position(4, _drop_last), r"prompt_logprobs\[4\] has \d+ entries; want 5 or 6 for prompt_logprobs 5"),
+    (_position(6, _no_rank), r"do not have vLLM's layout \(KeyError: 'rank'\)"),
+    (_position(7, lambda p: {f"w{i}": v for i, v in p.items()}), r"do not have vLLM's layout \(ValueError"),
+], ids=["not-a-list", "too-few", "no-leading-null", "null-position", "list-position", "wrong-token",
+        "too-few-entries", "no-rank", "key-not-an-id"])
+def test_an_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[list[Any]], Any],
+                                                             message: str) -> None:
+    k = 5
+    prompt, result = answer(k, seed=3)
+    entries = json.loads(prompt_logprobs([*prompt, prompt[-1]], result, k, None))
+    with pytest.raises(MalformedAnswerError, match=message):
+        decode_prompt_logprobs(mutate(entries), prompt, k)
