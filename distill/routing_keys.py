@@ -115,14 +115,15 @@ def _keys_of(batch: Any, route_by: str | int, size: int) -> np.ndarray | None:
     return keys
 
 
-def _tokens(fields: Mapping[str, FieldArray], size: int) -> np.ndarray:
-    """Tokens per row: the attention mask's sum, else the padded width of the first integer (token
-    id) input of two or more dimensions, else 1 (a row of features is one sample)."""
+def _tokens(fields: Mapping[str, FieldArray], size: int) -> np.ndarray | int:
+    """Tokens per row: the attention mask's sum (an array), else the same for every row: the padded
+    width of the first integer (token id) input of two or more dimensions, else 1 (a row of
+    features is one sample)."""
     mask = fields.get(_MASK)
     if mask is not None and mask.array.ndim >= 2:
         return mask.array.reshape(size, -1).astype(bool).sum(axis=1)
     widths = [f.array.shape[1] for f in fields.values() if f.array.ndim >= 2 and f.array.dtype.kind in "iu"]
-    return np.full(size, widths[0] if widths else 1, dtype=np.int64)
+    return int(widths[0]) if widths else 1
 
 
 class RouteTable:
@@ -213,5 +214,6 @@ class RouteTable:
                 picked = dict(fields)
             else:
                 picked = {name: FieldArray(np.take(f.array, rows, axis=0), f.datatype) for name, f in fields.items()}
-            groups.append(RouteGroup(self.services[i], rows, picked, int(tokens[rows].sum())))
+            counted = tokens * count if isinstance(tokens, int) else int(tokens[rows].sum())
+            groups.append(RouteGroup(self.services[i], rows, picked, counted))
         return RoutePlan(tuple(groups))
