@@ -230,9 +230,11 @@ def test_an_on_policy_loop_across_tokenizers_loses_no_step_when_a_teacher_is_kil
         # Staleness 1: step n is scored while step n+1 is sampled, then step n trains.
         current = sample(0)
         checked, losses = [], []
+        served_before_kill: dict[str, Any] = {}
         for step in range(steps):
             following = sample(step + 1) if step + 1 < steps else None
             if step == kill_after:  # with step n+1's texts just sent
+                served_before_kill = dict(reader.stats().teachers[service][teachers[0].endpoint])
                 teachers[0].kill()
             ids, mask, _, pending = current
             got = pending.result(120)
@@ -250,6 +252,7 @@ def test_an_on_policy_loop_across_tokenizers_loses_no_step_when_a_teacher_is_kil
         assert teachers[0].proc is not None and teachers[0].proc.wait(30) == -9
         stats = reader.stats()
         assert stats.batches == steps, "every step answered exactly once"
+        assert int(served_before_kill["ok"]) >= 1, "the killed teacher had served its share"
         survivor = stats.teachers[service][teachers[1].endpoint]
         assert int(survivor["samples"]) >= 4 * (steps - kill_after - 1), "the other teacher took the rest"
     assert checked == list(range(steps)) and all(torch.isfinite(torch.tensor(losses)))
