@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from distill.capabilities import ALL, Needs, Offers, covers
 from distill.teacher_client import InferenceClient
 from distill.types import TeacherMetadata
+from protos.text import TEXT
 
 __all__ = ["TeacherState"]
 
@@ -57,7 +58,11 @@ class TeacherState:
                 and now >= self.ejected_until)
 
     def can(self, needs: Needs) -> bool:
-        """Whether its offers cover a request's `needs` (`distill.capabilities.covers`)."""
+        """Whether its offers cover a request's `needs` (`distill.capabilities.covers`). A teacher
+        that declares nothing (a static host:port) takes texts when its metadata declares the TEXT
+        input (a teacher-server with a tokenizer does); until its metadata is read it may."""
+        if needs.text and not self.offers.declared:
+            return self.meta is None or TEXT in self.meta.inputs
         return (self.offers.complete and not needs.text) or covers(self.offers, needs)
 
     @property

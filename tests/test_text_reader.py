@@ -1,7 +1,8 @@
 """The reader sends texts (`distill.text_fields`): a real etcd and a teacher-server process with a
 tokenizer (`tests.tokenizer_models`) registered with `text_prompts`; batches whose field is a list
 of str come back in order, exactly once, their chunks' widths merged; `score()` takes texts; a
-service whose record does not declare `text_prompts` is refused at once; a store refuses texts."""
+service whose record does not declare `text_prompts` is refused at once, a static teacher whose
+metadata declares TEXT takes them; a store refuses texts."""
 
 from __future__ import annotations
 
@@ -130,3 +131,11 @@ def test_a_row_that_is_not_text_is_named(mesh: dict[str, Any]) -> None:
     with DistillReader(None, registry=mesh["etcd"].address, service=mesh["service"], inputs=["TEXT"],
                        timeout=30.0) as reader, pytest.raises(TypeError, match="row 1 is a int"):
         reader.score({"TEXT": np.array(["fine", 3], dtype=object)})
+
+
+def test_a_static_teacher_takes_texts_when_its_metadata_declares_text(mesh: dict[str, Any]) -> None:
+    texts = list(TEXTS[3:6])
+    with DistillReader(None, teachers=mesh["endpoint"], inputs=["TEXT"], token_logprobs=True,
+                       timeout=30.0) as reader:
+        outputs = reader.score(texts)
+    _check(mesh, texts, outputs)
