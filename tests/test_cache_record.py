@@ -199,19 +199,30 @@ def test_a_recording_killed_mid_write_leaves_a_readable_store_and_a_rerun_comple
     _check_store(cache, 6)
 
 
-def test_the_module_contract_is_explained(teacher: str, tmp_path: Path) -> None:
+def test_the_module_contract_is_explained(teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any teacher is asked, so `distill record`'s own entry point runs in this process
+    (the other tests run it as a process): its exit status and its message on stderr."""
+    from distill.cli import main
+
     (tmp_path / "no_loader.py").write_text("LOADER = []\n")
-    bad = _run(_record_cmd(teacher, tmp_path / "kd", ["--", "python", "-m", "no_loader"]), tmp_path)
-    assert bad.returncode == 1
-    assert "module 'no_loader'" in bad.stderr and "defines no loader()" in bad.stderr, bad.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # restored afterwards, with what `distill record` adds
 
-    script = _run(_record_cmd(teacher, tmp_path / "kd", ["--", "python", "train.py"]), tmp_path)
-    assert script.returncode == 1 and "python -m MODULE" in script.stderr, script.stderr
+    def run(tail: list[str]) -> tuple[int, str]:
+        code = main(_record_cmd(teacher, tmp_path / "kd", tail)[3:])
+        return code, capsys.readouterr().err
 
-    neither = _run(_record_cmd(teacher, tmp_path / "kd", []), tmp_path)
-    both = _run(_record_cmd(teacher, tmp_path / "kd", ["--loader", "a:b", "--", "python", "-m", "m"]), tmp_path)
-    for r in (neither, both):
-        assert r.returncode == 2 and "name the loader once" in r.stderr, r.stderr
+    code, err = run(["--", "python", "-m", "no_loader"])
+    assert code == 1
+    assert "module 'no_loader'" in err and "defines no loader()" in err, err
+
+    code, err = run(["--", "python", "train.py"])
+    assert code == 1 and "python -m MODULE" in err, err
+
+    for tail in ([], ["--loader", "a:b", "--", "python", "-m", "m"]):
+        code, err = run(tail)
+        assert code == 2 and "name the loader once" in err, err
     assert not (tmp_path / "kd").exists(), "a refused recording made a store"
 
 
