@@ -44,14 +44,15 @@ def decode_prompt_logprobs(entries: Any, prompt: Sequence[int], k: int) -> RowSc
         raise MalformedAnswerError(f"prompt_logprobs has {got} entries for a prompt of {n + 1} tokens (want "
                                    f"{n + 1}: null, then one per token after the first)")
     rows = entries[1:]
-    if not all(isinstance(row, dict) for row in rows):
-        t = next(t for t, row in enumerate(rows) if not isinstance(row, dict))
-        got = "null" if rows[t] is None else type(rows[t]).__name__
-        raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] is {got}, not vLLM's map from "
-                                   "token id to its log-prob and rank")
     try:
         fields = list(chain.from_iterable(map(dict.values, rows)))
-        count = len(fields)
+    except TypeError:  # a position that is not a map
+        t = next(t for t, row in enumerate(rows) if not isinstance(row, dict))
+        got = "null" if rows[t] is None else type(rows[t]).__name__
+        raise MalformedAnswerError(f"prompt_logprobs[{t + 1}] is {got}, not vLLM's map from token id to its "
+                                   "log-prob and rank") from None
+    count = len(fields)
+    try:
         ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=count)
         logprobs = np.fromiter(map(_LOGPROB, fields), dtype=np.float64, count=count)
         ranks = np.fromiter(map(_RANK, fields), dtype=np.int64, count=count)
