@@ -108,13 +108,19 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _ints(values: list[Any]) -> bool:
+    """Whether every item of a parsed JSON list is an integer (JSON's ints are exactly `int`, never a
+    bool); a set of the items' types, so no Python step per token."""
+    return {*map(type, values)} <= {int}
+
+
 def _prompts(raw: object) -> tuple[list[Any], bool]:
     if isinstance(raw, str):
         return [raw], True
     if not isinstance(raw, list) or not raw:
         raise APIError(400, "prompt must be a token-id list, a list of them, a string or a list of strings "
                             "(not empty)", "prompt")
-    if all(_int(t) for t in raw):
+    if _ints(raw):
         return [raw], False
     if all(isinstance(p, str) for p in raw):
         return raw, True
@@ -124,7 +130,7 @@ def _prompts(raw: object) -> tuple[list[Any], bool]:
     for i, p in enumerate(raw):
         if not p:
             raise APIError(400, f"prompt {i} is empty; every prompt needs at least one token", "prompt")
-        if not all(_int(t) for t in p):
+        if not _ints(p):
             bad = next(t for t in p if not _int(t))
             raise APIError(400, f"prompt {i}: token ids must be integers, got {echo(bad)}", "prompt")
     return raw, False
