@@ -28,6 +28,13 @@ __all__ = ["_open_gate", "reference"]  # fixtures used by name
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One private cache for both benchmark runs: the first trains the smoke teacher into it, the other
+    serves that teacher (the training is the example's business, not what these tests check)."""
+    return tmp_path_factory.mktemp("llm-serving-cache")
+
+
 def _server(max_batch_size: int, length_buckets: bool = True) -> ServerThread:
     return ServerThread(ServerConfig(
         model=PADDED, name="seq", device="cpu", instances=1, metrics_port=0,
@@ -62,9 +69,9 @@ def test_without_length_buckets_any_lengths_share_a_batch(reference: seq_models.
 
 
 @pytest.mark.timeout(330)  # the benchmark's own bound is 300 s: it trains a teacher and starts two servers
-def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path, private_cache: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
-    env[CACHE_ENV] = str(tmp_path / "cache")
+    env[CACHE_ENV] = str(private_cache)
     env.pop("DISTILL_LLM_TEACHER", None)
     cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--quick", "--tiny", "--reps", "1", "--sequences", "24",
            "--batch", "4", "--max-foreign-cores", "0", "--out", "w6"]
@@ -89,10 +96,10 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     assert {"main", "instance-0"} <= names
 
 
-@pytest.mark.timeout(330)  # trains the smoke teacher and starts a server, like the test above
-def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path) -> None:
+@pytest.mark.timeout(330)  # trains the smoke teacher when it runs first, and starts a server
+def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path, private_cache: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
-    env[CACHE_ENV] = str(tmp_path / "cache")
+    env[CACHE_ENV] = str(private_cache)
     env.pop("DISTILL_LLM_TEACHER", None)
     cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--mode", "reader", "--quick", "--tiny", "--reps", "1",
            "--sequences", "24", "--batch", "4", "--student-batch", "3", "--max-foreign-cores", "0"]
