@@ -155,7 +155,9 @@ def run_loop(s: Settings, stack: contextlib.ExitStack, gate: QuietGate, *, pids:
     reps = interleave(
         s.reps, {"pure": lambda: timed_loop("pure", ms, pure_batches(base), pids)[0],
                  "store": lambda: through("store", store_reader), "live": lambda: through("live", live_reader)},
-        show, before=gate.wait_blocking, redo_if=lambda r: r.cpu.foreign_cores > REDO_FOREIGN_CORES,
+        # A smoke run's figures are not compared with anything: no redo of a disturbed measurement.
+        show, before=gate.wait_blocking,
+        redo_if=None if s.quick else lambda r: r.cpu.foreign_cores > REDO_FOREIGN_CORES,
         discarded=discarded)
     rates = {m: [r.samples_per_s for r in rs] for m, rs in reps.items()}
     store_vs_pure = paired_ratios(rates["store"], rates["pure"])
@@ -403,8 +405,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     a = p.parse_args(argv)
     s = Settings(integrity_only=a.integrity_only)
     if a.quick:
-        s = replace(s, reps=2, warmup=5, steps=20, record_batches=30, llm_sequences=64, integrity_samples=5_000,
-                    quiet_budget_s=5.0, quick=True)
+        # llm_sequences: one batch of each length; quiet_budget_s 0: one probe per measurement, no waiting
+        s = replace(s, reps=2, warmup=5, steps=20, record_batches=30, llm_sequences=32, integrity_samples=5_000,
+                    quiet_budget_s=0.0, quick=True)
     if a.reps is not None:
         s = replace(s, reps=a.reps)
     if a.steps is not None:
