@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -165,12 +164,20 @@ def _user_module(tmp_path: Path) -> str:
     return name
 
 
-def test_model_path_imports_the_factory_from_a_directory(tmp_path: Path) -> None:
+def test_model_path_imports_the_factory_from_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from teacher_server.cli import main
+
     name = _user_module(tmp_path)
     args = ["--model", f"{name}:build", "--name", "user", "--device", "cpu", "--instances", "1"]
-    missing = subprocess.run([sys.executable, "-m", "teacher_server", *args], cwd=REPO, capture_output=True,
-                             text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert missing.returncode == 2 and "--model-path DIR" in missing.stderr, missing.stderr
+    # Without --model-path the import fails before anything serves: the entry point in this process
+    # (its sys.path restored afterwards), from the checkout as `python -m teacher_server` would run.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(REPO)
+    code = main(args)
+    said = capsys.readouterr().err + caplog.text
+    assert code == 2 and "--model-path DIR" in said, said
     with teacher_process([*args, "--model-path", str(tmp_path / "models")], tmp_path) as (_proc, info):
         out = _infer(info["endpoint"], np.zeros((2, 8), dtype=np.float32), "user")
         assert out["OUTPUT0"].shape == (2, 2)
