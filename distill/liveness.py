@@ -1,7 +1,8 @@
 """Calls in flight at each teacher, and what happens when one is late.
 
 A late call gets its teacher a readiness probe. An answer (ready or not) means the call is slow,
-not lost, and its deadline stands; no answer in time means the teacher hung: it is marked so, its
+not lost, and its deadline stands; no answer in time, and no other call answered meanwhile (a busy
+engine may serve its health route behind its queue), means the teacher hung: it is marked so, its
 calls are given up (the engine re-sends their chunks at once, not at their deadlines), and it is
 probed until it answers again. Hedging, racing a late chunk on a second teacher, has its own timer
 in the engine.
@@ -10,6 +11,7 @@ in the engine.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -61,6 +63,7 @@ class CallWatch:
     async def _check_alive(self, pool: TeacherPool, t: TeacherState) -> None:
         """A readiness probe of a teacher holding a late chunk: no answer in time means it hung."""
         assert t.meta is not None
+        started = time.monotonic()
         try:
             try:
                 await t.client.ready(t.meta.model_name, timeout=pool.router.config.probe_timeout_s)
@@ -71,6 +74,8 @@ class CallWatch:
                 return
             if not self._calls.get(t) or t.removed:
                 return  # its calls ended meanwhile: nothing is waiting on it
+            if t.last_result >= started:
+                return  # it answered a call while the probe waited: busy (an engine's queue), not hung
             self.hung_ejections += 1
             pool.router.hung(t, detail)
             self.abandon(t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,7 +54,8 @@ class MemoryTeacher:
     gRPC client types it); `refuse(request)` returns a model error message for inputs it refuses;
     `shed_every` sheds every n-th call with CANCELLED (overload); `hang` never answers (the call
     ends at its deadline, as a hung server's would); `frozen` hangs readiness probes too (a stopped
-    process); `ready` is what a readiness probe hears; `lose_cancel` loses the first cancellation of
+    process); `slow_probe` hangs readiness probes alone (an engine that serves its health route
+    behind a long queue); `ready` is what a readiness probe hears; `lose_cancel` loses the first cancellation of
     a call and goes on to its deadline (grpc.aio loses one that meets the call's answer).
     """
 
@@ -64,6 +66,7 @@ class MemoryTeacher:
         self.fail: grpc.StatusCode | None = None
         self.hang = False
         self.frozen = False
+        self.slow_probe = False
         self.refuse: Callable[[ChunkRequest], str | None] = lambda _: None
         self.shed_every = 0
         self.ready_ok = True
@@ -101,7 +104,7 @@ class MemoryTeacher:
         return {"Y": x @ W, "WHO": torch.full((request.size, 1), self.number, dtype=torch.int64)}
 
     async def ready(self, model: str, timeout: float) -> bool:
-        if self.frozen:
+        if self.frozen or self.slow_probe:
             await asyncio.sleep(timeout)
             raise TeacherCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         self.probes += 1
@@ -541,6 +544,24 @@ def test_every_teacher_frozen_raises_no_teacher_soon_after_the_freeze() -> None:
         assert engine.hung_ejections >= 1
 
     run(scenario, hedge_after=None, timeout=60.0, no_teacher_timeout=1.0)
+
+
+def test_a_teacher_answering_calls_while_its_probe_times_out_is_busy_not_hung() -> None:
+    """One batch's calls are late and the readiness probe never answers in time, but the other
+    batches' calls keep answering meanwhile: the teacher is busy, so nothing is ejected or given up."""
+
+    def setup(mem: list[MemoryTeacher]) -> None:
+        mem[0].delay_s = lambda r: 0.9 if int(r.request_id.split(":")[1]) == 1 else 0.02  # batch 1 is late
+
+    async def scenario(engine: Engine, sink: Collected, mem: list[MemoryTeacher]) -> None:
+        mem[0].slow_probe = True  # once in use: its first probe let it in
+        await epoch(engine, sink, batches(12))
+        assert_delivered_once_in_order(sink.tags(), 12)
+        check_outputs(sink)
+        assert engine.hung_ejections == 0, "answers during the probe show the teacher is alive"
+
+    busy = dataclasses.replace(FAST, initial_limit=4.0, min_limit=4.0)  # calls besides the late one
+    run(scenario, teachers=1, setup=setup, prefetch=12, hedge_after=None, timeout=60.0, router=busy)
 
 
 def test_an_answer_contradicting_the_metadata_is_refused_by_the_client() -> None:

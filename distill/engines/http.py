@@ -9,7 +9,8 @@ same situation:
   401, 403                  TeacherRefusedError (UNAUTHENTICATED / PERMISSION_DENIED)
   404                       TeacherCallError NOT_FOUND (a wrong path prefix or model name)
   other statuses            TeacherCallError INTERNAL (5xx) or UNKNOWN
-  refused, reset, closed    TeacherCallError UNAVAILABLE
+  refused, reset, closed    TeacherCallError UNAVAILABLE (a request that failed on a pooled connection
+                            before any answer is first sent once more, on a new one)
   past the deadline         TeacherCallError DEADLINE_EXCEEDED
   a call after close()      TeacherGoneError
 The engine's own message (`{"error": {"message": ...}}`, or its text) is carried as the details.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,13 @@ from distill.config import ClientTLS
 __all__ = ["EngineHTTP", "http_error", "ssl_context"]
 
 MAX_DETAILS = 2000
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is kept: shorter than the servers' own idle timeouts (uvicorn's,
+under vLLM and SGLang, is 5 s), so the pool seldom offers a connection the server has closed."""
+
+
+class _StaleConnectionError(Exception):
+    """A request failed on a pooled connection before any answer: the server closed it while idle."""
 """How much of an engine's error message a verdict carries."""
 
 
@@ -105,19 +114,40 @@ class EngineHTTP:
             raise TeacherGoneError(f"the client of {self.base} was closed: the teacher left")
         if self._session is None:
             # One pool per engine; no overall limit: the router bounds the calls in flight.
-            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl)
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl, keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
                                                   json_serialize=lambda o: json.dumps(o, separators=(",", ":")))
         return self._session
 
     async def call(self, method: str, route: str, timeout: float, body: Any = None) -> Any:
-        """`method` `route` with JSON `body`; the decoded JSON answer of a 2xx, else a verdict."""
+        """`method` `route` with JSON `body`; the decoded JSON answer of a 2xx, else a verdict.
+
+        A pooled connection the server closed while idle fails the next request before any answer
+        (the server never saw it): that request is sent once more on a new connection, within the
+        same deadline. Every call here is a scoring or a read, so sending it again is harmless."""
+        deadline = time.monotonic() + timeout
+        try:
+            return await self._call(method, route, timeout, body)
+        except _StaleConnectionError as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TeacherCallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"{method} {self.base}{route} did not answer within {timeout:g} s") from None
+            try:
+                return await self._call(method, route, left, body)
+            except _StaleConnectionError:
+                raise TeacherCallError(grpc.StatusCode.UNAVAILABLE,
+                                       f"{self.base}{route} dropped the connection twice: {e}") from None
+
+    async def _call(self, method: str, route: str, timeout: float, body: Any) -> Any:
         session = self._open()
         url = self.base + route
         extra: dict[str, Any] = {"server_hostname": self._server_name} if self._server_name else {}
+        answered = False
         try:
             async with session.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout),
                                        **extra) as resp:
+                answered = True
                 raw = await resp.read()
                 if resp.status >= 300:
                     raise http_error(resp.status, raw.decode(errors="replace"), f"{method} {route}")
@@ -127,6 +157,8 @@ class EngineHTTP:
         except aiohttp.ClientConnectorError as e:
             raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {url}: {e}") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as e:
+            if not answered and not isinstance(e, aiohttp.ClientPayloadError):
+                raise _StaleConnectionError(str(e)) from None
             raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"{url} dropped the connection: {e}") from None
         except RuntimeError as e:  # the session was closed under the call
             if self._closed:
