@@ -142,6 +142,27 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     return [ratio(a, b) for a, b in zip(numerators, denominators, strict=True)]
 
 
+def rate_fields(rates: Mapping[str, Sequence[float]], ratios: Sequence[float], ratio_key: str, goal: float,
+                digits: int = 1) -> dict[str, Any]:
+    """The results' entries of two interleaved variants: each one's rows/s per repetition and their
+    median, the per-repetition ratios, the headline (their median) under `ratio_key`, the goal."""
+    return {
+        "rows_per_s": {v: [round(r, digits) for r in rs] for v, rs in rates.items()},
+        "median_rows_per_s": {v: round(median(rs), digits) for v, rs in rates.items()},
+        "ratios": [round(r, 3) for r in ratios],
+        ratio_key: round(median(ratios), 3),
+        "goal": f">= {goal}",
+    }
+
+
+def rate_report(doc: Mapping[str, Any], variants: tuple[str, str], ratio_key: str) -> str:
+    """The table of `rate_fields` and its headline line, `A / B  ratio (per rep ...; goal ...)`."""
+    med, rates = doc["median_rows_per_s"], doc["rows_per_s"]
+    table = format_table(["variant", "median rows/s", "per rep"], [[v, med[v], str(rates[v])] for v in variants])
+    return (f"{table}\n{variants[0]} / {variants[1]}  {doc[ratio_key]:.3f} (per rep {doc['ratios']}; goal "
+            f"{doc['goal']})")
+
+
 def interleave(
     reps: int,
     variants: Mapping[str, Callable[[], T]],

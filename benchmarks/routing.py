@@ -32,7 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common import REPO_ROOT, format_table, interleave, machine_info, median, paired_ratios, run_and_report
+from benchmarks.common import (
+    REPO_ROOT,
+    interleave,
+    machine_info,
+    paired_ratios,
+    rate_fields,
+    rate_report,
+    run_and_report,
+)
 from teacher_server.launch import TeacherProcess
 from teacher_server.spec import ModelIO
 
@@ -176,20 +184,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "routed": "one DistillReader(route_by='teacher', prefetch=16)",
                      "split": "two DistillReaders (prefetch=16 each), one per expert's rows, on two threads"},
         "machine": machine_info(),
-        "rows_per_s": {name: [round(r, 1) for r in rs] for name, rs in rates.items()},
-        "median_rows_per_s": {name: round(median(rs), 1) for name, rs in rates.items()},
-        "ratios": [round(r, 3) for r in ratios],
-        "ratio_routed_vs_split": round(median(ratios), 3),
-        "goal": f">= {GOAL}",
+        **rate_fields(rates, ratios, "ratio_routed_vs_split", GOAL),
     }
 
 
 def report(doc: dict[str, Any]) -> str:
-    med, rates = doc["median_rows_per_s"], doc["rows_per_s"]
-    table = format_table(["variant", "median rows/s", "per rep"],
-                         [[name, med[name], str(rates[name])] for name in ("routed", "split")])
-    return (f"{table}\nrouted / split  {doc['ratio_routed_vs_split']:.3f} (per rep {doc['ratios']}; goal "
-            f"{doc['goal']})")
+    return rate_report(doc, ("routed", "split"), "ratio_routed_vs_split")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT, format_table, interleave, machine_info, median, paired_ratios, run_and_report
+from benchmarks.common import (
+    REPO_ROOT,
+    interleave,
+    machine_info,
+    paired_ratios,
+    rate_fields,
+    rate_report,
+    run_and_report,
+)
 
 GOAL = 0.9
 MODEL_NAME = "text-llama"
@@ -165,18 +173,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "ids": "DistillReader inputs INPUT_IDS/ATTENTION_MASK (tokenized beforehand), outputs LOGITS"},
         "machine": machine_info(torch_threads=1),
         "largest_score_difference": round(worst, 6),
-        "rows_per_s": {v: [round(r, 2) for r in rs] for v, rs in rates.items()},
-        "median_rows_per_s": {v: round(median(rs), 2) for v, rs in rates.items()},
-        "ratios": [round(r, 3) for r in ratios],
-        "ratio_text_vs_ids": round(median(ratios), 3),
-        "goal": f">= {GOAL}",
+        **rate_fields(rates, ratios, "ratio_text_vs_ids", GOAL, digits=2),
     }
 
 
 def report(doc: dict[str, Any]) -> str:
-    med, rates = doc["median_rows_per_s"], doc["rows_per_s"]
-    table = format_table(["variant", "median rows/s", "per rep"], [[v, med[v], str(rates[v])] for v in ("text", "ids")])
-    return f"{table}\ntext / ids  {doc['ratio_text_vs_ids']:.3f} (per rep {doc['ratios']}; goal {doc['goal']})"
+    return rate_report(doc, ("text", "ids"), "ratio_text_vs_ids")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,32 +13,15 @@ soak (`benchmarks.soak`). The other benchmarks' smoke tests are in their own fil
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_runs import run_benchmark
 
 pytestmark = pytest.mark.slow
-
-
-def _run(module: str, args: list[str], results: Path, *, name: str, timeout: float,
-         exit_codes: tuple[int, ...] = (0,)) -> dict[str, Any]:
-    """``python -m benchmarks.<module> <args>`` with its results under ``results``; its exit status
-    (each benchmark's own verdict) must be one of ``exit_codes``, and ``<name>.json`` is returned."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(results))
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode in exit_codes, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc: dict[str, Any] = json.loads((results / f"{name}.json").read_text())
-    doc["exit_code"] = proc.returncode
-    return doc
 
 
 def _positive(values: dict[str, Any]) -> None:
@@ -53,7 +36,7 @@ def _machine(doc: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(330)
 def test_mesh_w1_and_w5_run_and_report_sane_figures(tmp_path: Path) -> None:
-    doc = _run("mesh", ["--quick", "--reps", "1", "--steps", "10"], tmp_path, name="mesh_quick", timeout=300)
+    doc = run_benchmark("mesh", ["--quick", "--reps", "1", "--steps", "10"], tmp_path, name="mesh_quick", timeout=300)
     _machine(doc)
     assert len(doc["machine"]["load_average_at_start"]) == 3
     w1 = doc["w1"]
@@ -75,8 +58,9 @@ def test_serving_w2_and_w3_run_and_report_sane_figures(tmp_path: Path) -> None:
     # Windows of 2 s: a batch of 256 takes a few hundred ms on a busy 2-core machine, and a window
     # no request finished in would say 0 samples/s. No quiet gate (--max-foreign-cores 0); the
     # teacher-servers only (--no-pytriton), whichever virtualenvs this machine has built.
-    doc = _run("serving", ["--quick", "--reps", "1", "--warmup", "0.5", "--duration", "2", "--max-foreign-cores", "0",
-                           "--no-pytriton", "--out", "serving_smoke"], tmp_path, name="serving_smoke", timeout=270)
+    doc = run_benchmark("serving", ["--quick", "--reps", "1", "--warmup", "0.5", "--duration", "2",
+                                    "--max-foreign-cores", "0", "--no-pytriton", "--out", "serving_smoke"],
+                        tmp_path, name="serving_smoke", timeout=270)
     _machine(doc)
     assert doc["settings"]["reps"] == 1 and doc["settings"]["device"] == "cpu"
     medians = doc["medians_samples_per_s"]
@@ -91,7 +75,7 @@ def test_serving_w2_and_w3_run_and_report_sane_figures(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(330)
 def test_cache_runs_and_reports_sane_figures(tmp_path: Path) -> None:
-    doc = _run("cache", ["--quick", "--reps", "1"], tmp_path, name="cache_quick", timeout=300)
+    doc = run_benchmark("cache", ["--quick", "--reps", "1"], tmp_path, name="cache_quick", timeout=300)
     _machine(doc)
     loop = doc["loop"]
     _positive(loop["medians_samples_per_s"])
@@ -108,8 +92,8 @@ def test_cache_runs_and_reports_sane_figures(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_discovery_propagation_runs_and_reports_sane_figures(tmp_path: Path) -> None:
-    doc = _run("discovery_propagation", ["--repetitions", "3", "--crash-repetitions", "1", "--ttl", "1"], tmp_path,
-               name="discovery_propagation", timeout=100)
+    doc = run_benchmark("discovery_propagation", ["--repetitions", "3", "--crash-repetitions", "1", "--ttl", "1"],
+                        tmp_path, name="discovery_propagation", timeout=100)
     assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["etcd"].startswith("etcd Version")
     for name in ("join", "join_raw_put", "leave_on_exit"):
         assert doc[name]["n"] == 3 and len(doc["raw_s"][name]) == 3
@@ -122,7 +106,7 @@ def test_discovery_propagation_runs_and_reports_sane_figures(tmp_path: Path) -> 
 def test_soak_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     # Exit status 1 is the soak's RSS verdict, which 15 s cannot decide (a fresh etcd still grows by
     # a few percent); every other verdict must hold.
-    doc = _run("soak", ["--quick", "--minutes", "0.25", "--warmup", "5", "--interval", "5", "--students", "2",
+    doc = run_benchmark("soak", ["--quick", "--minutes", "0.25", "--warmup", "5", "--interval", "5", "--students", "2",
                         "--teachers", "2"], tmp_path, name="soak_quick", timeout=240, exit_codes=(0, 1))
     _machine(doc)
     assert doc["verdict"]["errors_ok"]
@@ -144,7 +128,7 @@ def test_soak_runs_and_reports_sane_figures(tmp_path: Path) -> None:
 def test_autoscale_w4_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     # Phases of 3 / 6 / 6 s: too short for the goals (the scale-up takes a teacher's start-up), long
     # enough for both pools to train every phase.
-    doc = _run("autoscale", ["--quick", "--phases", "3,6,6"], tmp_path, name="autoscale_quick", timeout=300)
+    doc = run_benchmark("autoscale", ["--quick", "--phases", "3,6,6"], tmp_path, name="autoscale_quick", timeout=300)
     _machine(doc)
     assert doc["settings"]["phases_s"] == [3.0, 6.0, 6.0] and doc["oracle"]["needed"] == [1, 3, 1]
     assert [s["mode"] for s in doc["summaries"]] == ["autoscaled", "fixed"]

@@ -4,30 +4,23 @@ path's tokens and scores are checked against the ids path inside the benchmark).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_runs import run_benchmark
 
 pytestmark = pytest.mark.slow
 
 
 def test_w9_measures_the_text_path_and_the_ids_path(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DISTILL_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.text_path", "--quick", "--reps", "1", "--batches", "4"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "text_path_quick.json").read_text())
+    doc = run_benchmark("text_path", ["--quick", "--reps", "1", "--batches", "4"], tmp_path,
+                        name="text_path_quick", timeout=600)
     assert doc["workload"] == "W9" and doc["settings"]["batches"] == 4 and doc["settings"]["reps"] == 1
     assert doc["settings"]["tokens_per_pass"] > 4 * 8, "every text is scored in several tokens"
     rates = doc["median_rows_per_s"]
     assert set(rates) == {"text", "ids"} and all(math.isfinite(v) and v > 0 for v in rates.values()), rates
     assert len(doc["ratios"]) == 1 and doc["ratio_text_vs_ids"] > 0
     assert 0 <= doc["largest_score_difference"] <= 0.05, "both paths score the same tokens alike"
-    assert doc["machine"] and "text / ids" in proc.stdout
+    assert doc["machine"] and "text / ids" in doc["stdout"]
