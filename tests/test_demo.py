@@ -1,22 +1,42 @@
 """`make demo` in its fast form: it trains, distils through an autoscaled pool, prints the table,
-writes the plot, and leaves no process behind."""
+writes the plot, and leaves no process behind (nor when it overruns)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.servers import REPO
+
+
+def _run_demo(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """The demo in a session of its own: past `timeout` its whole process group (the demo, its etcd
+    and its autoscaler) gets SIGTERM, then SIGKILL, so a demo that overran leaves nothing running."""
+    proc = subprocess.Popen([sys.executable, "-m", "examples.demo", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"the demo did not finish within {timeout:g} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def test_demo_distils_end_to_end_and_cleans_up(tmp_path: Path) -> None:
     env = {**os.environ, "DISTILL_MESH_CACHE": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-m", "examples.demo", "--fast", "--out", str(tmp_path / "out")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    out = _run_demo(["--fast", "--out", str(tmp_path / "out")], env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "training the teacher on scikit-learn's digits" in text  # nothing cached: it trained one
