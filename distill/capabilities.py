@@ -12,7 +12,8 @@ metadata declares, as before capabilities existed; one that speaks an engine's p
 
 A request's needs follow from its request parameters (`top_k`, `token_logprobs`, `topk_tail`, by
 their wire names), its auxiliary inputs (SCORE_IDS) and whether it sends texts (the TEXT input:
-only a record declaring `text_prompts` takes those; one that declares nothing does not); it needs
+only a record declaring `text_prompts` takes those; a teacher that declares nothing takes them when
+its metadata declares TEXT, `distill.teacher_state.TeacherState.can`); it needs
 whole outputs when it asks for no derived output at all. `missing(offers, needs)` names each gap in
 words ("top_k 64 > its max 20", "SCORE_IDS"). The router (`distill.router`) picks among the
 teachers whose offers cover a chunk's needs; when no live teacher of the service covers them the

@@ -3,7 +3,8 @@
 A reader whose ``inputs`` name the teacher input ``TEXT`` (`protos.text`) takes that batch field
 as a list or tuple of ``str`` (or a numpy array of str or object), one text per row, and sends it as
 BYTES ``[B, 1]`` (UTF-8), chunked by rows like any input. Only teachers whose registry record
-declares ``text_prompts`` get such a chunk (`distill.capabilities`).
+declares ``text_prompts`` get such a chunk (`distill.capabilities`), or, with no record (a static
+``host:port``), whose metadata declares the TEXT input (`distill.teacher_state`).
 
 Each chunk's answer is padded by its teacher to that chunk's longest tokenization, so the chunks
 of one batch may come back at different widths T. The batch's outputs are padded on the right to
