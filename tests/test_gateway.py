@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.gateway import stop_gateway
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import cli as distill_cli
@@ -77,15 +78,7 @@ def gateway_process(args: Sequence[str]) -> Iterator[tuple[subprocess.Popen[byte
         info = json.loads(line)
         yield proc, f"http://127.0.0.1:{info['port']}"
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop_gateway(proc)
         os.unlink(log_path)
 
 
