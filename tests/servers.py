@@ -67,3 +67,13 @@ def teacher_process(
     log = tmp_path / f"teacher-{time.monotonic_ns()}.log"
     with launch.teacher_process(args, env=env, cwd=REPO, log=log, ready_timeout=timeout, stop_grace=5.0) as started:
         yield started
+
+
+def start_all(stack: contextlib.ExitStack, processes: Sequence[launch.TeacherProcess]) -> None:
+    """Start `processes` together (all launched before any is waited for, so their model loads
+    overlap) and wait until each is ready; `stack` cleans each one up on exit."""
+    for p in processes:
+        stack.callback(p.cleanup)
+        p.launch()
+    for p in processes:
+        p.wait_ready()

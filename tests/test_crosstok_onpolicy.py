@@ -38,7 +38,7 @@ from teacher_server.launch import TeacherProcess
 from teacher_server.vocab_pieces import vocab_pieces
 from tests.crosstok_teachers import InProcessTextTeacher
 from tests.etcd_fixtures import unique_service
-from tests.servers import REPO
+from tests.servers import REPO, start_all
 from tests.tokenizer_models import TEXTS, save_text_teacher, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -209,11 +209,7 @@ def test_an_on_policy_loop_across_tokenizers_loses_no_step_when_a_teacher_is_kil
         teachers = [TeacherProcess(_args(directory, "bpe", etcd, service, f"bpe-{n}"), label=f"bpe-{n}", cwd=REPO,
                                    log=tmp_path / f"bpe-{n}.log", ready_timeout=180, stop_grace=5.0)
                     for n in range(2)]
-        for t in teachers:
-            stack.callback(t.cleanup)
-            t.launch()
-        for t in teachers:
-            t.wait_ready()
+        start_all(stack, teachers)
         reader = stack.enter_context(DistillReader(
             None, registry=etcd.address, service=service, inputs=["TEXT"], outputs=OUTPUTS, top_k=K,
             logprobs=True, topk_tail=True, token_logprobs=True, teacher_batch_size=2, timeout=10.0, prefetch=2))

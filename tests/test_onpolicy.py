@@ -33,7 +33,7 @@ from distill.errors import InputRefusal
 from distill.losses import ScoredTargets, TokenKDLoss, sampled_token_pg_loss
 from teacher_server.launch import TeacherProcess
 from tests.hf_models import load_reference
-from tests.servers import REPO, teacher_process
+from tests.servers import REPO, start_all, teacher_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,11 +254,7 @@ def test_an_on_policy_loop_loses_no_step_when_a_teacher_is_killed(
     with contextlib.ExitStack() as stack:
         teachers = [TeacherProcess(_args(llama_dir), label=f"llama-{n}", cwd=REPO, log=tmp_path / f"llama-{n}.log",
                                    stop_grace=5.0) for n in range(2)]
-        for t in teachers:
-            stack.callback(t.cleanup)
-            t.launch()
-        for t in teachers:
-            t.wait_ready()
+        start_all(stack, teachers)
         reader = stack.enter_context(DistillReader(
             None, teachers=",".join(t.endpoint for t in teachers), inputs=INPUTS, outputs=["LOGITS"],
             token_logprobs=True, temperature=TEMPERATURE, teacher_batch_size=2, timeout=10.0, prefetch=2))

@@ -23,7 +23,7 @@ from teacher_server import BatchingConfig, ServerConfig
 from teacher_server.launch import TeacherProcess
 from tests import seq_models
 from tests.faults.helpers import assert_delivered_once_in_order
-from tests.servers import REPO, ServerThread
+from tests.servers import REPO, ServerThread, start_all
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -155,12 +155,7 @@ def test_two_teachers_one_killed_mid_epoch(reference: seq_models.CausalConvLM, t
     with contextlib.ExitStack() as stack:
         teachers = [TeacherProcess(args, label=f"seq-{n}", cwd=REPO, log=tmp_path / f"seq-{n}.log",
                                    stop_grace=5.0) for n in range(2)]
-        for t in teachers:
-            stack.callback(t.cleanup)
-        for t in teachers:
-            t.launch()
-        for t in teachers:
-            t.wait_ready()
+        start_all(stack, teachers)
         reader = stack.enter_context(_reader(
             loader, ",".join(t.endpoint for t in teachers), logprobs=True, temperature=1.0, topk_tail=True,
             output_dtype="FP16", teacher_batch_size=2, timeout=10.0))
