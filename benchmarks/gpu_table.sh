@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_table.sh [STAGE ...]      (default: every stage, in this order)
 #
 # Stages: tests (or cuda_tests, the GPU-relevant part) w6 w6_long w6_sync reader memory instances llm_instances
-# w6_floor w6_chunks w6_expandable w6_ahead w6_ahead1 llm_1inst llm_3inst host_bound serving serving_threads w1 w1_train w7,
+# w6_floor w6_chunks w6_expandable w6_threads w6_ahead w6_ahead1 llm_1inst llm_3inst host_bound serving serving_threads w1 w1_train w7,
 # and next, next2 (the stages the benchmarks page names for the next GPU run, in two calls)
 # Results go to benchmarks/results/*_gpu*.json, each stage's output to $LOGS/<stage>.log. Each stage
 # is time-capped (seconds in the table below) so that one that hangs cannot take the others' time;
@@ -125,6 +125,10 @@ run_stage() {
     w6_ahead)  # A/B at the GPU default of 2 instances: --batches-ahead 2 against the default 3 an instance
       shape && stage w6_ahead 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
         --instances 2 --alt-server-arg=--batches-ahead=2 --reps "$REPS" --out llm_serving_gpu_ahead ;;
+    w6_threads)  # W6's headline layout (1 instance) with 2 host torch threads against the default (cores / instances):
+                 # on the H200 the W2 server served 1.69x the samples at 2 threads, its cores spinning at 8
+      shape && stage w6_threads 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
+        --instances 1 --alt-server-arg=--threads=2 --reps "$REPS" --out llm_serving_gpu_threads ;;
     w6_ahead1)  # the same A/B with 1 instance and the cost-aware rules (an emulated device with the H100's 45 ms a
                 # forward pass: 2 ahead 0.911 of length-sorted batches, 3 ahead 0.894; batching_sim)
       shape && stage w6_ahead1 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --sequences 1024 --skip-buckets-off \
@@ -163,11 +167,11 @@ run_stage() {
         --compute-dtype "$DTYPE" --reps "$REPS" --out host_bound_gpu ;;
     w6_sync) shape && stage w6_sync 240 $PY -m benchmarks.llm_serving "${LLM[@]}" --reps "$REPS" \
                --server-arg=--no-async-outputs --out llm_serving_gpu_sync ;;
-    next)  # what the benchmarks page has not measured on a GPU yet, the goals' rows first: one call of at most
-           # 600 s at REPS=3 (about 500 s by the H100's earlier stages: 100-155 s each, the shape 20 s)
-      for s in w6_floor reader w6_ahead1 serving_threads; do run_stage "$s"; done ;;
-    next2)  # the rest of that list, the diagnostics (about 300 s)
-      for s in host_bound w6_chunks; do run_stage "$s"; done ;;
+    next)  # what the benchmarks page names for the next GPU run: one call of at most 600 s at REPS=3 (the H200's
+           # stages took 135-140 s each, the shape 20 s): the thread A/B, then the batches-ahead A/B again
+      for s in w6_threads w6_ahead1; do run_stage "$s"; done ;;
+    next2)  # the 2-instance layout with more repetitions (about 240 s)
+      for s in w6_long; do run_stage "$s"; done ;;
     *) echo "unknown stage $1"; FAILED+=("$1"); return 2 ;;
   esac
 }
