@@ -1,18 +1,22 @@
 """`teacher-server` refuses bad flags and files before the model loads (issue #13, CLI).
 
-Each case runs the real command and checks: a non-zero exit within the run's time limit (a
-server that starts serving instead would hit it), one error line naming the flag, the value and
-the fix, no traceback, and that no model was loaded (no "loading" line).
+Each case checks: a non-zero exit within the run's time limit (a server that starts serving
+instead would hit it), one error line naming the flag, the value and the fix, no traceback, and
+that no model was loaded (no "loading" line). A refusal's message is printed or logged by the
+command's entry point whether it runs as a process or not, so most cases run that entry point in
+the test process; the real command (a process, its log on its stderr) runs for one printed
+refusal (an unknown device) and for the logged ones (a port in use), which also start the server.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,9 +45,42 @@ def _refused(args: list[str], env: dict[str, str] | None = None) -> tuple[int, s
     return proc.returncode, proc.stdout + proc.stderr, seconds
 
 
-def _check_refusal(args: list[str], *words: str, env: dict[str, str] | None = None) -> str:
-    """Run ARGS, check it is refused as the module says, with `words` in the error line; that line."""
-    code, out, seconds = _refused(args, env)
+Run = Callable[[list[str], "dict[str, str] | None"], tuple[int, str, float]]
+
+
+@pytest.fixture
+def in_process(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> Iterator[Run]:
+    """teacher-server's entry point run in this process, as `_refused` runs the command: (exit
+    code, what it printed and logged at INFO and above, seconds). Torch's thread count, which a
+    server start sets, is put back after."""
+    from teacher_server.cli import main
+
+    threads = torch.get_num_threads()
+    caplog.set_level(logging.INFO)
+
+    def run(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
+        caplog.clear()
+        capsys.readouterr()  # what this test printed before: not the command's output
+        start = time.monotonic()
+        with pytest.MonkeyPatch.context() as mp:  # `env` for this run only, as for a process
+            for name, value in (env or {}).items():
+                mp.setenv(name, value)
+            try:
+                code = main(args)
+            except SystemExit as e:  # argparse's own refusals
+                code = e.code if isinstance(e.code, int) else 1
+        seconds = time.monotonic() - start
+        said = capsys.readouterr()
+        return code, said.out + said.err + caplog.text, seconds
+
+    yield run
+    torch.set_num_threads(threads)
+
+
+def _check_refusal(args: list[str], *words: str, env: dict[str, str] | None = None, run: Run | None = None) -> str:
+    """Run ARGS (as a process, or with `run`), check it is refused as the module says, with `words`
+    in the error line; that line."""
+    code, out, seconds = (run or _refused)(args, env)
     lines = [line for line in out.splitlines() if line.strip()]
     print(f"{' '.join(args[-4:])}: exit {code} after {seconds:.1f} s: {lines[-1] if lines else ''}")
     assert code != 0, out
@@ -62,20 +99,21 @@ def test_unknown_device_is_refused() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_device_without_cuda_is_refused() -> None:
-    _check_refusal([*MODEL, "--device", "cuda:0"], "--device cuda:0", "CUDA is not available", "--device cpu")
+def test_cuda_device_without_cuda_is_refused(in_process: Run) -> None:
+    _check_refusal([*MODEL, "--device", "cuda:0"], "--device cuda:0", "CUDA is not available", "--device cpu",
+                   run=in_process)
 
 
 @pytest.mark.parametrize("ttl", ["-1", "0", "nan"])
-def test_bad_ttl_is_refused_before_loading(ttl: str) -> None:
+def test_bad_ttl_is_refused_before_loading(ttl: str, in_process: Run) -> None:
     _check_refusal([*MODEL, "--registry", "etcd://127.0.0.1:1", "--service", "s", "--ttl", ttl],
-                   "--ttl", ttl, "positive number of seconds")
+                   "--ttl", ttl, "positive number of seconds", run=in_process)
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--threads", "-2"), ("--drain-grace", "-1"),
                                              ("--metrics-port", "70000"), ("--model-config", "/nonexistent.json")])
-def test_other_bad_values_are_refused(flag: str, value: str) -> None:
-    _check_refusal([*MODEL, flag, value], flag, value)
+def test_other_bad_values_are_refused(flag: str, value: str, in_process: Run) -> None:
+    _check_refusal([*MODEL, flag, value], flag, value, run=in_process)
 
 
 @pytest.fixture
@@ -94,11 +132,11 @@ def test_grpc_port_in_use_names_the_port(busy_port: int) -> None:
     _check_refusal([*MODEL, "--port", str(busy_port)], f"--port {busy_port}", "--port 0")
 
 
-def test_tls_key_of_another_certificate_is_refused(tmp_path: Path) -> None:
+def test_tls_key_of_another_certificate_is_refused(tmp_path: Path, in_process: Run) -> None:
     certs = make_certs(tmp_path).dir
     cert, key = str(certs / "server.pem"), str(certs / "client.key")
     line = _check_refusal([*MODEL, "--tls-cert", cert, "--tls-key", key], "--tls-key", key, "does not match",
-                          cert)
+                          cert, run=in_process)
     assert "port" not in line
 
 
@@ -109,11 +147,11 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
         yield server
 
 
-def test_wrong_etcd_password_is_fatal(auth_etcd: LocalEtcd) -> None:
+def test_wrong_etcd_password_is_fatal(auth_etcd: LocalEtcd, in_process: Run) -> None:
     registry = [*MODEL, "--registry", auth_etcd.address, "--service", "auth-svc", "--registry-user", "root"]
     _check_refusal(registry, "--registry", "root", "authentication failed", PASSWORD_ENV,
-                   env={PASSWORD_ENV: "wrong"})
-    _check_refusal(registry[:-2], "--registry", "--registry-user")  # auth enabled, no user given
+                   env={PASSWORD_ENV: "wrong"}, run=in_process)
+    _check_refusal(registry[:-2], "--registry", "--registry-user", run=in_process)  # auth enabled, no user given
 
 
 def test_right_etcd_password_serves(auth_etcd: LocalEtcd) -> None:
