@@ -2,9 +2,10 @@
 
 ``python -m examples.crosstok --quick`` runs once for the module in this process: two byte-level
 BPEs of different sizes and a tiny teacher trained into a temporary cache, a real etcd and a real
-``teacher-server`` process registered in it on loopback, and the three student arms, the KD ones
-reading through ``DistillReader`` (texts for the cross-tokenizer arm, ids for the reference). The
-assertions are on the JSON and the table it wrote.
+``teacher-server`` process registered in it on loopback, and the four student arms, the KD ones
+reading through ``DistillReader`` (texts for the cross-tokenizer arms, the on-policy one's own
+samples as texts after its warm-up, ids for the reference). The assertions are on the JSON and the
+table it wrote.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from examples.common import CACHE_ENV
 from examples.crosstok import __main__ as crosstok_main
 from examples.crosstok import arms
 from examples.crosstok.corpus import TEXT, TextCollator, context, get_tokenizer, load_texts, plan, text_pieces
+from examples.crosstok.onpolicy import OnPolicySettings, prompts_of
 from examples.crosstok.train import bits_per_byte
 from examples.llm.data import IGNORE_INDEX
 from examples.llm.tokenizer import load_tokenizer
@@ -68,7 +70,9 @@ def test_quick_run_measures_every_arm_below_the_uniform_bound(quick: tuple[dict[
     by_arm = {r["arm"]: r for r in result["runs"]}
     assert by_arm["same_tokenizer_reference"]["vocab_size"] == result["teacher"]["settings"]["vocab_size"] == 512
     assert by_arm["no_kd"]["vocab_size"] == by_arm["crosstok_kd"]["vocab_size"] == 320
+    assert by_arm["crosstok_onpolicy"]["vocab_size"] == 320
     assert by_arm["no_kd"]["parameters"] == by_arm["crosstok_kd"]["parameters"]
+    assert by_arm["crosstok_onpolicy"]["parameters"] == by_arm["no_kd"]["parameters"]
     assert by_arm["no_kd"]["tokens"] == by_arm["crosstok_kd"]["tokens"] != by_arm["same_tokenizer_reference"]["tokens"]
     # Same initial weights, same batches: only the teacher's term can tell the two apart, on every seed.
     for seed in seeds:
@@ -77,6 +81,51 @@ def test_quick_run_measures_every_arm_below_the_uniform_bound(quick: tuple[dict[
     teacher = result["teacher"]
     assert teacher["bits_per_byte"] < teacher["uniform_bits_per_byte"]
     assert teacher["parameters"] > by_arm["no_kd"]["parameters"]
+
+
+def test_quick_run_trains_the_on_policy_arm_on_teacher_scored_samples(
+        quick: tuple[dict[str, Any], str, Path]) -> None:
+    result, _, _ = quick
+    settings = result["settings"]
+    steps, batch_size = settings["steps"], settings["batch_size"]
+    warm = OnPolicySettings(settings["warmup"], settings["prompt_tokens"], settings["new_tokens"]).warmup_steps(steps)
+    assert 0 < warm < steps
+    runs = {r["seed"]: r for r in result["runs"] if r["arm"] == "crosstok_onpolicy"}
+    assert set(runs) == set(settings["seeds"])
+    for seed, run in runs.items():
+        own = run["onpolicy"]
+        assert (own["warmup"], own["prompt_tokens"], own["new_tokens"]) == (0.75, 8, 16)
+        assert own["onpolicy_steps"] == steps - warm
+        # Every on-policy step had a prompt and the teacher scored its samples: none fell back to hard labels.
+        assert own["scored_steps"] == own["onpolicy_steps"] and own["refused_steps"] == own["no_prompt_steps"] == 0
+        assert 0 < own["scored_rows"] <= own["scored_steps"] * batch_size
+        assert own["counted_chunks"] > 0
+        assert math.isfinite(own["sample_kl_first"]) and math.isfinite(own["sample_kl_last"])
+        # The samples' per-token reverse-KL estimate is an average of log q - log p: a student that samples from
+        # itself is, in expectation, at least as likely as the teacher on its own text.
+        assert own["sample_kl_first"] > 0.0, own
+        # The warm-up is crosstok_kd's first steps exactly; the on-policy steps then move it elsewhere.
+        kd = next(r for r in result["runs"] if r["arm"] == "crosstok_kd" and r["seed"] == seed)
+        assert run["first_loss"] == pytest.approx(kd["first_loss"], rel=1e-5)
+        assert run["bits_per_byte"] != kd["bits_per_byte"]
+
+
+def test_prompts_are_the_prefixes_of_the_pieces_long_enough(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    tok = get_tokenizer(300, load_texts(quick=True), quick=True)
+    batch = TextCollator(tok, 64)(["def f(x):\n    return x + 1\n", "a", "import os\nimport sys\n"])
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    assert lengths[1] == 2  # the BOS and one token: too short for a prompt of 4
+    prompts = prompts_of(batch, 4)
+    assert prompts.shape == (2, 4)
+    assert prompts.equal(batch["input_ids"][[0, 2], :4])
+    assert (prompts[:, 0] == tok.eos_token_id).all()  # each starts at the BOS
+    assert prompts_of(batch, max(lengths)).shape[0] == 0  # no piece longer than the prompt: no samples that step
+    with pytest.raises(ValueError, match="warmup"):
+        OnPolicySettings(warmup=1.0)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        OnPolicySettings(prompt_tokens=1)
+    assert OnPolicySettings(warmup=0.5).warmup_steps(300) == 150
 
 
 def test_quick_run_prints_the_table(quick: tuple[dict[str, Any], str, Path]) -> None:

@@ -27,12 +27,13 @@ import torch
 from examples.common import cache_dir, write_json
 from examples.crosstok import arms, mesh
 from examples.crosstok.corpus import context, get_tokenizer, load_texts, spread, text_pieces
+from examples.crosstok.onpolicy import OnPolicySettings
 from examples.crosstok.train import get_teacher
 from examples.llm.common import quiet, use_all_cores
 
 RESULTS = Path(__file__).with_name("results.json")
 QUICK = {"student_vocab": 320, "teacher_vocab": 512, "max_bytes": 128, "teacher_steps": 200, "steps": 40,
-         "batch_size": 8, "eval_pieces": 48}
+         "batch_size": 8, "eval_pieces": 48, "warmup": 0.75, "prompt_tokens": 8, "new_tokens": 16}
 """What ``--quick`` sets, whatever the flags say (the seeds too: the first two given)."""
 
 
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=16, help="teacher top-k log-probabilities per token (default: 16)")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default: 1.0)")
     p.add_argument("--alpha", type=float, default=0.5, help="hard-label weight of every KD arm (default: 0.5)")
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="crosstok_onpolicy: the share of --steps trained as crosstok_kd before sampling (default: 0.5)")
+    p.add_argument("--prompt-tokens", type=int, default=16,
+                   help="crosstok_onpolicy: student tokens of each piece's prefix the samples continue, the BOS "
+                   "included (default: 16)")
+    p.add_argument("--new-tokens", type=int, default=48,
+                   help="crosstok_onpolicy: tokens the student samples after each prompt (default: 48)")
     p.add_argument("--eval-pieces", type=int, default=256,
                    help="held-out pieces scored, spread over the split (default: 256; 0 = all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the student and the teacher server "
@@ -127,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"in {served.registry}", flush=True)
         setup = arms.Setup(student_tok, teacher_tok, train, held_out, role="student-smoke" if args.quick else "student",
                            max_len=max_len, steps=args.steps, batch_size=args.batch_size, lr=args.lr, k=args.k,
-                           temperature=args.temperature, alpha=args.alpha, mesh=served)
+                           temperature=args.temperature, alpha=args.alpha, mesh=served,
+                           onpolicy=OnPolicySettings(args.warmup, args.prompt_tokens, args.new_tokens))
         for seed in args.seeds:
             for arm in wanted:
                 r = arms.run(arm, seed, setup)

@@ -9,6 +9,10 @@
   from the same server with the existing same-tokenizer token KD (``INPUT_IDS`` in,
   top-k log-probabilities out, ``distill.losses.TokenKDLoss``): what the cross-tokenizer arm
   would reach if the tokenizers matched.
+* ``crosstok_onpolicy``: the ``crosstok_kd`` arm for the first part of the steps, then on-policy:
+  the student samples continuations of the batch's piece prefixes, the same teacher scores the
+  samples as text through the same mesh, and the student learns from them beside the batch's hard
+  labels (``examples.crosstok.onpolicy``).
 
 Every KD arm asks the server for the same top-k log-probabilities with the tail at the same
 temperature, and weighs the hard-label cross-entropy by the same ``alpha``.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -30,12 +34,13 @@ from examples.common import seed_everything
 from examples.crosstok import kd
 from examples.crosstok.corpus import TextCollator, batches, plan
 from examples.crosstok.mesh import OUTPUT, Mesh, topk_options
+from examples.crosstok.onpolicy import OnPolicyKD, OnPolicySettings
 from examples.crosstok.train import Batch, LossFn, bits_per_byte, fit, next_token_ce
 from examples.llm import models
 from examples.llm.mesh import INPUTS
 from examples.llm.student import kd_loss, targets_from_outputs
 
-ARMS = ("no_kd", "crosstok_kd", "same_tokenizer_reference")
+ARMS = ("no_kd", "crosstok_kd", "crosstok_onpolicy", "same_tokenizer_reference")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Setup:
     alpha: float
     mesh: Mesh | None  # where the teacher is (None: no KD arm runs)
     timeout: float = 60.0
+    onpolicy: OnPolicySettings = field(default_factory=OnPolicySettings)  # the crosstok_onpolicy arm's settings
 
 
 def run(arm: str, seed: int, setup: Setup) -> dict[str, Any]:
@@ -71,12 +77,13 @@ def run(arm: str, seed: int, setup: Setup) -> dict[str, Any]:
     loader = list(batches(setup.train, TextCollator(tokenizer, setup.max_len), order))
     started = time.perf_counter()
     taught = [0]
-    with _source(arm, setup, loader) as (pairs, loss_fn):
+    extra: dict[str, Any] = {}
+    with _source(arm, setup, loader, student, seed=seed, extra=extra) as (pairs, loss_fn):
         losses, seconds = fit(student, _counted(pairs, taught), loss_fn, steps=setup.steps, lr=setup.lr)
     metric = bits_per_byte(student, tokenizer, setup.held_out, max_len=setup.max_len)
     return {"arm": arm, "seed": seed, **asdict(metric), "vocab_size": len(tokenizer),
             "parameters": models.parameter_count(student), "first_loss": losses[0], "last_loss": losses[-1],
-            "teacher_steps": taught[0], "train_seconds": round(seconds, 1),
+            "teacher_steps": taught[0], **{k: v() for k, v in extra.items()}, "train_seconds": round(seconds, 1),
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -89,8 +96,10 @@ def _counted(pairs: Iterable[tuple[Batch, Any]], taught: list[int]) -> Iterator[
 
 
 @contextlib.contextmanager
-def _source(arm: str, setup: Setup, loader: list[Batch]) -> Iterator[tuple[Any, LossFn]]:
-    """The arm's ``(batch, teacher outputs)`` pairs over ``loader`` and its loss."""
+def _source(arm: str, setup: Setup, loader: list[Batch], student: Any, *, seed: int,
+            extra: dict[str, Any]) -> Iterator[tuple[Any, LossFn]]:
+    """The arm's ``(batch, teacher outputs)`` pairs over ``loader`` and its loss; an arm with figures
+    of its own for the results puts a function returning them in ``extra``."""
     if arm == "no_kd":
         yield ((b, None) for b in loader), next_token_ce
         return
@@ -109,5 +118,11 @@ def _source(arm: str, setup: Setup, loader: list[Batch]) -> Iterator[tuple[Any, 
         return
     crosstok = kd.CrossTokenizerKD(setup.student_tokenizer, setup.mesh, k=setup.k,
                                    temperature=setup.temperature, alpha=setup.alpha, timeout=setup.timeout)
+    if arm == "crosstok_onpolicy":
+        onpolicy = OnPolicyKD(student, crosstok, setup.student_tokenizer, setup.onpolicy, seed=seed)
+        extra["onpolicy"] = lambda: {**asdict(setup.onpolicy), **onpolicy.counts.summary()}
+        with onpolicy.pairs(loader) as pairs:
+            yield pairs, onpolicy.loss
+        return
     with DistillReader(crosstok.prepare(loader), **crosstok.reader_options()) as reader:
         yield iter(reader), crosstok.loss
