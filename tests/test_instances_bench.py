@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks import instances
 from benchmarks.cv_teacher import IO as CV_IO
@@ -41,7 +42,8 @@ def test_the_benchmark_compares_instance_counts_with_the_in_process_model(tmp_pa
     assert doc["settings"]["device"] == "cpu" and doc["settings"]["gpu"] is None
 
 
-def test_bad_instance_counts_are_refused_with_the_fix() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.instances", "--counts", "1,x"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 2 and "give instance counts >= 1, comma-separated" in proc.stderr
+def test_bad_instance_counts_are_refused_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by argparse before anything starts: the entry point runs in this process."""
+    with pytest.raises(SystemExit) as exited:
+        instances.main(["--counts", "1,x"])
+    assert exited.value.code == 2 and "give instance counts >= 1, comma-separated" in capsys.readouterr().err
