@@ -7,7 +7,11 @@ policy's choice (``distill.routing``; by default power-of-two choices on expecte
 
 The in-flight limit follows the latency gradient: it grows by about one per round trip while
 latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
-and shrinks when latency climbs (requests only queue there). EDL kept one request in flight per
+and shrinks when latency climbs (requests only queue there). Latency here is the EWMA of the
+answers' latencies, and the best seen is the lowest that average has been: one answer's latency
+includes the student's own delays (its event loop busy with the answers of other teachers and
+services, the training loop holding the GIL), which a single sample compared with the luckiest
+one would read as a queue at the teacher. EDL kept one request in flight per
 teacher; a dynamic-batching teacher needs several to stay busy across network round trips. A
 teacher that batches padded rows by length is the exception: it needs many rows queued to fill its
 batches, and a padded request waits for its slowest row, which the gradient would read as
@@ -269,8 +273,13 @@ class Router:
         t.strikes = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
         t.last_result = time.monotonic()
-        # The best latency drifts up slowly so one lucky sample does not pin the limit forever.
-        t.best_s = min(t.best_s * 1.002, latency_s)
+        # The gradient compares the smoothed latency with the lowest it has been, never one answer
+        # with the luckiest: a single answer carries the student's own delays too (its event loop
+        # busy with other answers and services, the training loop holding the GIL), which say
+        # nothing about the teacher's queue, while a teacher that slows down moves the average
+        # within a few answers. The baseline drifts up slowly so one calm spell does not pin the
+        # limit forever.
+        t.best_s = min(t.best_s * 1.002, t.ewma_s)
         floor = self.floor(t)
         if t.by_length:
             if self.deadline_s is not None and latency_s > 0.5 * self.deadline_s:
@@ -281,10 +290,10 @@ class Router:
                 t.limit = min(self.ceiling(t), t.limit + samples)
         elif t.limit < floor:  # an overload answer or an ejection took it below: one call back an answer
             t.limit = min(floor, t.limit + 1.0)
-        elif latency_s <= 1.5 * t.best_s:
+        elif t.ewma_s <= 1.5 * t.best_s:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
                 t.limit = min(self.ceiling(t), t.limit + 1.0 / max(t.limit, 1.0))
-        elif latency_s > 2.5 * t.best_s:
+        elif t.ewma_s > 2.5 * t.best_s:
             t.limit = max(floor, t.limit * 0.9)
         self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
 

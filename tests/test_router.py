@@ -187,6 +187,31 @@ def test_a_slowdown_shrinks_the_limit_but_never_below_min_limit() -> None:
     asyncio.run(main())
 
 
+def test_the_students_own_delays_do_not_shrink_the_limit_but_a_slowdown_does() -> None:
+    """A teacher whose batcher absorbs every call answers in about the same time however many it
+    holds, but some answers reach the router late (the student's event loop busy with another
+    service's answers): single answers 3-4x the best. The gradient reads the smoothed latency, so
+    the limit grows past such noise; a teacher that really slows down still loses its calls."""
+    jitter = (0.010, 0.030, 0.012, 0.035, 0.011, 0.040, 0.013, 0.010)
+
+    def answer(router: Router, t: TeacherState, latency_s: float) -> None:
+        while t.in_flight < int(t.limit):
+            router.started(t)
+        router.succeeded(t, latency_s, samples=8)
+
+    async def main() -> None:
+        router, (a,) = _router(RouterConfig(initial_limit=4.0), 1)
+        for i in range(200):
+            answer(router, a, jitter[i % len(jitter)])
+        assert a.limit >= 8.0, f"noise on single answers held the limit at {a.limit}"
+        for _ in range(20):
+            answer(router, a, 0.100)  # ten times the usual latency, answer after answer: a queue
+        assert a.limit <= 2.0, f"a teacher that slowed down tenfold kept a limit of {a.limit}"
+        await _close([a])
+
+    asyncio.run(main())
+
+
 def test_a_teacher_starts_at_min_limit_when_it_is_above_the_initial_limit() -> None:
     async def main() -> None:
         _, (a,) = _router(RouterConfig(initial_limit=2.0, min_limit=6.0), 1)
