@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from discovery.aio import bounded
-from teacher_server.answer_size import check_answer_sent, check_answer_size
+from teacher_server.answer_size import check_answer_sent
 from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBatcher, QueueFullError, Timing
 from teacher_server.errors import (
     InferError,
@@ -40,10 +40,10 @@ from teacher_server.errors import (
 from teacher_server.infer_request import InferRequest
 from teacher_server.metrics import ServerMetrics
 from teacher_server.outputs import EncodedOutput, OutputDefaults
+from teacher_server.request_plans import RequestPlans
 from teacher_server.rows import Rows, RowSplitter
 from teacher_server.spec import ModelIO
 from teacher_server.text_requests import TextPlan, TextRequests
-from teacher_server.validation import validate
 
 
 class ServingState(enum.Enum):
@@ -98,6 +98,7 @@ class RequestLifecycle:
         self._io: ModelIO | None = None
         self._batcher: DynamicBatcher | None = None
         self._rows: RowSplitter | None = None
+        self._plans: RequestPlans | None = None
         self.text = TextRequests(model.source)  # its tokenizer is the vLLM routes' too
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -109,6 +110,8 @@ class RequestLifecycle:
         self._io = io
         self._batcher = batcher
         self._rows = RowSplitter(io) if RowSplitter.applies(io) else None
+        self._plans = RequestPlans(io, self.model.batching.max_batch_size, self.model.output_defaults,
+                                   self.model.max_answer_bytes)
         if self._state is ServingState.LOADING:
             self._state = ServingState.SERVING
 
@@ -192,7 +195,8 @@ class RequestLifecycle:
         if request.malformed:
             raise InvalidRequestError(request.malformed)
         self.check_model(request.model_name, request.model_version)
-        if self._state is not ServingState.SERVING or self._io is None or self._batcher is None:
+        if (self._state is not ServingState.SERVING or self._io is None or self._batcher is None
+                or self._plans is None):
             raise self._unavailable()
         text: TextPlan | None = None
         if TextRequests.applies(request, self._io):
@@ -201,11 +205,9 @@ class RequestLifecycle:
             if text.request is None:
                 return text.outputs, Timing(0, 0, text.batch_size), text.batch_size
             request = text.request
-        work = validate(request, self._io, self.model.batching.max_batch_size, self.model.output_defaults)
-        limit = self.model.max_answer_bytes
         names = len(self.model.name) + len(self.model.version) + len(request.id)
-        if limit:
-            check_answer_size(work, self._io, limit, names)
+        work = self._plans.validate(request, names)  # validation and the answer's size, by plan where it can
+        limit = self.model.max_answer_bytes
         split = self._rows.split(work) if self._rows is not None else work
         try:
             if isinstance(split, Rows):
