@@ -222,6 +222,16 @@ def two_teachers(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                for _ in range(2)]
 
 
+@pytest.fixture(scope="module")
+def pool_gateway(two_teachers: list[Any]) -> Iterator[str]:
+    """One `distill gateway` process over `two_teachers` (a fixed list) for the tests that only send
+    it requests; its base URL once it answers /health with 200."""
+    teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in two_teachers)
+    with gateway_process(["--teachers", teachers, "--model", "tiny-llama"]) as (_, base):
+        wait_for_status(base + "/health", 200, START_S)
+        yield base
+
+
 def vllm_client(base: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """TRL's VLLMClient as shipped; only its `vllm`-is-installed check is satisfied (see
     tests/test_trl_client.py: nothing the scoring path runs uses vLLM)."""
@@ -232,17 +242,14 @@ def vllm_client(base: str, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_trls_get_sequence_logprobs_through_the_gateway_equals_the_model(
-        two_teachers: list[Any], reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        pool_gateway: str, reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.hf_models import reference_logprobs
 
-    teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in two_teachers)
-    with gateway_process(["--teachers", teachers, "--model", "tiny-llama"]) as (_, base):
-        wait_for_status(base + "/health", 200, START_S)
-        client = vllm_client(base, monkeypatch)
-        assert client.model == "tiny-llama"
-        k, temperature = 4, 0.8
-        result = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=k, temperature=temperature,
-                                              chunk_size=1, max_concurrent_requests=3)
+    client = vllm_client(pool_gateway, monkeypatch)
+    assert client.model == "tiny-llama"
+    k, temperature = 4, 0.8
+    result = client.get_sequence_logprobs(SEQUENCES, PROMPT_LENGTHS, top_logprobs=k, temperature=temperature,
+                                          chunk_size=1, max_concurrent_requests=3)
     for b, (seq, start) in enumerate(zip(SEQUENCES, PROMPT_LENGTHS, strict=True)):
         logp = reference_logprobs(reference, seq, temperature)
         assert len(result["logprobs"][b]) == len(seq) - start
@@ -255,13 +262,14 @@ def test_trls_get_sequence_logprobs_through_the_gateway_equals_the_model(
 
 
 def test_a_teacher_sigkilled_behind_the_gateway_fails_no_request(
-        llama_dir: Path, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two teachers, requests in a loop from TRL's client; one teacher is SIGKILLed mid-run: every
-    request is answered, and right."""
+        llama_dir: Path, two_teachers: list[Any], reference: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two teachers (one of this test's own, one of the module's), requests in a loop from TRL's
+    client; this test's teacher is SIGKILLed mid-run: every request is answered, and right."""
     from tests.hf_models import reference_logprobs
 
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(teacher_args(llama_dir), tmp_path)) for _ in range(2)]
+        procs = [stack.enter_context(teacher_process(teacher_args(llama_dir), tmp_path)), two_teachers[0]]
         teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in procs)
         _, base = stack.enter_context(gateway_process(["--teachers", teachers, "--timeout", "5"]))
         wait_for_status(base + "/health", 200, START_S)
@@ -285,28 +293,26 @@ def test_a_teacher_sigkilled_behind_the_gateway_fails_no_request(
 
 @pytest.mark.timeout(300)
 def test_clients_at_six_temperatures_at_once_all_get_their_own_and_a_refused_prompt_is_named(
-        two_teachers: list[Any], reference: Any) -> None:
+        pool_gateway: str, reference: Any) -> None:
     """Clients at 6 temperatures at once (60 requests, 12 in flight, the temperatures interleaved):
     every request is answered, each with the teacher's log-probs at its own temperature. A body whose
     prompt 1 holds an id past the vocabulary gets a 400 that names prompt 1, position 2, the id and
     the vocabulary's size, and nothing of the reader behind the gateway."""
     from tests.hf_models import VOCAB, reference_logprobs
 
-    teachers = ",".join(f"127.0.0.1:{info['port']}" for _, info in two_teachers)
+    base = pool_gateway
     temperatures = [0.5, 0.7, 1.0, 1.3, 2.0, 3.0]
     prompts = [[5, 9, 30, 2, 77], [12, 3, 40, 41]]
     k = 2
-    with gateway_process(["--teachers", teachers, "--model", "tiny-llama"]) as (_, base):
-        wait_for_status(base + "/health", 200, START_S)
 
-        def ask(temperature: float) -> tuple[float, int, Any]:
-            status, body = call(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": k,
-                                                           "temperature": temperature}, timeout=120)
-            return temperature, status, body
+    def ask(temperature: float) -> tuple[float, int, Any]:
+        status, body = call(base + "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": k,
+                                                       "temperature": temperature}, timeout=120)
+        return temperature, status, body
 
-        with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(ask, temperatures * 10))
-        status, refusal = call(base + "/v1/completions", {"prompt": [[1, 2], [1, 5, VOCAB]], "prompt_logprobs": 1})
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, temperatures * 10))
+    status, refusal = call(base + "/v1/completions", {"prompt": [[1, 2], [1, 5, VOCAB]], "prompt_logprobs": 1})
     assert [(t, s, b) for t, s, b in answers if s != 200] == []
     want = {(t, i): reference_logprobs(reference, p, t) for t in temperatures for i, p in enumerate(prompts)}
     for temperature, _, body in answers:
