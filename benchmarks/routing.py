@@ -13,7 +13,10 @@ weights. The batches' rows name their expert, 70/30:
 
 Both sides send the same rows to the same servers; the variants are interleaved per repetition and
 the headline is the median of the per-repetition ratios (routed / split rows per second). Every
-routed batch's outputs are checked against the experts' in-process answers once per run.
+routed batch's outputs are checked against the experts' in-process answers once per run. Each side
+also reports its calls in flight per expert (the reader's stats every `SAMPLE_EVERY` batches,
+averaged over the repetitions): what the router's adaptive in-flight limits let each teacher hold,
+a figure steadier than rows per second on a busy machine.
 
     python -m benchmarks.routing            # 5 repetitions of 1,500 batches
     python -m benchmarks.routing --quick    # 3 repetitions of 300 batches
@@ -49,6 +52,7 @@ ROWS = 32  # per batch
 MATH_SHARE = 0.7
 SLEEP_S = 0.002  # per teacher batch: an emulated accelerator's step
 GOAL = 0.95
+SAMPLE_EVERY = 10  # batches between two looks at a reader's calls in flight
 
 
 class Expert(nn.Module):
@@ -103,8 +107,18 @@ def _check(batches: list[dict[str, Any]], outputs: list[torch.Tensor]) -> None:
             assert torch.allclose(y, want, atol=1e-4), "a routed row got another expert's answer"
 
 
-def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check: bool = False) -> float:
-    """Rows per second of one routing reader over `batches` (connecting is not timed)."""
+def _sample_in_flight(reader: Any, into: dict[str, list[int]] | None, name: dict[str, str]) -> None:
+    """Append each service's calls in flight now to `into[name[service]]` (None: not sampled)."""
+    if into is None:
+        return
+    for service, teachers in reader.stats().teachers.items():
+        into[name[service]].append(sum(figures["in_flight"] for figures in teachers.values()))
+
+
+def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check: bool = False,
+                in_flight: dict[str, list[int]] | None = None) -> float:
+    """Rows per second of one routing reader over `batches` (connecting is not timed); samples of its
+    calls in flight per service go to `in_flight`."""
     from distill import DistillReader
 
     outputs = []
@@ -112,18 +126,22 @@ def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check:
                        hedge_after=None, prefetch=16) as reader:
         started = time.perf_counter()
         rows = 0
-        for batch, teacher in reader:
+        for i, (batch, teacher) in enumerate(reader):
             rows += len(batch["teacher"])
             if check:
                 outputs.append(teacher["Y"])
+            if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
+                _sample_in_flight(reader, in_flight, {s: s for s in endpoints})
         elapsed = time.perf_counter() - started
     if check:
         _check(batches, outputs)
     return rows / elapsed
 
 
-def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]]) -> float:
-    """Rows per second of two readers, one per expert, each over its own rows, on two threads."""
+def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]],
+               in_flight: dict[str, list[int]] | None = None) -> float:
+    """Rows per second of two readers, one per expert, each over its own rows, on two threads;
+    samples of each one's calls in flight go to `in_flight` under its expert."""
     from distill import DistillReader
 
     parts = {"math": _own_rows(batches, True), "code": _own_rows(batches, False)}
@@ -134,7 +152,12 @@ def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]]) -> floa
 
     def drain(service: str) -> None:
         try:
-            counts[service] = sum(len(b["X"]) for b, _ in readers[service])
+            rows = 0
+            for i, (b, _) in enumerate(readers[service]):
+                rows += len(b["X"])
+                if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
+                    _sample_in_flight(readers[service], in_flight, {"teachers": service})
+            counts[service] = rows
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -172,8 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def show(rep: int, name: str, rate: float) -> None:
             print(f"rep {rep}  {name:<7} {rate:9.0f} rows/s", flush=True)
 
-        rates = interleave(args.reps, {"routed": lambda: routed_rate(endpoints, batches),
-                                       "split": lambda: split_rate(endpoints, batches)}, show)
+        in_flight: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
+        rates = interleave(args.reps, {"routed": lambda: routed_rate(endpoints, batches, in_flight=in_flight["routed"]),
+                                       "split": lambda: split_rate(endpoints, batches, in_flight["split"])}, show)
     ratios = paired_ratios(rates["routed"], rates["split"])
     return {
         "benchmark": "routing",
@@ -185,11 +209,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "split": "two DistillReaders (prefetch=16 each), one per expert's rows, on two threads"},
         "machine": machine_info(),
         **rate_fields(rates, ratios, "ratio_routed_vs_split", GOAL),
+        "calls_in_flight": {v: {s: round(sum(xs) / len(xs), 2) if xs else None for s, xs in by_service.items()}
+                            for v, by_service in in_flight.items()},
     }
 
 
 def report(doc: dict[str, Any]) -> str:
-    return rate_report(doc, ("routed", "split"), "ratio_routed_vs_split")
+    table = rate_report(doc, ("routed", "split"), "ratio_routed_vs_split")
+    shown = "; ".join(f"{v} " + ", ".join(f"{s} {n}" for s, n in by_service.items())
+                      for v, by_service in doc["calls_in_flight"].items())
+    return f"{table}\ncalls in flight per expert (mean): {shown}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

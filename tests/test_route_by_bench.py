@@ -21,4 +21,9 @@ def test_w8_measures_the_routed_reader_and_the_split_readers(tmp_path: Path) -> 
     rates = doc["median_rows_per_s"]
     assert set(rates) == {"routed", "split"} and all(math.isfinite(v) and v > 0 for v in rates.values()), rates
     assert len(doc["ratios"]) == 1 and doc["ratio_routed_vs_split"] > 0
-    assert doc["machine"] and "routed / split" in doc["stdout"]
+    in_flight = doc["calls_in_flight"]  # sampled every 10 batches: 4 looks per reader here
+    assert {v: set(by_service) for v, by_service in in_flight.items()} == {
+        "routed": {"math", "code"}, "split": {"math", "code"}}, in_flight
+    assert all(isinstance(n, float) and 0 <= n <= 64 for by_service in in_flight.values()
+               for n in by_service.values()), in_flight
+    assert doc["machine"] and "routed / split" in doc["stdout"] and "calls in flight per expert" in doc["stdout"]
