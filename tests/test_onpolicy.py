@@ -246,17 +246,19 @@ def _train_step(student: Any, opt: torch.optim.Optimizer, batch: dict[str, torch
 
 
 def test_an_on_policy_loop_loses_no_step_when_a_teacher_is_killed(
-        llama_dir: Path, reference: torch.nn.Module, tmp_path: Path) -> None:
+        llama_dir: Path, teacher: dict[str, Any], reference: torch.nn.Module, tmp_path: Path) -> None:
+    """Two teachers: one of this test's own, killed mid-loop, and the module's, which takes the rest."""
     steps, kill_after = 8, 3
     student = _llama(1, 16)
     opt = torch.optim.SGD(student.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(7)
     with contextlib.ExitStack() as stack:
-        teachers = [TeacherProcess(_args(llama_dir), label=f"llama-{n}", cwd=REPO, log=tmp_path / f"llama-{n}.log",
-                                   stop_grace=5.0) for n in range(2)]
-        start_all(stack, teachers)
+        victim = TeacherProcess(_args(llama_dir), label="llama-victim", cwd=REPO, log=tmp_path / "llama-victim.log",
+                                stop_grace=5.0)
+        start_all(stack, [victim])
+        endpoints = [victim.endpoint, teacher["endpoint"]]
         reader = stack.enter_context(DistillReader(
-            None, teachers=",".join(t.endpoint for t in teachers), inputs=INPUTS, outputs=["LOGITS"],
+            None, teachers=",".join(endpoints), inputs=INPUTS, outputs=["LOGITS"],
             token_logprobs=True, temperature=TEMPERATURE, teacher_batch_size=2, timeout=10.0, prefetch=2))
         # Staleness 1: step n is scored while step n+1 is generated, then step n trains.
         batch = _student_batch(student, torch.randint(1, VOCAB, (4, 6), generator=g), new_tokens=8)
@@ -269,17 +271,17 @@ def test_an_on_policy_loop_loses_no_step_when_a_teacher_is_killed(
                 nxt = _student_batch(student, torch.randint(1, VOCAB, (4, 6), generator=g), new_tokens=8)
                 nxt_fut = reader.submit(nxt)
             if step == kill_after:  # with step n+1's chunks just sent
-                served_before_kill = reader.stats().teachers["teachers"][teachers[0].endpoint]
-                teachers[0].kill()
+                served_before_kill = reader.stats().teachers["teachers"][victim.endpoint]
+                victim.kill()
             outputs = fut.result(120)
             _check(reference, batch, outputs)
             losses.append(_train_step(student, opt, batch, outputs))
             if nxt is not None:
                 batch, fut = nxt, nxt_fut
-        assert teachers[0].proc is not None and teachers[0].proc.wait(30) == -9
+        assert victim.proc is not None and victim.proc.wait(30) == -9
         stats = reader.stats()
         assert stats.batches == steps
         assert int(served_before_kill["ok"]) >= 1  # the killed teacher had served its share
-        survivor = stats.teachers["teachers"][teachers[1].endpoint]
+        survivor = stats.teachers["teachers"][teacher["endpoint"]]
         assert int(survivor["samples"]) >= 4 * (steps - kill_after - 1)  # and the other took the rest
     assert len(losses) == steps and all(torch.isfinite(torch.tensor(losses)))
