@@ -1,4 +1,5 @@
-"""`distill record` and `distill.cache.record`: a real teacher process, real `distill record` processes."""
+"""`distill record` and `distill.cache.record`: a real teacher process, real `distill record` processes
+(and, for a test's later runs, `distill record`'s entry point in the test process)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,22 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
+def _record_here(cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`_run`'s command, but `distill record`'s entry point run in this process (its loader module
+    imported here from `tmp_path`, afresh): (exit status, stdout, stderr). For the runs after a
+    test's first, which already ran the real command as a process."""
+    from distill.cli import main
+
+    monkeypatch.syspath_prepend(str(tmp_path))  # restored afterwards, with what `distill record` adds
+    monkeypatch.delitem(sys.modules, "kd_data", raising=False)
+    capsys.readouterr()
+    code = main(cmd[3:])
+    said = capsys.readouterr()
+    monkeypatch.delitem(sys.modules, "kd_data", raising=False)
+    return code, said.out, said.err
+
+
 def _check_store(cache: Path, n: int) -> None:
     """Offline, the store alone yields every batch once, in order, with what the teacher computes."""
     affine = Affine()
@@ -110,7 +127,9 @@ def _check_store(cache: Path, n: int) -> None:
     assert_delivered_once_in_order(seen, n)
 
 
-def test_record_a_module_loader_then_resume_and_extend(teacher: str, tmp_path: Path) -> None:
+def test_record_a_module_loader_then_resume_and_extend(teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The first recording is the real command; resuming and extending run its entry point here."""
     (tmp_path / "kd_data.py").write_text(DATA_MODULE)
     cache = tmp_path / "kd"
     before = _inference_count(teacher)
@@ -121,15 +140,17 @@ def test_record_a_module_loader_then_resume_and_extend(teacher: str, tmp_path: P
     _check_store(cache, 5)
 
     before = _inference_count(teacher)
-    again = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "5"]), tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "recorded 0 new samples (50 of 50 already stored)" in again.stdout, again.stdout
+    code, out, err = _record_here(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "5"]),
+                                  tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "recorded 0 new samples (50 of 50 already stored)" in out, out
     assert _inference_count(teacher) == before, "a resumed recording asked a teacher for stored samples"
 
     before = _inference_count(teacher)
-    more = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "8"]), tmp_path)
-    assert more.returncode == 0, more.stderr
-    assert "recorded 30 new samples (50 of 80 already stored)" in more.stdout, more.stdout
+    code, out, err = _record_here(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "8"]),
+                                  tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "recorded 30 new samples (50 of 80 already stored)" in out, out
     assert _inference_count(teacher) - before == 30
     _check_store(cache, 8)
 
@@ -162,11 +183,14 @@ def test_the_distill_script_imports_the_loader_from_the_working_directory(
 
 
 def test_a_recording_killed_mid_write_leaves_a_readable_store_and_a_rerun_completes(
-        teacher: str, tmp_path: Path) -> None:
+        teacher: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The killed recording is a process; the one before it and the rerun run the entry point here."""
     (tmp_path / "kd_data.py").write_text(DATA_MODULE)
     cache = tmp_path / "kd"
     ready = tmp_path / "ready"
-    _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "2"]), tmp_path)
+    code, _, err = _record_here(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "2"]),
+                                tmp_path, monkeypatch, capsys)
+    assert code == 0, err
     proc = subprocess.Popen(
         _record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "6", "--hold-after", "4",
                                      "--ready-file", str(ready)]),
@@ -192,9 +216,10 @@ def test_a_recording_killed_mid_write_leaves_a_readable_store_and_a_rerun_comple
     _check_store(cache, 2)
 
     before = _inference_count(teacher)
-    rerun = _run(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "6"]), tmp_path)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "recorded 40 new samples (20 of 60 already stored)" in rerun.stdout, rerun.stdout
+    code, out, err = _record_here(_record_cmd(teacher, cache, ["--", "python", "-m", "kd_data", "--batches", "6"]),
+                                  tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "recorded 40 new samples (20 of 60 already stored)" in out, out
     assert _inference_count(teacher) - before == 40
     _check_store(cache, 6)
 
