@@ -20,6 +20,7 @@ import torch
 from distill.batch_fields import extract_inputs, signature_of
 from distill.errors import BatchRejectedError, InputRefusal, NonFiniteOutputError
 from distill.outputs import VALID_ROWS
+from distill.readahead import ReadAhead
 from distill.routing_keys import Routed
 from distill.teacher_client import MalformedAnswerError
 from distill.text_fields import pad_value, widen
@@ -147,12 +148,20 @@ class Delivery:
         self.row_bytes = 0.0  # the most bytes a row of an answered batch has held: its teacher inputs and outputs
         self.on_row_bytes: Callable[[], None] | None = None  # called when row_bytes grows (the read-ahead's bound)
         self.routed = False  # route_by: each row from its own service, one dict of outputs per batch
+        # The pass's read-ahead slots: answered batches waiting in `ready` for an earlier one lend
+        # theirs to the loader meanwhile (`ReadAhead.waiting`), so a slow batch does not hold back
+        # the calls of the batches behind it.
+        self.slots: ReadAhead | None = None
+        self._waiting = 0  # len(ready) as the slots last heard it
 
-    def reset(self, epoch: int) -> None:
+    def reset(self, epoch: int, slots: ReadAhead | None = None) -> None:
+        """A new pass, `epoch`, reading ahead by `slots`."""
         self.epoch = epoch
         self.ready = {}
         self.next_seq = 0
         self.end_seq = None
+        self.slots = slots
+        self._waiting = 0
 
     def end_at(self, seq: int) -> None:
         """The loader ended after `seq` batches: the epoch ends once they are delivered."""
@@ -372,6 +381,9 @@ class Delivery:
                     self.sink.error(job.epoch, job.error)
                     return
                 self._deliver(job)
+            if len(self.ready) != self._waiting and self.slots is not None:
+                self._waiting = len(self.ready)
+                self.slots.waiting(self._waiting)
         if self.end_seq is not None and self.next_seq >= self.end_seq:
             if self.cache is not None:  # the pass's answers become readable by the next pass
                 self.cache.seal()

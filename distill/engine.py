@@ -6,7 +6,8 @@ them, the client (`distill.teacher_client`) speaks KServe.
 
 The data path, in order:
   loader thread   next(loader) -> fields -> contiguous numpy arrays      (never on the event loop),
-                  a batch per free read-ahead slot, at most `prefetch` not yet consumed; the batches
+                  a batch per free read-ahead slot, at most `prefetch` not yet consumed besides
+                  answered ones waiting for an earlier batch (at most `prefetch` more); the batches
                   read since the loop last looked arrive together (distill.readahead)
   read-ahead      a Job per batch; the chunks of the batches that arrived together go straight to
                   the teachers when the dispatcher is idle, those with the same input shapes in
@@ -191,7 +192,7 @@ class Engine:
         self._dispatcher.epoch = self.epoch
         self._slots.close()  # the last pass's loader stops reading
         self._slots = ReadAhead(self.epoch, self.read_ahead())
-        self._delivery.reset(self.epoch)
+        self._delivery.reset(self.epoch, self._slots)
         for svc in self._services.values():
             svc.clear()
         if loader is not None:

@@ -157,7 +157,8 @@ class ReaderOptions:
     read_ahead_mb: float = option(
         1024.0, help="with prefetch unset, the most MiB the batches read ahead for teachers that batch by length may "
         "hold, teacher inputs and outputs counted at the largest batch answered so far (the loader's other fields "
-        "are not seen); beyond it the reader reads ahead fewer batches than their rows want, never fewer than 4",
+        "are not seen); beyond it the reader reads ahead fewer batches than their rows want, never fewer than 4 (with "
+        "ordered delivery, answered batches waiting for an earlier one may hold as much again)",
         check=positive_float, flag=Flag(metavar="MIB", required=True))
     teacher_batch_size: int = option(
         0, help="split batches into chunks of at most N samples per request; 0 = the teacher's max batch size",
@@ -170,7 +171,10 @@ class ReaderOptions:
                   help="send a second copy of a chunk to another teacher after MS milliseconds without a reply, and "
                   "take whichever answers first; 0 = off (default: adaptive, 4x the teachers' median latency and at "
                   "least 250 ms)"))
-    ordered: bool = option(True, help="deliver in loader order (True), or each batch as soon as it is ready")
+    ordered: bool = option(
+        True, help="deliver in loader order (True), or each batch as soon as it is ready. In order, an answered batch "
+        "waiting for an earlier one lends its read-ahead slot to the next batch, so a slow batch does not hold back "
+        "the calls behind it; at most prefetch batches lend theirs, so the reader holds at most 2 x prefetch batches")
     bundle: bool = option(
         True, help="send batches that reach the reader together with the same input shapes as one request, within "
         "the teacher's max batch size (distill.bundles): a small batch then costs the student a fraction of a call; "

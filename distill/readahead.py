@@ -91,12 +91,21 @@ class ReadAhead:
     """The read-ahead slots of one pass: taken on the loader thread before it reads a batch, given
     back from the training loop's thread when it takes one. A loader with no slot sleeps until
     `wake_at` slots are free (a quarter of them), so a loader faster than the training loop is woken
-    once per few batches. `close` ends the pass: the loader's `take` then returns 0."""
+    once per few batches. `close` ends the pass: the loader's `take` then returns 0.
+
+    With ordered delivery an answered batch may wait for an earlier one still at the teachers;
+    `waiting` lends such a batch's slot back while it waits, for up to `size` of them, so one slow
+    batch does not keep the batches behind it from being read and sent. The slot is owed again
+    once the batch is delivered. So a pass holds at most `size` batches unanswered or delivered
+    and not yet taken, plus at most `size` answered ones waiting for their turn: `2 * size` in all.
+    """
 
     def __init__(self, epoch: int, slots: int) -> None:
         self.epoch = epoch
         self.size = slots
         self._free = slots
+        self._waiting_batches = 0  # answered batches waiting for an earlier one (ordered delivery)
+        self._lent = 0  # the slots lent to them: min(_waiting_batches, size)
         self._wake_at = max(1, slots // 4)
         self._lock = threading.Lock()
         self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake the loader
@@ -134,9 +143,27 @@ class ReadAhead:
             self._free += size - self.size
             self.size = size
             self._wake_at = max(1, size // 4)
+            self._lend()
             if self._waiting and self._free > 0:
                 self._waiting = False
                 self._wakeup.release()
+
+    def waiting(self, batches: int) -> None:
+        """`batches` answered batches now wait for an earlier one to be delivered (ordered delivery;
+        the event loop's thread). Their slots, up to `size`, are lent to the loader meanwhile; a
+        waiting loader is woken as soon as one is free: a lent slot starts a call at once."""
+        with self._lock:
+            self._waiting_batches = batches
+            self._lend()
+            if self._waiting and self._free > 0:
+                self._waiting = False
+                self._wakeup.release()
+
+    def _lend(self) -> None:
+        """Lend min(waiting batches, size) slots, taking back what is lent beyond that (lock held)."""
+        lent = min(self._waiting_batches, self.size)
+        self._free += lent - self._lent
+        self._lent = lent
 
     def close(self) -> None:
         """End the pass: a loader waiting for a slot returns at once (any thread)."""

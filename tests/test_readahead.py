@@ -79,6 +79,38 @@ def test_resizing_frees_new_slots_at_once_and_takes_slots_back_as_batches_return
     assert not thread.is_alive()
 
 
+def test_answered_batches_waiting_for_an_earlier_one_lend_their_slots_up_to_the_size() -> None:
+    """Ordered delivery: each answered batch that waits for an earlier one lends its slot to the
+    loader at once, at most `size` of them; once delivered, the lent slots are owed again and the
+    loader reads on only as the training loop returns batches."""
+    slots = ReadAhead(1, 4)
+    taken: list[int] = []
+
+    def loader() -> None:
+        while (n := slots.take()) > 0:
+            taken.append(n)
+
+    thread = threading.Thread(target=loader, daemon=True)
+    thread.start()
+    _wait_until(lambda: taken == [4], "the first take of every slot")
+    slots.waiting(3)  # batches 1..3 answered, batch 0 not: their three slots are lent
+    _wait_until(lambda: taken == [4, 3], "the loader to take the three lent slots")
+    slots.waiting(9)  # more wait than the size: only one more slot (four lent in all)
+    _wait_until(lambda: taken == [4, 3, 1], "the loader to take the fourth lent slot")
+    time.sleep(0.05)
+    assert taken == [4, 3, 1], "at most `size` slots are lent"
+    slots.waiting(0)  # batch 0 answered: all delivered; the four lent slots are owed again
+    for _ in range(4):
+        slots.give_back()  # the training loop takes four batches: still none free
+    time.sleep(0.05)
+    assert taken == [4, 3, 1]
+    slots.give_back()
+    _wait_until(lambda: taken == [4, 3, 1, 1], "the loader to read one batch per slot returned")
+    slots.close()
+    thread.join(LIMIT_S)
+    assert not thread.is_alive()
+
+
 def test_pump_pushes_each_batch_then_the_end_and_stops() -> None:
     async def scenario() -> list[Any]:
         loop = asyncio.get_running_loop()
