@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=16, help="teacher top-k log-probabilities per token (default: 16)")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature (default: 1.0)")
     p.add_argument("--alpha", type=float, default=0.5, help="hard-label weight of every KD arm (default: 0.5)")
-    p.add_argument("--warmup", type=float, default=0.5,
-                   help="crosstok_onpolicy: the share of --steps trained as crosstok_kd before sampling (default: 0.5)")
+    p.add_argument("--warmup", type=float, default=0.8,
+                   help="crosstok_onpolicy: the share of --steps trained as crosstok_kd before sampling (default: 0.8)")
     p.add_argument("--prompt-tokens", type=int, default=16,
                    help="crosstok_onpolicy: student tokens of each piece's prefix the samples continue, the BOS "
                    "included (default: 16)")

@@ -54,7 +54,7 @@ class OnPolicySettings:
     """The arm's own settings: the warm-up's share of the steps, the prompt's length in student tokens
     (the BOS included) and the number of sampled tokens per prompt."""
 
-    warmup: float = 0.5
+    warmup: float = 0.8
     prompt_tokens: int = 16
     new_tokens: int = 48
 
