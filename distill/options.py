@@ -2,10 +2,10 @@
 
 A field's declaration holds its default, its rule, its help text, its ``--distill_*`` flag, and for
 an output transform its request parameter and how a teacher-output store names it. The keyword
-checks (``ReaderOptions(...)``), the flags (``distill.flags.add_distill_args``), reading them back
-(`options_from_args`), the request parameters and the store's namespace all come from it; the
-rules that involve several options are here too, once for keywords and once for flags (whose
-messages name the flags). Adding a reader option is one declaration in this module.
+checks (``ReaderOptions(...)``), the flags (``distill.flags.add_distill_args``) and reading them
+back (`options_from_args`), the request parameters and the store's namespace all come from it.
+The rules that involve several options are here for keywords and in ``distill.flag_rules`` for
+flags (whose messages name the flags). Adding a reader option is one declaration in this module.
 
 This module sits at the bottom of ``distill`` with the message types (``distill.types``): the
 engine, the router, the teacher pool and the store all read `ReaderOptions`, and import it downward.
@@ -49,8 +49,9 @@ from distill.checks import (
     torch_device,
 )
 from distill.config import ClientTLS, RouterConfig
-from distill.declare import Flag, declared, document, option, read_flags
+from distill.declare import Flag, declared, document, option
 from distill.fingerprints import FINGERPRINT_CHANGES, fingerprint_change_choice, fingerprint_value
+from distill.flag_rules import read_back
 from distill.headers import HeaderArg, headers_from_flags, headers_map
 from distill.routing import PolicySpec, policy_spec
 from distill.routing_keys import check_route_options
@@ -353,7 +354,7 @@ class ReaderOptions:
         return f"{name}={value!r}" + (f" ({flags[0]} {value})" if flags else "")
 
     def _check_together(self, values: Mapping[str, Any], services: tuple[str, ...]) -> None:
-        """The rules between options given as keywords (`options_from_args` has the flags' own)."""
+        """The rules between options given as keywords (`distill.flag_rules` has the flags' own)."""
         hedge, timeout = values["hedge_after"], values["timeout"]
         if isinstance(hedge, str):
             if hedge != "auto":
@@ -432,45 +433,7 @@ class ReaderOptions:
 ReaderOptions.__doc__ = (ReaderOptions.__doc__ or "") + document(ReaderOptions)
 
 
-# ---- the --distill_* flags read back ------------------------------------------------------------------
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for ``DistillReader`` from the flags ``add_distill_args`` added.
-
-    One key per option that has a flag (``hedge_after`` from ``--distill_hedge_ms``: "auto" when
-    absent, None when 0; ``headers`` from ``--distill_header``, values from the environment where
-    the flag gave none; ``registry_options`` from ``--distill_registry_*``), and ``cache`` /
-    ``cache_mode`` only when ``--distill_cache`` is given. Each flag's value is checked again by its
-    rule (a script may build the namespace itself); the rules between flags raise ``ValueError``
-    naming the flag to pass or fix.
-    """
-    out = read_flags(ReaderOptions, args)
-    teachers, registry, service = out["teachers"], out["registry"], out["service"]
-    offline = out["cache"] is not None and out["cache_mode"] == "read"
-    if teachers is None and registry is None and not offline:
-        raise ValueError(
-            "no teachers configured: pass --distill_teachers host:port[,host:port] for a fixed set of "
-            "teachers, or --distill_registry etcd://host:2379 with --distill_service NAME to find them "
-            "in the registry"
-        )
-    if teachers is not None and registry is not None:
-        raise ValueError(
-            "pass only one of --distill_teachers (a fixed set) and --distill_registry (discovery), not both"
-        )
-    if teachers is not None and service is not None:
-        raise ValueError(
-            "--distill_service applies only with --distill_registry; drop it when using --distill_teachers"
-        )
-    if registry is not None and service is None:
-        raise ValueError(
-            "--distill_registry needs --distill_service NAME, the service the teachers register under"
-        )
-    hedge, timeout = out["hedge_after"], out["timeout"]
-    if isinstance(hedge, float) and hedge >= timeout:
-        raise ValueError(
-            f"--distill_hedge_ms {hedge * 1000:g} is not shorter than --distill_timeout {timeout:g} s, "
-            "so a hedge would never be sent before the chunk is re-routed anyway; "
-            "note that the hedge flag is in milliseconds"
-        )
-    if out["cache"] is None:  # the store's keys appear only with --distill_cache
-        del out["cache"], out["cache_mode"]
-    return out
+    """Keyword arguments for ``DistillReader`` from the flags ``add_distill_args`` added; the rules
+    between flags and their messages are ``distill.flag_rules.read_back``'s."""
+    return read_back(ReaderOptions, args)
