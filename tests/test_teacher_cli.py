@@ -3,9 +3,10 @@
 Each case checks: a non-zero exit within the run's time limit (a server that starts serving
 instead would hit it), one error line naming the flag, the value and the fix, no traceback, and
 that no model was loaded (no "loading" line). A refusal's message is printed or logged by the
-command's entry point whether it runs as a process or not, so most cases run that entry point in
-the test process; the real command (a process, its log on its stderr) runs for one printed
-refusal (an unknown device) and for the logged ones (a port in use), which also start the server.
+command's entry point whether it runs as a process or not, so the cases refused before anything
+serves run that entry point in the test process; the real command (a process, its log on its
+stderr) runs for one printed refusal (an unknown device), for the logged ones (a port in use),
+and for the etcd credentials, whose check may time out and then serve.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from tests.certs import make_certs
 from tests.etcd_fixtures import enable_root_auth
 from tests.servers import REPO
 
-pytestmark = pytest.mark.timeout(120)
+# The thread method: a case run in this process that served instead of refusing would wait in the
+# server's event loop, which the signal method cannot interrupt; this ends the run with the stacks.
+pytestmark = pytest.mark.timeout(120, method="thread")
 
 MODEL = ["--model", "tests.models:affine", "--name", "affine", "--device", "cpu", "--instances", "1"]
 RUN_LIMIT_S = 60.0  # a refusal takes about a second (imports); serving would run into this
@@ -147,11 +150,14 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
         yield server
 
 
-def test_wrong_etcd_password_is_fatal(auth_etcd: LocalEtcd, in_process: Run) -> None:
+def test_wrong_etcd_password_is_fatal(auth_etcd: LocalEtcd) -> None:
+    """Processes: a registry check that gets no answer in time is not a refusal, and the server then
+    serves; a process runs into its time limit there, where the entry point in this process would
+    serve until a signal."""
     registry = [*MODEL, "--registry", auth_etcd.address, "--service", "auth-svc", "--registry-user", "root"]
     _check_refusal(registry, "--registry", "root", "authentication failed", PASSWORD_ENV,
-                   env={PASSWORD_ENV: "wrong"}, run=in_process)
-    _check_refusal(registry[:-2], "--registry", "--registry-user", run=in_process)  # auth enabled, no user given
+                   env={PASSWORD_ENV: "wrong"})
+    _check_refusal(registry[:-2], "--registry", "--registry-user")  # auth enabled, no user given
 
 
 def test_right_etcd_password_serves(auth_etcd: LocalEtcd) -> None:
