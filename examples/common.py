@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -396,3 +397,17 @@ def summarize(results: Sequence[StudentResult], label: str, json_path: str | os.
         write_json(json_path, {"label": label, "mean_test_accuracy": mean, "stdev": spread,
                                "runs": [asdict(r) for r in results], **extra})
     return mean
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does: a SystemExit (status 143) in the main thread.
+
+    Python's own SIGTERM ends the process at once, without running ``finally:`` or ``__exit__``, so
+    the teacher servers and the etcd an example started (context managers) would outlive it. Call it
+    from an example's ``__main__`` guard, in the main thread, before starting them.
+    """
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

@@ -30,7 +30,7 @@ from typing import Any
 from discovery import open_registry
 from discovery.etcd import EtcdRegistry
 from discovery.local_etcd import LocalEtcd
-from examples.common import StudentResult, cache_dir
+from examples.common import StudentResult, cache_dir, exit_on_sigterm
 from examples.cv import teacher as cv_teacher
 from examples.cv.train_student import StudentConfig, reader_source, train_student
 from examples.cv.train_teacher import train_teacher
@@ -272,4 +272,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the teacher servers and etcd it starts stop with it
     sys.exit(main())

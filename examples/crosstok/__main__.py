@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from examples.common import cache_dir, write_json
+from examples.common import cache_dir, exit_on_sigterm, write_json
 from examples.crosstok import arms, mesh
 from examples.crosstok.corpus import context, get_tokenizer, load_texts, spread, text_pieces
 from examples.crosstok.onpolicy import OnPolicySettings
@@ -156,4 +156,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the teacher servers and etcd it starts stop with it
     sys.exit(main())

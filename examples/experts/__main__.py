@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from examples.common import cache_dir
+from examples.common import cache_dir, exit_on_sigterm
 from examples.experts import arms, mesh
 from examples.experts import runs as runs_
 from examples.experts.models import TinyLM, parameter_count
@@ -114,4 +114,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the teacher servers and etcd it starts stop with it
     sys.exit(main())

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from distill.losses import TokenKDLoss
-from examples.common import cache_dir, seed_everything, write_json
+from examples.common import cache_dir, exit_on_sigterm, seed_everything, write_json
 from examples.llm import mesh, models
 from examples.llm.common import Splits, cosine_lr, evaluate, load_splits, quiet, use_all_cores
 from examples.llm.data import Collator, IndexBatches, TrainBatches
@@ -273,4 +273,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the teacher servers and etcd it starts stop with it
     sys.exit(main())
