@@ -52,10 +52,8 @@ def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
     assert slots.take() == 0
 
 
-def test_resizing_frees_new_slots_at_once_and_takes_slots_back_as_batches_return() -> None:
-    """Grown, a waiting loader takes the new slots at once; shrunk, it reads again only once fewer
-    than the new size are out (the batches already read stay)."""
-    slots = ReadAhead(1, 4)
+def _loader(slots: ReadAhead) -> tuple[list[int], threading.Thread]:
+    """A loader thread that takes slots until closed; the list of what each take returned."""
     taken: list[int] = []
 
     def loader() -> None:
@@ -64,6 +62,14 @@ def test_resizing_frees_new_slots_at_once_and_takes_slots_back_as_batches_return
 
     thread = threading.Thread(target=loader, daemon=True)
     thread.start()
+    return taken, thread
+
+
+def test_resizing_frees_new_slots_at_once_and_takes_slots_back_as_batches_return() -> None:
+    """Grown, a waiting loader takes the new slots at once; shrunk, it reads again only once fewer
+    than the new size are out (the batches already read stay)."""
+    slots = ReadAhead(1, 4)
+    taken, thread = _loader(slots)
     _wait_until(lambda: taken == [4], "the first take of every slot")
     slots.resize(8)
     _wait_until(lambda: taken == [4, 4], "the loader to take the four new slots")
@@ -84,14 +90,7 @@ def test_answered_batches_waiting_for_an_earlier_one_lend_their_slots_up_to_the_
     loader at once, at most `size` of them; once delivered, the lent slots are owed again and the
     loader reads on only as the training loop returns batches."""
     slots = ReadAhead(1, 4)
-    taken: list[int] = []
-
-    def loader() -> None:
-        while (n := slots.take()) > 0:
-            taken.append(n)
-
-    thread = threading.Thread(target=loader, daemon=True)
-    thread.start()
+    taken, thread = _loader(slots)
     _wait_until(lambda: taken == [4], "the first take of every slot")
     slots.waiting(3)  # batches 1..3 answered, batch 0 not: their three slots are lent
     _wait_until(lambda: taken == [4, 3], "the loader to take the three lent slots")
