@@ -7,11 +7,12 @@ policy's choice (``distill.routing``; by default power-of-two choices on expecte
 
 The in-flight limit follows the latency gradient: it grows by about one per round trip while
 latency stays near the best seen (the teacher still has headroom: its batcher absorbs more),
-and shrinks when latency climbs (requests only queue there). Latency here is the EWMA of the
-answers' latencies, and the best seen is the lowest that average has been: one answer's latency
-includes the student's own delays (its event loop busy with the answers of other teachers and
-services, the training loop holding the GIL), which a single sample compared with the luckiest
-one would read as a queue at the teacher. EDL kept one request in flight per
+and shrinks when latency climbs (requests only queue there), the faster the further it climbed.
+Latency here is the EWMA of the answers' latencies, and the best seen is the lowest a slower
+average has been, from the fifth answer on: one answer's latency includes the student's own delays
+(its event loop busy with the answers of other teachers and services, the training loop holding
+the GIL), which a single sample (or a first call that was alone at the teacher) compared with the
+luckiest one would read as a queue at the teacher. EDL kept one request in flight per
 teacher; a dynamic-batching teacher needs several to stay busy across network round trips. A
 teacher that batches padded rows by length is the exception: it needs many rows queued to fill its
 batches, and a padded request waits for its slowest row, which the gradient would read as
@@ -71,6 +72,7 @@ _MISMATCH_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
 _OVERLOAD_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+_BASELINE_AFTER = 5  # answers averaged before the latency gradient takes its baseline (until then the limit holds)
 
 class Router:
     """Teachers of one service; lives on the engine's event loop."""
@@ -273,13 +275,15 @@ class Router:
         t.strikes = 0
         t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
         t.last_result = time.monotonic()
-        # The gradient compares the smoothed latency with the lowest it has been, never one answer
-        # with the luckiest: a single answer carries the student's own delays too (its event loop
-        # busy with other answers and services, the training loop holding the GIL), which say
-        # nothing about the teacher's queue, while a teacher that slows down moves the average
-        # within a few answers. The baseline drifts up slowly so one calm spell does not pin the
-        # limit forever.
-        t.best_s = min(t.best_s * 1.002, t.ewma_s)
+        # The gradient compares the smoothed latency with the lowest a slower average has been
+        # (from the `_BASELINE_AFTER`-th answer on), never with the lowest of the smoothed one:
+        # that sits in the lucky tail of the student's own delays, or on a first call that was
+        # alone at the teacher, and the smoothed latency then stays above 1.5x it for good. The
+        # baseline drifts up slowly so one calm spell does not pin the limit forever.
+        t.timed += 1
+        if t.timed >= _BASELINE_AFTER:
+            t.base_s = t.ewma_s if t.timed == _BASELINE_AFTER else 0.95 * t.base_s + 0.05 * latency_s
+            t.best_s = min(t.best_s * 1.002, t.base_s)
         floor = self.floor(t)
         if t.by_length:
             if self.deadline_s is not None and latency_s > 0.5 * self.deadline_s:
@@ -290,11 +294,13 @@ class Router:
                 t.limit = min(self.ceiling(t), t.limit + samples)
         elif t.limit < floor:  # an overload answer or an ejection took it below: one call back an answer
             t.limit = min(floor, t.limit + 1.0)
+        elif t.best_s == math.inf:  # no baseline yet: the limit holds
+            pass
         elif t.ewma_s <= 1.5 * t.best_s:
             if was_full:  # grow only a limit that was actually reached: headroom must be demonstrated
                 t.limit = min(self.ceiling(t), t.limit + 1.0 / max(t.limit, 1.0))
-        elif t.ewma_s > 2.5 * t.best_s:
-            t.limit = max(floor, t.limit * 0.9)
+        elif t.ewma_s > 2.5 * t.best_s:  # a queue: the further above, the faster it shrinks
+            t.limit = max(floor, t.limit * min(0.9, max(0.7, 2.5 * t.best_s / t.ewma_s)))
         self._changed.set()  # a slot is free; a success leaves the no-teacher clock as it is
 
     def failed(self, t: TeacherState, code: grpc.StatusCode | None, message: str) -> None:
@@ -395,8 +401,9 @@ class Router:
             # What we knew of its latency predates the failure (often a different process on the
             # same port): start it afresh at the median, or a stale estimate starves it of the
             # very work that would correct it.
-            t.ewma_s = 0.0
+            t.ewma_s = t.base_s = 0.0
             t.best_s = math.inf
+            t.timed = 0
             log.info("teacher %s of service %r answers again; back in service", t.endpoint, self.service)
         else:
             t.streak += 1

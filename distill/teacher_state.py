@@ -31,7 +31,9 @@ class TeacherState:
     in_flight: int = 0
     rows_in_flight: int = 0  # the rows of the calls in flight; a by-length teacher's limit counts these
     ewma_s: float = 0.0
-    best_s: float = math.inf  # the lowest `ewma_s` has been, drifting up slowly: the gradient's baseline
+    best_s: float = math.inf  # the lowest `base_s` has been, drifting up slowly: the gradient's baseline
+    base_s: float = 0.0  # a slower average of the latencies than `ewma_s`, whose lowest is the baseline
+    timed: int = 0  # answers since the latency figures were last started afresh
     last_result: float = 0.0
     streak: int = 0
     ejected_until: float = 0.0

@@ -294,6 +294,8 @@ def test_a_teacher_that_batches_by_length_holds_by_length_rows_in_flight() -> No
         assert plain.has_slot(), "a plain teacher counts calls: one of two"
         router.succeeded(plain, 0.010, samples=100)
         router.ended(plain, 100)
+        for _ in range(4):  # the answers its latency gradient takes its baseline from
+            _serve(router, plain, 0.010)
         for _ in range(20):
             _serve(router, plain, 0.100)
         assert plain.limit == 1.0
@@ -349,5 +351,34 @@ def test_the_engine_hears_when_teachers_that_batch_by_length_come_and_go() -> No
         router.remove("a")
         assert told == [1, 2, 1, 0, 1, 0]
         await _close([plain, a, b])
+
+    asyncio.run(main())
+
+
+def test_a_lucky_first_answer_or_noisy_answers_do_not_pin_the_limit() -> None:
+    """A teacher with headroom answers in about the same time however many calls it holds, but the
+    answers vary (the student's own delays, calls of several sizes) and the first one came alone:
+    the gradient's baseline is not that first answer nor the lucky tail of the noise, so the limit
+    grows; a teacher that then slows down tenfold still loses its calls."""
+    noisy = (0.020, 0.060, 0.025, 0.080, 0.030, 0.015, 0.070, 0.040)
+
+    def answer(router: Router, t: TeacherState, latency_s: float) -> None:
+        while t.in_flight < int(t.limit):
+            router.started(t)
+        router.succeeded(t, latency_s, samples=8)
+
+    async def main() -> None:
+        router, (a,) = _router(RouterConfig(initial_limit=2.0), 1)
+        answer(router, a, 0.008)  # alone at an idle teacher
+        low = 2.0
+        for i in range(150):
+            answer(router, a, noisy[i % len(noisy)])
+            low = min(low, a.limit)
+        assert low >= 2.0, f"the first answer or the noise shrank the limit to {low}"
+        assert a.limit >= 6.0, f"noise around a steady latency held the limit at {a.limit}"
+        for _ in range(30):
+            answer(router, a, 0.400)
+        assert a.limit <= 2.0, f"a teacher that slowed down tenfold kept a limit of {a.limit}"
+        await _close([a])
 
     asyncio.run(main())
