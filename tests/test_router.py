@@ -187,6 +187,13 @@ def test_a_slowdown_shrinks_the_limit_but_never_below_min_limit() -> None:
     asyncio.run(main())
 
 
+def _answer_full(router: Router, t: TeacherState, latency_s: float) -> None:
+    """Fill `t` up to its limit, then account one answer of `latency_s` (the limit grows only when reached)."""
+    while t.in_flight < int(t.limit):
+        router.started(t)
+    router.succeeded(t, latency_s, samples=8)
+
+
 def test_the_students_own_delays_do_not_shrink_the_limit_but_a_slowdown_does() -> None:
     """A teacher whose batcher absorbs every call answers in about the same time however many it
     holds, but some answers reach the router late (the student's event loop busy with another
@@ -194,18 +201,13 @@ def test_the_students_own_delays_do_not_shrink_the_limit_but_a_slowdown_does() -
     the limit grows past such noise; a teacher that really slows down still loses its calls."""
     jitter = (0.010, 0.030, 0.012, 0.035, 0.011, 0.040, 0.013, 0.010)
 
-    def answer(router: Router, t: TeacherState, latency_s: float) -> None:
-        while t.in_flight < int(t.limit):
-            router.started(t)
-        router.succeeded(t, latency_s, samples=8)
-
     async def main() -> None:
         router, (a,) = _router(RouterConfig(initial_limit=4.0), 1)
         for i in range(200):
-            answer(router, a, jitter[i % len(jitter)])
+            _answer_full(router, a, jitter[i % len(jitter)])
         assert a.limit >= 8.0, f"noise on single answers held the limit at {a.limit}"
         for _ in range(20):
-            answer(router, a, 0.100)  # ten times the usual latency, answer after answer: a queue
+            _answer_full(router, a, 0.100)  # ten times the usual latency, answer after answer: a queue
         assert a.limit <= 2.0, f"a teacher that slowed down tenfold kept a limit of {a.limit}"
         await _close([a])
 
@@ -362,22 +364,17 @@ def test_a_lucky_first_answer_or_noisy_answers_do_not_pin_the_limit() -> None:
     grows; a teacher that then slows down tenfold still loses its calls."""
     noisy = (0.020, 0.060, 0.025, 0.080, 0.030, 0.015, 0.070, 0.040)
 
-    def answer(router: Router, t: TeacherState, latency_s: float) -> None:
-        while t.in_flight < int(t.limit):
-            router.started(t)
-        router.succeeded(t, latency_s, samples=8)
-
     async def main() -> None:
         router, (a,) = _router(RouterConfig(initial_limit=2.0), 1)
-        answer(router, a, 0.008)  # alone at an idle teacher
+        _answer_full(router, a, 0.008)  # alone at an idle teacher
         low = 2.0
         for i in range(150):
-            answer(router, a, noisy[i % len(noisy)])
+            _answer_full(router, a, noisy[i % len(noisy)])
             low = min(low, a.limit)
         assert low >= 2.0, f"the first answer or the noise shrank the limit to {low}"
         assert a.limit >= 6.0, f"noise around a steady latency held the limit at {a.limit}"
         for _ in range(30):
-            answer(router, a, 0.400)
+            _answer_full(router, a, 0.400)
         assert a.limit <= 2.0, f"a teacher that slowed down tenfold kept a limit of {a.limit}"
         await _close([a])
 
