@@ -225,7 +225,11 @@ class _CountingLoader:
 
 def _read_ahead(loader: _CountingLoader, want: int) -> int:
     """Batches taken from the loader while the training loop has taken none: once `want` are
-    (at most 15 s), and half a second later, so that a read-ahead deeper than `want` shows."""
+    (at most 15 s), and half a second later, so that a read-ahead deeper than `want` shows.
+
+    The readers of these tests deliver unordered: in order, a batch answered before an earlier one
+    lends its slot to the loader (``distill.readahead``), so the count would also depend on the
+    order the teacher's length buckets answered in."""
     for _ in range(150):
         if loader.taken >= want:
             break
@@ -248,7 +252,7 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
     inputs = {"TOKENS": "tokens", "MASK": "mask"} if model == PADDED else {"TOKENS": "tokens"}
     with _server(model) as s, DistillReader(loader, teachers=s.url, model="seq", inputs=inputs, outputs=["LOGITS"],
                                             router=RouterConfig(max_limit=8, by_length_rows=40), prefetch=prefetch,
-                                            timeout=30.0) as reader:
+                                            timeout=30.0, ordered=False) as reader:  # no slots lent: see below
         it = iter(reader)
         ahead = _read_ahead(loader, want)
         assert sum(1 for _ in it) == 30
@@ -266,7 +270,8 @@ def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: fl
     loader = _CountingLoader(30)
     with _server(PADDED) as s, DistillReader(loader, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK":
                                              "mask"}, outputs=["LOGITS"], timeout=30.0,
-                                             router=RouterConfig(max_limit=8, by_length_rows=40), **kwargs) as reader:
+                                             router=RouterConfig(max_limit=8, by_length_rows=40), ordered=False,
+                                             **kwargs) as reader:
         it = iter(reader)
         first = _read_ahead(loader, 4)
         taken = [next(it) for _ in range(6)]
@@ -296,7 +301,8 @@ def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: Lo
     loader = _CountingLoader(40)
     with teacher_process(args("a"), tmp_path), DistillReader(
             loader, registry=etcd.address, service=service, model="seq", inputs={"TOKENS": "tokens", "MASK": "mask"},
-            outputs=["LOGITS"], router=RouterConfig(max_limit=4, by_length_rows=20), timeout=30.0) as reader:
+            outputs=["LOGITS"], router=RouterConfig(max_limit=4, by_length_rows=20), timeout=30.0,
+            ordered=False) as reader:
         it = iter(reader)
         one = _read_ahead(loader, 5)
         with teacher_process(args("b"), tmp_path):
