@@ -72,7 +72,6 @@ _MISMATCH_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
 _OVERLOAD_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-_BASELINE_AFTER = 5  # answers averaged before the latency gradient takes its baseline (until then the limit holds)
 
 class Router:
     """Teachers of one service; lives on the engine's event loop."""
@@ -273,17 +272,8 @@ class Router:
         t.races_lost = 0
         t.overloads = 0
         t.strikes = 0
-        t.ewma_s = latency_s if t.ewma_s == 0 else 0.8 * t.ewma_s + 0.2 * latency_s
         t.last_result = time.monotonic()
-        # The gradient compares the smoothed latency with the lowest a slower average has been
-        # (from the `_BASELINE_AFTER`-th answer on), never with the lowest of the smoothed one:
-        # that sits in the lucky tail of the student's own delays, or on a first call that was
-        # alone at the teacher, and the smoothed latency then stays above 1.5x it for good. The
-        # baseline drifts up slowly so one calm spell does not pin the limit forever.
-        t.timed += 1
-        if t.timed >= _BASELINE_AFTER:
-            t.base_s = t.ewma_s if t.timed == _BASELINE_AFTER else 0.95 * t.base_s + 0.05 * latency_s
-            t.best_s = min(t.best_s * 1.002, t.base_s)
+        t.timed_answer(latency_s)
         floor = self.floor(t)
         if t.by_length:
             if self.deadline_s is not None and latency_s > 0.5 * self.deadline_s:
@@ -401,9 +391,7 @@ class Router:
             # What we knew of its latency predates the failure (often a different process on the
             # same port): start it afresh at the median, or a stale estimate starves it of the
             # very work that would correct it.
-            t.ewma_s = t.base_s = 0.0
-            t.best_s = math.inf
-            t.timed = 0
+            t.forget_latency()
             log.info("teacher %s of service %r answers again; back in service", t.endpoint, self.service)
         else:
             t.streak += 1

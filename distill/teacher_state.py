@@ -18,6 +18,9 @@ from protos.text import TEXT
 __all__ = ["TeacherState"]
 
 
+BASELINE_AFTER = 5  # answers averaged before the latency gradient takes its baseline (until then the limit holds)
+
+
 @dataclass(eq=False)
 class TeacherState:
     """The router's record of one teacher instance: its client, limit, latency, health and counters.
@@ -54,6 +57,24 @@ class TeacherState:
     last_error: str = ""
     checked: set[tuple[object, ...]] = field(default_factory=set)
     offers: Offers = ALL  # what its registry record declares it can compute (`distill.capabilities`)
+
+    def timed_answer(self, latency_s: float) -> None:
+        """Account one answer's latency: `ewma_s` follows it, and from the `BASELINE_AFTER`-th answer
+        on `best_s`, the latency gradient's baseline, is the lowest a slower average has been. Never
+        the lowest of `ewma_s`: that sits in the lucky tail of the student's own delays, or on a
+        first call that was alone at the teacher, and `ewma_s` would then stay above 1.5x it for
+        good. The baseline drifts up slowly so one calm spell does not pin the limit forever."""
+        self.ewma_s = latency_s if self.ewma_s == 0 else 0.8 * self.ewma_s + 0.2 * latency_s
+        self.timed += 1
+        if self.timed >= BASELINE_AFTER:
+            self.base_s = self.ewma_s if self.timed == BASELINE_AFTER else 0.95 * self.base_s + 0.05 * latency_s
+            self.best_s = min(self.best_s * 1.002, self.base_s)
+
+    def forget_latency(self) -> None:
+        """Start the latency figures afresh (a teacher back in service, often a new process)."""
+        self.ewma_s = self.base_s = 0.0
+        self.best_s = math.inf
+        self.timed = 0
 
     def usable(self, now: float) -> bool:
         return (not self.removed and self.meta is not None and self.incompatible is None and not self.needs_probe
