@@ -61,7 +61,7 @@ from distill.errors import BatchRejectedError
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
 from distill.pool import Connect, TeacherPool
-from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
+from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, depth, pump
 from distill.routing_keys import RoutePlan, RouteTable
 from distill.routing_rows import check_routed_outputs, offer_routed, routed_rows_to_send
 from distill.service import Service
@@ -73,8 +73,6 @@ from distill.types import FieldArray, OutputCache, ParameterValue, StoredRows
 
 log = logging.getLogger("distill.reader")
 
-PREFETCH = 4
-"""Batches read ahead when `prefetch` is not set and no teacher batches by length (`read_ahead`)."""
 
 
 class Engine:
@@ -200,24 +198,10 @@ class Engine:
         return self.epoch
 
     def read_ahead(self) -> int:
-        """Batches to read ahead: `prefetch` when set; else `PREFETCH`, or more where a service's
-        teachers batch padded rows by length: the router keeps `RouterConfig.by_length_rows` rows in
-        flight to each (they fill their batches from the rows queued, so a few batches in flight
-        leave them small, poorly matched batches), so the reader reads
-        that many rows ahead for each, in batches of the most rows one has had. A large pool of such
-        teachers would have the reader hold thousands of batches, answered ones waiting for a slower
-        training loop among them, so `read_ahead_mb` bounds what they hold, counted at the most bytes
-        a row of an answered batch has held (its inputs and outputs). Until a batch is answered,
-        `PREFETCH`: a loader's batches are not taken back once read, and a teacher's outputs (full
-        logits of a large vocabulary, or top-k) can be a thousand times its inputs."""
-        if self.opts.prefetch is not None:
-            return self.opts.prefetch
-        batch_bytes = self._delivery.row_bytes * self._batch_rows
-        if batch_bytes == 0:
-            return PREFETCH
+        """Batches to read ahead now (`distill.readahead.depth`)."""
         rows = max((svc.router.by_length_rows() for svc in self._services.values()), default=0)
-        fits = int(self.opts.read_ahead_mb * 2**20 // batch_bytes)
-        return max(PREFETCH, min(-(-rows // self._batch_rows), fits))
+        return depth(self.opts.prefetch, self._delivery.row_bytes * self._batch_rows, rows, self._batch_rows,
+                     self.opts.read_ahead_mb)
 
     def _resize(self) -> None:
         """The teachers that batch by length changed, or the batches grew: the pass in progress

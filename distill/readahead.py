@@ -18,7 +18,31 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["END_OF_LOADER", "Failed", "Feed", "LoaderThread", "ReadAhead", "pump"]
+__all__ = ["END_OF_LOADER", "PREFETCH", "Failed", "Feed", "LoaderThread", "ReadAhead", "depth", "pump"]
+
+PREFETCH = 4
+"""Batches read ahead when `prefetch` is not set and no teacher batches by length (`depth`)."""
+
+
+def depth(prefetch: int | None, batch_bytes: float, by_length_rows: int, batch_rows: int,
+          read_ahead_mb: float) -> int:
+    """Batches to read ahead: `prefetch` when set; else `PREFETCH`, or more where a service's
+    teachers batch padded rows by length: the router keeps `RouterConfig.by_length_rows` rows in
+    flight to each (they fill their batches from the rows queued, so a few batches in flight
+    leave them small, poorly matched batches), so the reader reads `by_length_rows` (the most any
+    service wants) rows ahead, in batches of `batch_rows`, the most rows one has had. A large pool
+    of such teachers would have the reader hold thousands of batches, answered ones waiting for a
+    slower training loop among them, so `read_ahead_mb` bounds what they hold, counted at
+    `batch_bytes`, the most bytes a row of an answered batch has held (its inputs and outputs)
+    times `batch_rows`. Until a batch is answered (`batch_bytes` 0), `PREFETCH`: a loader's
+    batches are not taken back once read, and a teacher's outputs (full logits of a large
+    vocabulary, or top-k) can be a thousand times its inputs."""
+    if prefetch is not None:
+        return prefetch
+    if batch_bytes == 0:
+        return PREFETCH
+    fits = int(read_ahead_mb * 2**20 // batch_bytes)
+    return max(PREFETCH, min(-(-by_length_rows // batch_rows), fits))
 
 END_OF_LOADER = object()
 

@@ -38,9 +38,10 @@ import torch
 
 from distill.batches import Submitted, extract_inputs
 from distill.checks import CACHE_MODES
-from distill.engine import PREFETCH, Engine
+from distill.engine import Engine
 from distill.errors import BatchRejectedError, ReaderClosedError, ReaderInUseError, StaleIteratorError
 from distill.options import ReaderOptions, default_student_id
+from distill.readahead import PREFETCH
 from distill.stats import ConsumptionMeter, ReaderStats
 from distill.submit import ScoreFuture, Submissions, Temperatures
 
