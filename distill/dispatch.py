@@ -1,8 +1,8 @@
 """A chunk's way to a teacher and back: the engine's dispatch, with hedging and retries.
 
 One `Dispatcher` per engine, one `run` task per teacher service. For each chunk: take the oldest
-(a "suspect", refused once, goes alone), pick a teacher whose declared inputs take the batch (none
-does: the batch is rejected, the teachers stay), split the chunk to the teacher's max batch, take
+(a "suspect", refused once, goes alone), pick a teacher whose declared inputs take the batch
+(``distill.acquire``; none does: the batch is rejected, the teachers stay), split the chunk to the teacher's max batch, take
 along the chunks that may share its call (``distill.bundles``), send them (one ModelInfer, a
 deadline) and judge the outcome by the client's error type:
   answer        copy the outputs into the batch's tensors (``distill.batches.Delivery``)
@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
+from distill.acquire import acquire
 from distill.batches import Chunk, Delivery
 from distill.bundles import bundle_pieces, fits_with, split_outputs
 from distill.call_errors import (
@@ -37,7 +38,7 @@ from distill.call_errors import (
     TeacherGoneError,
     TeacherOverloadedError,
 )
-from distill.capabilities import Needs, NoCapableTeacherError, needs_of, unanswerable
+from distill.capabilities import Needs, NoCapableTeacherError, needs_of
 from distill.errors import BatchRejectedError, InputRefusal
 from distill.liveness import CallWatch
 from distill.options import ReaderOptions
@@ -174,7 +175,7 @@ class Dispatcher:
             if self._dropped(svc, chunk):
                 svc.release(chunk)
                 continue
-            teacher = await self._acquire(svc, chunk)
+            teacher = await acquire(svc.pool, svc.name, chunk, self._needs(chunk), self.opts.no_teacher_timeout)
             if isinstance(teacher, str):  # no teacher declares inputs that take this batch
                 self._reject(svc, chunk, teacher)
                 continue
@@ -194,41 +195,6 @@ class Dispatcher:
                 chunk.stop = chunk.start + limit
                 svc.push(rest, front=True)
             self._send(svc, self._take_queued(svc, chunk, limit), teacher)
-
-    async def _acquire(self, svc: Service, chunk: Chunk) -> TeacherState | str | NoCapableTeacherError | None:
-        """A teacher with a free slot that takes this chunk's inputs and can compute what it asks for; a
-        refused chunk goes to another teacher than the one that refused it while one is usable. None
-        after no_teacher_timeout; a message when no teacher's declared inputs take the batch (its fault,
-        not theirs); an error when no live teacher can compute it (`distill.capabilities.unanswerable`)."""
-        router = svc.router
-        started = time.monotonic()
-        needs = self._needs(chunk)
-        while True:
-            exclude = set(chunk.tried) if chunk.sends else set()
-            if chunk.refusals and any(u.key not in chunk.refusals for u in router.usable()):
-                exclude |= set(chunk.refusals)
-            t = router.pick(frozenset(exclude), chunk.size, needs)
-            if t is not None:
-                reason = router.misfit(t, chunk.job.signature)
-                if reason is None:
-                    return t
-                if router.fits_another(t, chunk.job.signature):
-                    router.mark_incompatible(t, reason)  # the odd one out: it serves something else
-                    continue
-                if router.metadata_pending() and time.monotonic() - started < self.opts.no_teacher_timeout:
-                    await router.wait_change(0.05)  # another teacher's metadata may yet take the batch
-                    continue
-                return f"teacher {t.endpoint} (model {t.meta.model_name if t.meta else '?'!r}): {reason}"
-            waited = router.no_teacher_for()
-            if (error := unanswerable(svc.name, chunk, needs, router.teachers.values())) is not None:
-                return error
-            # Only teachers that cannot answer it are usable: it waits for one that can, as for any teacher.
-            if (waited == 0 and not any(u.can(needs) for u in router.usable())
-                    and (waited := time.monotonic() - started) >= self.opts.no_teacher_timeout):
-                return unanswerable(svc.name, chunk, needs, router.teachers.values(), waited)
-            if waited >= self.opts.no_teacher_timeout or svc.pool.refused_all():
-                return None
-            await router.wait_change(None if waited == 0 else self.opts.no_teacher_timeout - waited + 0.01)
 
     def _reject(self, svc: Service, chunk: Chunk, reason: str, error: BatchRejectedError | None = None) -> None:
         """Fail this chunk's batch alone (the teachers stay): an error (`error`, else one naming
