@@ -102,3 +102,43 @@ def test_the_pool_keeps_idle_connections_less_than_uvicorns_five_seconds() -> No
     answer, state = _run(0, {"x": 2})
     assert answer == {"echo": 2}
     assert 0 < KEEPALIVE_S < 5.0 and state["keepalive"] == KEEPALIVE_S
+
+
+def _raw_answer(body: bytes) -> Any:
+    """One call to a server that answers `body` as it is, through a fresh pool: the parsed answer
+    or the error the pool raised."""
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    async def go() -> Any:
+        runner, base = await _serve(handler)
+        http = EngineHTTP(base)
+        try:
+            return await asyncio.wait_for(http.call("POST", "/score", 5.0, {"x": 1}), 10)
+        except Exception as e:  # the test reads which error it was
+            return e
+        finally:
+            await http.close()
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def test_answers_parse_to_the_same_objects_as_the_standard_library_non_finite_literals_included() -> None:
+    """Strict JSON goes through the fast parser, and `NaN`/`-Infinity` (what Python's json writes for
+    a model's non-finite log-prob) still arrive as floats; a body that is not JSON is a
+    MalformedAnswerError naming the bytes."""
+    import json
+    import math
+
+    from distill.call_errors import MalformedAnswerError
+
+    strict = {"choices": [{"index": 0, "prompt_logprobs": [None, {"7": {"logprob": -0.125, "rank": 1,
+                                                                         "decoded_token": "w7 é"}}]}],
+              "big": 2**70, "small": -1.5e-300}
+    assert _raw_answer(json.dumps(strict).encode()) == strict
+    loose = _raw_answer(b'{"a": [NaN, -Infinity, Infinity, 0.5]}')
+    assert math.isnan(loose["a"][0]) and loose["a"][1:] == [-math.inf, math.inf, 0.5]
+    bad = _raw_answer(b'{"a": [1, 2')
+    assert isinstance(bad, MalformedAnswerError) and "not JSON" in str(bad), bad

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import orjson
 
 from distill.call_errors import (
     MalformedAnswerError,
@@ -37,7 +38,7 @@ from distill.call_errors import (
 )
 from distill.config import ClientTLS
 
-__all__ = ["EngineHTTP", "http_error", "ssl_context"]
+__all__ = ["EngineHTTP", "http_error", "parse_json", "ssl_context"]
 
 MAX_DETAILS = 2000
 KEEPALIVE_S = 4.0
@@ -59,6 +60,19 @@ def ssl_context(tls: ClientTLS | None, registered_tls: bool) -> ssl.SSLContext |
     if tls.cert is not None and tls.key is not None:
         context.load_cert_chain(tls.cert, tls.key)
     return context
+
+
+def parse_json(raw: bytes) -> Any:
+    """An engine's JSON answer as Python objects. orjson first: an answer holds a map of top-k
+    log-probs for every scored token and is parsed on the reader's or the gateway's event loop,
+    where the standard library's parser costs the engine's own cores on a shared machine. Servers
+    written in Python may send `NaN` and `Infinity` (a model's non-finite log-prob), which strict
+    JSON and orjson refuse: such a body is read by the standard library, which takes them.
+    ValueError when neither can."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 def _details(status: int, text: str) -> str:
@@ -167,7 +181,7 @@ class EngineHTTP:
         except aiohttp.ClientError as e:
             raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"{url}: {e}") from None
         try:
-            return json.loads(raw)
+            return parse_json(raw)
         except ValueError:
             raise MalformedAnswerError(f"{method} {url} answered {len(raw)} bytes that are not JSON: "
                                        f"{raw[:200]!r}") from None
