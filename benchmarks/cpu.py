@@ -33,6 +33,27 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process and of every live process below it (an engine that runs
+    its model in a child process, as vLLM does), 0 if it is gone."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += process_cpu_seconds(p)
+        todo.extend(children.get(p, ()))
+    return total
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """Per thread of a process: thread id -> (its OS name, user+system CPU seconds); {} if it is gone.
     The teacher names its instance, finishing and stager threads (teacher_server.threads)."""

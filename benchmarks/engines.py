@@ -16,7 +16,11 @@ are scored, one sequence per engine request, `prompt_logprobs: k`, through
              log-probs and the tokens' own log-probs), --clients batches in flight, tensors out.
 
 Per variant: tokens/s with --clients requests in flight, and milliseconds per sequence with one in
-flight. Variants are interleaved per repetition (A/B, then B/A); medians over repetitions are
+flight. While the throughput runs, the CPU time of the engine's processes and of the client side
+(this process, where the direct client and the reader run, and the gateway's process) is counted
+per token: on a machine whose cores the engine shares with the client side, what the mesh costs
+the engine is its extra client-side CPU, a figure that barely moves when other processes load
+the machine, unlike tokens/s. Variants are interleaved per repetition (A/B, then B/A); medians over repetitions are
 reported with each path's throughput relative to direct (goal: at least 0.95) and its added
 milliseconds per sequence.
 """
@@ -37,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import format_table, machine_info, median, run_and_report
+from benchmarks.cpu import process_cpu_seconds, self_cpu_seconds, tree_cpu_seconds
 from benchmarks.gateway import start_gateway, stop_gateway, wait_healthy
 from benchmarks.vllm_json import Settings, draw, measure_json
 
@@ -66,19 +71,25 @@ def save_engine_teacher(directory: Path, vocab: int, context: int) -> None:
 
 
 @contextlib.contextmanager
-def engine(kind: str, directory: Path, tmp: Path) -> Iterator[str]:
-    """The engine's `host:port` while the block runs."""
+def engine(kind: str, directory: Path, tmp: Path) -> Iterator[tuple[str, int]]:
+    """The engine's `host:port` and process id while the block runs."""
     if kind == "vllm":
         from benchmarks.vllm_env import vllm_server
 
         with vllm_server(directory, served_model_name=MODEL_NAME, log_dir=tmp) as server:
-            yield server.address
+            yield server.address, server.process.pid
         return
     from teacher_server.launch import teacher_process
 
     args = ["--model", f"hf:{directory}", "--name", MODEL_NAME, "--device", "cpu", "--http-port", "0"]
     with teacher_process(args, log=tmp / "teacher.log", ready_timeout=300, stop_grace=10) as (_, info):
-        yield f"127.0.0.1:{info['http_port']}"
+        yield f"127.0.0.1:{info['http_port']}", int(info["pid"])
+
+
+def mesh_cpu(gateway_pid: int) -> float:
+    """CPU seconds of the client side: this process (the direct client, the gateway's client, or
+    the reader) and the gateway's process (idle, but for its health checks, unless it is measured)."""
+    return self_cpu_seconds() + process_cpu_seconds(gateway_pid)
 
 
 def read_all(reader: Any) -> int:
@@ -100,7 +111,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
         tmp = Path(name)
         directory = tmp / "teacher"
         save_engine_teacher(directory, s.vocab, max(s.max_len + 8, 64))
-        with engine(kind, directory, tmp) as address:
+        with engine(kind, directory, tmp) as (address, engine_pid):
             listed = f"vllm://{address}"
             gateway, gateway_url = start_gateway(listed, tmp / "gateway.log")
             options = {"teachers": listed, "inputs": ["INPUT_IDS"], "outputs": ["LOGITS"], "model": MODEL_NAME,
@@ -122,17 +133,22 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
                     seconds(variant, 1)
                 for rep in range(s.reps):
                     for variant in (VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))):
-                        m = {"tokens_per_s": tokens / seconds(variant, s.clients),
-                             "ms_per_sequence": seconds(variant, 1) / len(seqs) * 1000}
+                        engine0, mesh0 = tree_cpu_seconds(engine_pid), mesh_cpu(gateway.pid)
+                        m = {"tokens_per_s": tokens / seconds(variant, s.clients)}
+                        m["engine_cpu_us_per_token"] = (tree_cpu_seconds(engine_pid) - engine0) / tokens * 1e6
+                        m["client_cpu_us_per_token"] = (mesh_cpu(gateway.pid) - mesh0) / tokens * 1e6
+                        m["ms_per_sequence"] = seconds(variant, 1) / len(seqs) * 1000
                         per_rep[variant].append(m)
                         print(f"rep {rep} {variant:8s} {m['tokens_per_s']:9,.0f} tokens/s  "
-                              f"{m['ms_per_sequence']:7.2f} ms/sequence", flush=True)
+                              f"{m['ms_per_sequence']:7.2f} ms/sequence  CPU µs/token: engine "
+                              f"{m['engine_cpu_us_per_token']:5,.0f}, client side {m['client_cpu_us_per_token']:5,.0f}",
+                              flush=True)
             finally:
                 for reader in readers.values():
                     reader.close()
                 stop_gateway(gateway)
-    summary = {v: {k: round(median([m[k] for m in ms]), 2) for k in ("tokens_per_s", "ms_per_sequence")}
-               for v, ms in per_rep.items()}
+    keys = ("tokens_per_s", "ms_per_sequence", "engine_cpu_us_per_token", "client_cpu_us_per_token")
+    summary = {v: {k: round(median([m[k] for m in ms]), 2) for k in keys} for v, ms in per_rep.items()}
     relative = {v: round(median([m["tokens_per_s"] / d["tokens_per_s"]
                                  for m, d in zip(per_rep[v], per_rep["direct"], strict=True)]), 3)
                 for v in ("gateway", "reader")}
@@ -147,11 +163,13 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
 def report(doc: dict[str, Any]) -> str:
     s = doc["settings"]
     rows = [(v, x["tokens_per_s"], x["ms_per_sequence"], doc["throughput_vs_direct"].get(v, 1.0),
-             doc["added_ms_per_sequence"].get(v, 0.0)) for v, x in doc["summary"].items()]
+             doc["added_ms_per_sequence"].get(v, 0.0), x.get("engine_cpu_us_per_token", ""),
+             x.get("client_cpu_us_per_token", "")) for v, x in doc["summary"].items()]
     head = (f"engine {doc['engine']}: {s['sequences']} sequences ({doc['tokens']} tokens), prompt_logprobs "
             f"{s['top_k']}, {s['clients']} in flight (ms/sequence: 1 in flight), median of {s['reps']}; goal: "
             f"throughput >= {doc['goal']} of direct")
-    return head + "\n" + format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms"], rows)
+    return head + "\n" + format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms",
+                                           "engine CPU µs/token", "client side CPU µs/token"], rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str]:
