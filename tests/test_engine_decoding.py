@@ -119,3 +119,16 @@ def test_an_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[l
     entries = json.loads(prompt_logprobs([*prompt, prompt[-1]], result, k, None))
     with pytest.raises(MalformedAnswerError, match=message):
         decode_prompt_logprobs(mutate(entries), prompt, k)
+
+
+def test_log_probs_of_every_magnitude_are_written_exactly() -> None:
+    """Log-probs near 0 (a token the model is sure of) and far below it are written in exponent form
+    by the writer; read back by Python's json, each is the float32 the teacher computed, bit for bit."""
+    prompt, result = answer(3, seed=7)
+    magnitudes = np.array([-0.0, -1.2e-7, -3.0517578e-5, -1e-12, -0.1, -1e-300, -88.72, -9.5e3], dtype=np.float32)
+    values = np.resize(magnitudes, result.top_values.size).reshape(result.top_values.shape)
+    result = Scored(-np.sort(-values, axis=1), result.top_ids, result.token_logprobs, result.token_ranks)
+    text = prompt_logprobs([*prompt, prompt[-1]], result, 3, None)
+    got = decode_prompt_logprobs(json.loads(text), prompt, 3)
+    assert "e-" in text  # exponent forms were written
+    assert np.array_equal(got.top_values.view(np.int32), result.top_values[:N].view(np.int32))
