@@ -4,7 +4,10 @@ For every case: the reply is OK (and then the outputs are right) or one of INVAL
 NOT_FOUND / RESOURCE_EXHAUSTED (oversize only) with a message; never INTERNAL or UNKNOWN, never a
 dead server; a valid request right after still succeeds.
 
-Default 1,000 cases per test; the nightly-style run: ``FUZZ_EXAMPLES=10000 .venv/bin/pytest tests/fuzz``.
+Each test runs once per kind of case (each mutation of wire.KINDS, each place of a field bomb), so
+every kind is covered whatever hypothesis draws: by default 10 cases of each kind (FUZZ_EXAMPLES,
+default 1000, over 100) and 220 raw garbage messages; the nightly-style run, ten times as many:
+``FUZZ_EXAMPLES=10000 .venv/bin/pytest tests/fuzz``.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from tests.fuzz.wire import (
     AFFINE,
     ALLOWED_ERRORS,
     EXAMPLES,
+    KINDS,
     MAX_MESSAGE,
     MODEL,
+    WHERE,
     Case,
     check_outputs,
     field_bombs,
@@ -40,7 +45,8 @@ from tests.servers import ServerThread
 
 pytestmark = pytest.mark.timeout(600)
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
+PER_KIND = max(5, EXAMPLES // 100)
+FUZZ = settings(max_examples=PER_KIND, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -91,25 +97,24 @@ def _check_unary(channel: grpc.Channel, case: Case) -> None:
     _probe(channel)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @FUZZ
-@given(case=infer_cases(allow_oversize=True))
-def test_model_infer_mutated_requests(channel: grpc.Channel, case: Case) -> None:
-    _check_unary(channel, case)
+@given(data=st.data())
+def test_model_infer_mutated_requests(channel: grpc.Channel, kind: str, data: st.DataObject) -> None:
+    _check_unary(channel, data.draw(infer_cases(allow_oversize=True, kind=kind)))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=PER_KIND * len(KINDS))
 @given(case=garbage_bytes)
 def test_model_infer_raw_garbage_bytes(channel: grpc.Channel, case: Case) -> None:
     _check_unary(channel, case)
 
 
-BOMBS = settings(FUZZ, max_examples=max(10, EXAMPLES // 5))
-
-
-@BOMBS
-@given(case=field_bombs(allow_oversize=True))
-def test_model_infer_field_bombs(channel: grpc.Channel, case: Case) -> None:
-    _check_unary(channel, case)
+@pytest.mark.parametrize("where", WHERE)
+@FUZZ
+@given(data=st.data())
+def test_model_infer_field_bombs(channel: grpc.Channel, where: str, data: st.DataObject) -> None:
+    _check_unary(channel, data.draw(field_bombs(allow_oversize=True, where=where)))
 
 
 def _stream(channel: grpc.Channel, messages: list[bytes], timeout: float = 15.0) -> list[
@@ -136,11 +141,18 @@ def _stream(channel: grpc.Channel, messages: list[bytes], timeout: float = 15.0)
     return list(replies.queue)
 
 
+ANY_CASE = infer_cases() | garbage_bytes | field_bombs()
+
+
+@pytest.mark.parametrize("kind", [*KINDS[:-1], "garbage", "bomb"])  # oversize ends a stream: tested below
 @FUZZ
-@given(cases=st.lists(infer_cases() | garbage_bytes | field_bombs(), min_size=1, max_size=3))
-def test_model_stream_infer_mutated_requests(channel: grpc.Channel, cases: list[Case]) -> None:
+@given(data=st.data())
+def test_model_stream_infer_mutated_requests(channel: grpc.Channel, kind: str, data: st.DataObject) -> None:
     """Fuzzed requests and a valid one on one stream: every request gets one answer, errors come
-    as error_message with an allowed code, and the stream (and the valid request) go on."""
+    as error_message with an allowed code, and the stream (and the valid request) go on. The first
+    request is of ``kind``, 0-2 more of any kind follow."""
+    first = {"garbage": garbage_bytes, "bomb": field_bombs()}.get(kind, infer_cases(kind=kind))
+    cases = [data.draw(first), *data.draw(st.lists(ANY_CASE, max_size=2))]
     probe, _ = valid_request(3, rid="probe-0123456789")
     replies = _stream(channel, [c.data for c in cases] + [probe])
     assert len(replies) == len(cases) + 1, f"{len(replies)} replies for {len(cases) + 1} requests"
@@ -174,11 +186,11 @@ def test_oversized_stream_message_is_resource_exhausted_and_server_serves_on(cha
     _probe(channel)
 
 
-NEVER_READ = settings(FUZZ, max_examples=max(5, EXAMPLES // 20))
+NEVER_READ = settings(FUZZ, max_examples=max(5, EXAMPLES // 50))
 
 
 @NEVER_READ
-@given(cases=st.lists(infer_cases() | garbage_bytes | field_bombs(), min_size=1, max_size=30),
+@given(cases=st.lists(ANY_CASE, min_size=1, max_size=30),
        streams=st.integers(1, 3))
 def test_streams_that_never_read(server: ServerThread, channel: grpc.Channel, cases: list[Case], streams: int) -> None:
     """Streams that send fuzzed requests (and valid ones) and never read an answer: other clients

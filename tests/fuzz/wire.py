@@ -79,14 +79,19 @@ class Case:
 MUTATIONS = ["model", "version", "input_name", "datatype", "shape", "raw_truncate", "raw_extend", "raw_garbage",
              "no_raw", "extra_raw", "typed_contents", "dup_input", "extra_input", "no_inputs", "request_params",
              "input_params", "outputs", "wire_truncate", "wire_flip", "wire_insert"]
+VALID = ""  # the kind of an unmutated request
+KINDS = [VALID, *MUTATIONS, "oversize"]  # what infer_cases(allow_oversize=True, kind=...) can be asked for
+WHERE = ["top", "input", "output", "parameter", "contents"]  # where a field bomb goes
 
 
 @st.composite
-def infer_cases(draw: st.DrawFn, allow_oversize: bool = False) -> Case:
+def infer_cases(draw: st.DrawFn, allow_oversize: bool = False, kind: str | None = None) -> Case:
     """A valid request to ``affine`` with 0-3 mutations drawn from MUTATIONS (plus oversize).
 
     Starting from a valid request keeps most cases one or two steps from valid, where validation
-    bugs live; unmutated cases must succeed and their outputs are checked.
+    bugs live; unmutated cases must succeed and their outputs are checked. ``kind``: VALID for no
+    mutation, or a mutation every case has (with 0-2 others drawn), so that a test run per kind
+    covers each one whatever hypothesis draws.
     """
     n = draw(st.integers(1, MAX_BATCH))
     req = service_pb2.ModelInferRequest(model_name=MODEL, model_version=draw(st.sampled_from(["", "1"])), id="case")
@@ -98,8 +103,14 @@ def infer_cases(draw: st.DrawFn, allow_oversize: bool = False) -> Case:
         req.parameters["top_k"].int64_param = draw(st.integers(0, 4))
     if draw(st.booleans()):
         req.outputs.add(name="Y")
-    mutations = draw(st.lists(st.sampled_from(MUTATIONS + (["oversize"] if allow_oversize else [])),
-                              max_size=3, unique=True))
+    drawn = MUTATIONS + (["oversize"] if allow_oversize else [])
+    if kind is None:
+        mutations = draw(st.lists(st.sampled_from(drawn), max_size=3, unique=True))
+    elif kind == VALID:
+        mutations = []
+    else:
+        assert kind in drawn, f"no mutation kind {kind!r} here"
+        mutations = [kind, *draw(st.lists(st.sampled_from([m for m in drawn if m != kind]), max_size=2, unique=True))]
     t = req.inputs[0]
     for m in [m for m in mutations if not m.startswith("wire_")]:
         if m == "model":
@@ -186,15 +197,17 @@ def _varint(n: int) -> bytes:
 
 
 @st.composite
-def field_bombs(draw: st.DrawFn, allow_oversize: bool = False) -> Case:
+def field_bombs(draw: st.DrawFn, allow_oversize: bool = False, where: str | None = None) -> Case:
     """Byte-level protobuf field bombs: one tiny field repeated up to the message limit, at the top
-    level or packed inside an input, an output, a parameter or typed contents, sometimes after a
-    valid request. Each must be answered (refused or served) without stalling the server."""
+    level or packed inside an input, an output, a parameter or typed contents (``where``, one of
+    WHERE; drawn when None), sometimes after a valid request. Each must be answered (refused or
+    served) without stalling the server."""
     unit = draw(st.sampled_from(BOMB_UNITS) | st.binary(min_size=1, max_size=6))
     limit = MAX_MESSAGE + (4096 if allow_oversize else -64)
     size = draw(st.sampled_from([limit, limit // 2, 4096]) | st.integers(1, limit))
     body = unit * max(1, size // len(unit))
-    where = draw(st.sampled_from(["top", "input", "output", "parameter", "contents"]))
+    if where is None:
+        where = draw(st.sampled_from(WHERE))
     if where == "input":
         body = _length_delimited(5, body)
     elif where == "output":
