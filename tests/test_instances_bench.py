@@ -3,10 +3,6 @@ reference, and the figures the GPU default is chosen from."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +11,7 @@ import pytest
 from benchmarks import instances
 from benchmarks.cv_teacher import IO as CV_IO
 from examples.refteacher import IO as REF_IO
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_runs import run_benchmark_main
 
 
 def test_a_request_is_built_from_the_models_declared_input() -> None:
@@ -28,14 +23,11 @@ def test_a_request_is_built_from_the_models_declared_input() -> None:
     assert (name, datatype, x.dtype, x.shape) == ("INPUT", "FP32", np.float32, (2, 3, 32, 32))
 
 
+@pytest.mark.timeout(300)  # the bound its benchmark had in a process of its own
 def test_the_benchmark_compares_instance_counts_with_the_in_process_model(tmp_path: Path) -> None:
-    env = {**os.environ, "DISTILL_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.instances", "--counts", "1,2", "--clients", "4",
-                           "--batch", "4", "--inproc-batch", "16", "--reps", "1", "--duration", "0.5",
-                           "--out", "instances_test"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "instances_test.json").read_text())
+    doc = run_benchmark_main(instances.main, ["--counts", "1,2", "--clients", "4", "--batch", "4", "--inproc-batch",
+                                              "16", "--reps", "1", "--duration", "0.5", "--out", "instances_test"],
+                             tmp_path, name="instances_test")
     rates = doc["median_samples_per_s"]
     assert set(rates) == {"in_process", "instances_1", "instances_2"} and all(v > 0 for v in rates.values())
     assert doc["over_first_count"]["instances_1"] == 1.0 and doc["best_count"] in (1, 2)

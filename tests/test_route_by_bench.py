@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_runs import run_benchmark
+from benchmarks import routing
+from tests.bench_runs import run_benchmark_main
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(300)  # the bound its benchmark had in a process of its own
 def test_w8_measures_the_routed_reader_and_the_split_readers(tmp_path: Path) -> None:
-    doc = run_benchmark("routing", ["--quick", "--reps", "1", "--batches", "40"], tmp_path,
-                        name="routing_quick", timeout=300)
+    doc = run_benchmark_main(routing.main, ["--quick", "--reps", "1", "--batches", "40"], tmp_path,
+                             name="routing_quick")
     assert doc["workload"] == "W8" and doc["settings"]["batches"] == 40 and doc["settings"]["reps"] == 1
     rates = doc["median_rows_per_s"]
     assert set(rates) == {"routed", "split"} and all(math.isfinite(v) and v > 0 for v in rates.values()), rates

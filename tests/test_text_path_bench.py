@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_runs import run_benchmark
+from benchmarks import text_path
+from tests.bench_runs import run_benchmark_main
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(600)  # the bound its benchmark had in a process of its own
 def test_w9_measures_the_text_path_and_the_ids_path(tmp_path: Path) -> None:
-    doc = run_benchmark("text_path", ["--quick", "--reps", "1", "--batches", "4"], tmp_path,
-                        name="text_path_quick", timeout=600)
+    doc = run_benchmark_main(text_path.main, ["--quick", "--reps", "1", "--batches", "4"], tmp_path,
+                             name="text_path_quick")
     assert doc["workload"] == "W9" and doc["settings"]["batches"] == 4 and doc["settings"]["reps"] == 1
     assert doc["settings"]["tokens_per_pass"] > 4 * 8, "every text is scored in several tokens"
     rates = doc["median_rows_per_s"]

@@ -3,24 +3,19 @@ teacher in process, the teacher served through DistillReader), the served logits
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_runs import run_benchmark_main
 
 
+@pytest.mark.timeout(300)  # the bound its benchmark had in a process of its own
 def test_the_benchmark_trains_a_student_with_the_teacher_in_process_and_served(tmp_path: Path) -> None:
-    env = {**os.environ, "DISTILL_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.w1_train", "--quick", "--steps", "3", "--reps", "1",
-                           "--batch", "8", "--out", "w1_train_test"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "w1_train_test.json").read_text())
+    from benchmarks import w1_train
+
+    doc = run_benchmark_main(w1_train.main, ["--quick", "--steps", "3", "--reps", "1", "--batch", "8", "--out",
+                                             "w1_train_test"], tmp_path, name="w1_train_test")
     rates = doc["median_samples_per_s"]
     assert set(rates) == {"pure", "inline", "service"} and all(v > 0 for v in rates.values())
     assert set(doc["ratios"]) == {"service_vs_pure", "service_vs_inline", "inline_vs_pure"}
