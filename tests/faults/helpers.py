@@ -182,10 +182,12 @@ Teacher = tuple[subprocess.Popen[bytes], dict[str, Any]]
 def start_teachers(stack: contextlib.ExitStack, arg_lists: Sequence[Sequence[str]], tmp_path: Path,
                    env: dict[str, str] | None = None) -> list[Teacher]:
     """Start several ``teacher_process`` subprocesses at once (each pays torch's import time, so in
-    parallel the suite stays within its budget); ``stack`` kills them all at the end."""
+    parallel the suite stays within its budget); ``stack`` kills them all at the end. Each may take
+    up to 60 s per process started with it to become ready: they share the machine's cores."""
+    ready_s = 60.0 * len(arg_lists)
 
     def one(args: Sequence[str]) -> tuple[Any, Teacher]:
-        cm = teacher_process(list(args), tmp_path, env=env)
+        cm = teacher_process(list(args), tmp_path, env=env, timeout=ready_s)
         return cm, cm.__enter__()
 
     with ThreadPoolExecutor(len(arg_lists)) as pool:
@@ -194,7 +196,7 @@ def start_teachers(stack: contextlib.ExitStack, arg_lists: Sequence[Sequence[str
         errors: list[BaseException] = []
         for f in futures:
             try:
-                cm, teacher = f.result(90)
+                cm, teacher = f.result(ready_s + 30)
             except BaseException as e:  # keep going: every started process must be registered for cleanup
                 errors.append(e)
                 continue
