@@ -1,7 +1,7 @@
 """Teacher-output cache (`distill.cache`): what training from a recorded store costs, what a store weighs,
 and how fast `distill record` fills one.
 
-    .venv/bin/python -m benchmarks.cache [--reps 5] [--quick]
+    .venv/bin/python -m benchmarks.cache [--reps 5] [--quick] [--teachers 2]
 
 Three questions, each answered with real teacher-server processes on loopback:
 
@@ -400,6 +400,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cache", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per loop repetition (default 60)")
+    p.add_argument("--teachers", type=int, default=None, help="live teacher servers of the loop and record "
+                   "sections (default 2, W1's)")
     p.add_argument("--quick", action="store_true", help="a smoke run (2 reps, short epochs, small stores)")
     p.add_argument("--integrity-only", action="store_true", help="only the checksums' cost (no servers)")
     a = p.parse_args(argv)
@@ -412,8 +414,10 @@ def parse_args(argv: list[str] | None) -> Settings:
         s = replace(s, reps=a.reps)
     if a.steps is not None:
         s = replace(s, steps=a.steps)
-    if s.reps < 1 or s.steps < 1:
-        p.error("--reps and --steps must be >= 1")
+    if a.teachers is not None:
+        s = replace(s, teachers=a.teachers)
+    if s.reps < 1 or s.steps < 1 or s.teachers < 1:
+        p.error("--reps, --steps and --teachers must be >= 1")
     return s
 
 

@@ -1,6 +1,7 @@
 """W1 mesh efficiency and W5 failover (docs/design/workloads.md).
 
-    .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick] [--device cuda:0 --compute-dtype FP16]
+    .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick] [--teachers 2 --w5-teachers 3]
+                                        [--device cuda:0 --compute-dtype FP16]
 
 W1 asks how much of a training loop's speed survives when its teacher moves out of the loop and
 behind the mesh. The accelerator is emulated (examples/emulated.py): the teacher sleeps 20 ms
@@ -443,6 +444,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     p.add_argument("--w5-signal", choices=["KILL", "STOP"], default="KILL",
                    help="KILL: a dead teacher (default); STOP: a hung one, whose sockets stay open")
     p.add_argument("--timeout", type=float, default=None, help="the reader's chunk deadline (default 10 s)")
+    p.add_argument("--teachers", type=int, default=None, help="W1's teacher servers (default 2)")
+    p.add_argument("--w5-teachers", type=int, default=None,
+                   help="W5's teacher servers, one of them killed (default 3; at least 2)")
     p.add_argument("--hedge-after", type=_hedge, default="auto",
                    help="the reader's hedge_after: auto (the reader's default), off, or seconds")
     add_device_args(p)
@@ -456,9 +460,15 @@ def parse_args(argv: list[str] | None) -> Settings:
         s = replace(s, steps=a.steps)
     if a.timeout is not None:
         s = replace(s, timeout_s=a.timeout)
+    if a.teachers is not None:
+        s = replace(s, teachers=a.teachers)
+    if a.w5_teachers is not None:
+        s = replace(s, w5_teachers=a.w5_teachers)
     s = replace(s, hedge_after_s=a.hedge_after)
-    if s.reps < 1 or s.steps < 1:
-        p.error("--reps and --steps must be >= 1")
+    if s.reps < 1 or s.steps < 1 or s.teachers < 1:
+        p.error("--reps, --steps and --teachers must be >= 1")
+    if s.w5_teachers < 2:
+        p.error("--w5-teachers must be >= 2: one is killed, the others take its work")
     return s
 
 
@@ -473,6 +483,10 @@ def result_name(s: Settings) -> str:
         parts.append(s.only)
     if s.w5_signal != "KILL":
         parts.append(s.w5_signal.lower())
+    if s.teachers != Settings.teachers:
+        parts.append(f"teachers{s.teachers}")
+    if s.w5_teachers != Settings.w5_teachers:
+        parts.append(f"w5teachers{s.w5_teachers}")
     if s.timeout_s != Settings.timeout_s:
         parts.append(f"timeout{s.timeout_s:g}")
     if s.hedge_after_s != Settings.hedge_after_s:
