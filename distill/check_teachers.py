@@ -23,20 +23,17 @@ import contextlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, TextIO
 
 from discovery import open_registry
 from discovery.aio import bounded
 from discovery.errors import RegistryError
-from distill.call_errors import TeacherCallError, TeacherGoneError
 from distill.checks import registry_address, service_name, teacher_list
-from distill.teacher_client import TeacherClient
-from distill.types import ChunkRequest, FieldArray, TeacherMetadata
-from protos.kserve import DATATYPES
-from protos.text import OPTIONAL_INPUTS
+
+if TYPE_CHECKING:  # imported where used: the `distill` command's other subcommands (`distill register`) need no torch
+    import torch
+
+    from distill.types import FieldArray, TeacherMetadata
 
 __all__ = ["Replica", "add_parser", "check", "probe_inputs", "run"]
 
@@ -74,6 +71,13 @@ class Replica:
 
 def probe_inputs(meta: TeacherMetadata) -> dict[str, FieldArray]:
     """The fixed probe batch for `meta`'s declared inputs (the same on every run and machine)."""
+    import numpy as np
+    import torch
+
+    from distill.types import FieldArray
+    from protos.kserve import DATATYPES
+    from protos.text import OPTIONAL_INPUTS
+
     fields = {}
     for name, t in meta.inputs.items():
         if name in OPTIONAL_INPUTS:  # text and vocabulary requests: sent instead of the ids, never beside them
@@ -108,6 +112,10 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 async def _probe(replica: Replica, meta: TeacherMetadata, logprobs: bool, timeout: float) -> None:
+    from distill.call_errors import TeacherCallError, TeacherGoneError
+    from distill.teacher_client import TeacherClient
+    from distill.types import ChunkRequest
+
     client = TeacherClient(replica.endpoint)
     try:
         own = await client.fetch_metadata(meta.model_name, "", timeout)
@@ -127,6 +135,9 @@ async def check(endpoints: dict[str, str], *, model: str | None = None, logprobs
     """Probe every endpoint (endpoint -> the fingerprint its record states, "" if none) at once and
     compare; the replicas in endpoint order, the reference marked. ProbeError when no replica
     answers its metadata, or its inputs cannot be probed."""
+    from distill.call_errors import TeacherCallError, TeacherGoneError
+    from distill.teacher_client import TeacherClient
+
     replicas = [Replica(e, fp) for e, fp in sorted(endpoints.items())]
     meta = None
     for r in replicas:
