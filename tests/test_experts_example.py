@@ -1,14 +1,16 @@
 """The experts example (examples/experts): its --quick run end to end, and its parts.
 
-``python -m examples.experts --quick`` runs once for the module in this process: three teachers
-trained for a few steps into a temporary cache, served by real ``teacher-server`` processes on
-loopback, and the four student arms reading through ``DistillReader``. The assertions are on the
-JSON it wrote. The per-sample routing (``route_by``) is checked against the experts read one at a
-time, through real servers of the trained experts.
+``python -m examples.experts --quick --jobs 1`` runs once for the module in this process (no
+worker processes): three teachers trained for a few steps into a temporary cache, served by real
+``teacher-server`` processes on loopback, and the four student arms reading through
+``DistillReader``. The assertions are on the JSON it wrote. The per-sample routing (``route_by``)
+is checked against the experts read one at a time, through real gRPC servers of the trained
+experts (in this process, loading the factory ``teacher-server`` loads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -23,6 +25,8 @@ from examples.common import CACHE_ENV
 from examples.experts import __main__ as experts_main
 from examples.experts import arms, mesh, tasks
 from examples.experts.models import TinyLM
+from teacher_server import BatchingConfig, ServerConfig
+from tests.servers import ServerThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -34,7 +38,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
     out = cache / "results.json"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(cache))
-        assert experts_main.main(["--quick", "--out", str(out)]) == 0
+        assert experts_main.main(["--quick", "--jobs", "1", "--out", str(out)]) == 0
         yield json.loads(out.read_text()), cache
 
 
@@ -60,7 +64,11 @@ def test_routed_rows_get_their_own_experts_outputs(quick: tuple[dict[str, Any], 
     files = {task: cache / "experts" / "quick" / f"{task}.pt" for task in tasks.TASKS}
     batches = tasks.mixed_batches(2, 8, seed=3)
     options = mesh.offpolicy_options(arms.K)
-    with mesh.serve(files, max_batch_size=8) as endpoints:
+    with contextlib.ExitStack() as stack:
+        endpoints = {task: stack.enter_context(ServerThread(ServerConfig(
+            model="examples.experts.models:load", model_args={"path": str(file)}, name=mesh.MODEL_NAME,
+            device="cpu", instances=1, batching=BatchingConfig(max_batch_size=8, max_queue_delay_us=0)))).url
+            for task, file in files.items()}
         routed = list(mesh.routed_pairs(batches, endpoints, options))
         alone = {task: list(mesh.single_pairs(batches, endpoints[task], options)) for task in tasks.TASKS}
     assert len(routed) == len(batches)
