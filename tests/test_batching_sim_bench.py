@@ -4,18 +4,15 @@ sending one sequence a request; its report compares the server's batches with le
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import batching_sim
 from benchmarks.batching_sim import draw_lengths, sorted_baseline
+from tests.bench_runs import run_benchmark_main
 
 pytestmark = pytest.mark.timeout(180)
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_sorted_baseline_cuts_sorted_lengths_at_the_budget() -> None:
@@ -28,14 +25,10 @@ def test_the_sorted_baseline_cuts_sorted_lengths_at_the_budget() -> None:
 
 
 def test_the_batching_simulation_runs_on_the_emulated_device(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
     fixed_ms, rate = 2.0, 400_000.0
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--clients", "24", "--budget", "4096",
-         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "1", "--out", "sim"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "sim.json").read_text())
+    doc = run_benchmark_main(batching_sim.main, [
+        "--sequences", "96", "--clients", "24", "--budget", "4096", "--fixed-ms", str(fixed_ms), "--tokens-per-s",
+        str(rate), "--reps", "1", "--out", "sim"], tmp_path, name="sim")
     (rep,) = doc["reps"]
     lengths = draw_lengths(96, 0)
     assert doc["baseline"] == sorted_baseline(lengths, 4096, fixed_ms / 1e3, 1 / rate)
@@ -49,41 +42,32 @@ def test_the_batching_simulation_runs_on_the_emulated_device(tmp_path: Path) -> 
 def test_the_reader_path_runs_on_the_emulated_device(tmp_path: Path) -> None:
     """--student-batch: DistillReader over padded batches in loader order, the router pinned to
     keep --clients rows in flight; the server still counts every real token once."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
     fixed_ms, rate = 2.0, 400_000.0
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--clients", "32", "--budget", "4096",
-         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "2", "--student-batch", "8",
-         "--out", "simr"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "simr.json").read_text())
+    doc = run_benchmark_main(batching_sim.main, [
+        "--sequences", "96", "--clients", "32", "--budget", "4096", "--fixed-ms", str(fixed_ms), "--tokens-per-s",
+        str(rate), "--reps", "2", "--student-batch", "8", "--out", "simr"], tmp_path, name="simr")
     assert doc["settings"]["student_batch"] == 8 and doc["settings"]["router"] == "pinned"
     lengths = draw_lengths(96, 0)
     for rep in doc["reps"]:
         assert rep["seconds"] >= rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate
         assert 0.3 < rep["padding_efficiency"] <= 1.0
-    assert "DistillReader, batches of 8 in loader order, pinned router" in proc.stdout
+    assert "DistillReader, batches of 8 in loader order, pinned router" in doc["stdout"]
 
 
 def test_students_and_teachers_share_the_emulated_devices(tmp_path: Path) -> None:
     """--students 2 --teachers 2: two readers over every other batch, two teacher processes each
     with its own emulated device; every real token is counted (some perhaps twice, reported)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
     fixed_ms, rate = 2.0, 400_000.0
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batching_sim", "--sequences", "96", "--budget", "4096",
-         "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps", "1", "--student-batch", "8",
-         "--router", "defaults", "--students", "2", "--teachers", "2", "--hedge", "--out", "simst"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "simst.json").read_text())
+    doc = run_benchmark_main(batching_sim.main, [
+        "--sequences", "96", "--budget", "4096", "--fixed-ms", str(fixed_ms), "--tokens-per-s", str(rate), "--reps",
+        "1", "--student-batch", "8", "--router", "defaults", "--students", "2", "--teachers", "2", "--hedge", "--out",
+        "simst"], tmp_path, name="simst")
     (rep,) = doc["reps"]
     lengths = draw_lengths(96, 0)
     # Two devices: each runs its batches' fixed costs and real positions one after another.
     assert rep["seconds"] >= (rep["batches"] * fixed_ms / 1e3 + sum(lengths) / rate) / 2
     assert rep["duplicated"] >= 0 and 0.3 < rep["padding_efficiency"] <= 1.0
-    assert "2 x DistillReader, batches of 8 in loader order, defaults router" in proc.stdout
+    assert "2 x DistillReader, batches of 8 in loader order, defaults router" in doc["stdout"]
 
 
 def test_reader_router_pins_or_leaves_the_limit() -> None:
