@@ -10,19 +10,16 @@ and the wire's bytes per scored token what the tensors' sizes say.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import onpolicy
 from benchmarks.device import DeviceChoice
 from benchmarks.onpolicy_parts import Loop, models, score_inprocess
 from examples.common import CACHE_ENV
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_runs import run_benchmark_main
 
 
 def test_inprocess_scoring_is_the_log_softmax_at_the_next_tokens() -> None:
@@ -44,19 +41,14 @@ def test_inprocess_scoring_is_the_log_softmax_at_the_next_tokens() -> None:
         assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters(), strict=True))
 
 
-@pytest.mark.timeout(330)  # the benchmark's own bound is 300 s: it trains the smoke teacher and starts a server
+@pytest.mark.timeout(330)  # it trains the smoke teacher and starts a server
 def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
-    env[CACHE_ENV] = str(tmp_path / "cache")
-    env.pop("DISTILL_LLM_TEACHER", None)
     w6 = tmp_path / "w6.json"  # the W6 result the teacher's scoring rate is compared with
     w6.write_text(json.dumps({"medians_tokens_per_s": {"server_buckets": 1000.0, "inprocess": 1100.0},
                               "machine": {"device": "cpu", "compute_dtype": "FP32"}}))
-    cmd = [sys.executable, "-m", "benchmarks.onpolicy", "--quick", "--tiny", "--threads", "1", "--out", "w7",
-           "--w6-results", str(w6)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "results" / "w7.json").read_text())
+    doc = run_benchmark_main(onpolicy.main, ["--quick", "--tiny", "--threads", "1", "--out", "w7", "--w6-results",
+                                             str(w6)], tmp_path / "results", name="w7",
+                             env={CACHE_ENV: str(tmp_path / "cache"), "DISTILL_LLM_TEACHER": None})
     s = doc["settings"]
     assert (s["reps"], s["steps"], s["batch"], s["prompt_len"], s["new_tokens"]) == (2, 3, 4, 8, 16)
     assert set(doc["steps_per_s"]) == {"mesh", "inprocess"} and all(v > 0 for v in doc["steps_per_s"].values())
