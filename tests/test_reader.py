@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from distill.errors import BatchRejectedError
 from distill.router import RouterConfig
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server import BatchingConfig, ModelIO, ServerConfig
-from tests.faults.helpers import assert_delivered_once_in_order
+from tests.faults.helpers import assert_delivered_once_in_order, start_teachers
 from tests.models import Affine, Affine2
 from tests.servers import ServerThread, teacher_process
 
@@ -63,6 +64,19 @@ def _check_epoch(reader: DistillReader, data: list[dict[str, torch.Tensor]]) -> 
 def two_teachers() -> Iterator[tuple[ServerThread, ServerThread]]:
     with _affine_server() as a, _affine_server() as b:
         yield a, b
+
+
+SLEEPY = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8"]
+SLEEPY_ENV = {"TEST_SLEEP_MS": "5"}
+
+
+@pytest.fixture(scope="module")
+def sleepy_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """Two teacher-server processes (5 ms a batch) for the fault tests: a test may stop one with
+    SIGSTOP and resume it, never end it; teachers a test kills or drains are its own."""
+    with contextlib.ExitStack() as stack:
+        started = start_teachers(stack, [SLEEPY, SLEEPY], tmp_path_factory.mktemp("sleepy-pair"), env=SLEEPY_ENV)
+        yield [(proc, info["endpoint"]) for proc, info in started]
 
 
 def test_every_batch_once_in_order_with_correct_outputs(two_teachers: tuple[ServerThread, ServerThread]) -> None:
@@ -225,16 +239,14 @@ def test_hard_label_fallback_then_recovery_when_the_teacher_returns(tmp_path: Pa
     assert any(results[i] for i in seen if i >= 30), "the teacher back on its port serves again"
 
 
-def test_sigkill_teachers_mid_epoch_lose_nothing(tmp_path: Path) -> None:
-    args = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8",
-            "--max-queue-delay-us", "0"]
-    env = {"TEST_SLEEP_MS": "5"}
+def test_sigkill_teachers_mid_epoch_lose_nothing(sleepy_pair: list[tuple[subprocess.Popen[bytes], str]],
+                                                 tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(args, tmp_path, env=env)) for _ in range(3)]
+        procs = start_teachers(stack, [[*SLEEPY, "--max-queue-delay-us", "0"]] * 2, tmp_path, env=SLEEPY_ENV)
         data = _batches(90, rows=16)
-        kill_at = {25: procs[0][0], 55: procs[1][0]}  # two teachers die during one epoch
-        reader = stack.enter_context(DistillReader(
-            data, teachers=",".join(i["endpoint"] for _, i in procs), inputs=["X"], timeout=5.0))
+        kill_at = {25: procs[0][0], 55: procs[1][0]}  # two teachers die during one epoch; the shared one lives
+        endpoints = [i["endpoint"] for _, i in procs] + [sleepy_pair[0][1]]
+        reader = stack.enter_context(DistillReader(data, teachers=",".join(endpoints), inputs=["X"], timeout=5.0))
         seen = []
         gaps = []
         last = time.monotonic()
@@ -254,14 +266,13 @@ def test_sigkill_teachers_mid_epoch_lose_nothing(tmp_path: Path) -> None:
     assert max(gaps) < 5.0 + 3.0, f"a dead teacher cost more than one deadline: {max(gaps):.2f}s"
 
 
-def test_sigterm_drain_mid_epoch_loses_nothing(tmp_path: Path) -> None:
-    args = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8"]
+def test_sigterm_drain_mid_epoch_loses_nothing(sleepy_pair: list[tuple[subprocess.Popen[bytes], str]],
+                                               tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "20"}))
-                 for _ in range(2)]
+        procs = [stack.enter_context(teacher_process(SLEEPY, tmp_path, env={"TEST_SLEEP_MS": "20"}))]
         data = _batches(40, rows=8)
         reader = stack.enter_context(DistillReader(
-            data, teachers=",".join(i["endpoint"] for _, i in procs), inputs=["X"], timeout=5.0))
+            data, teachers=f"{procs[0][1]['endpoint']},{sleepy_pair[0][1]}", inputs=["X"], timeout=5.0))
         seen = []
         for batch, teacher in reader:
             i = int(batch["idx"][0])
@@ -459,17 +470,16 @@ def test_bf16_inputs_travel_untouched() -> None:
                 assert torch.equal(teacher["Y"], batch["X"].float() * 2)
 
 
-def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_path: Path) -> None:
+def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(
+        sleepy_pair: list[tuple[subprocess.Popen[bytes], str]]) -> None:
     """SIGSTOP: the port still accepts connections but nothing answers. Hedging and the readiness
     probe keep the loop going; after SIGCONT the teacher passes the probe and gets work again."""
-    args = ["--model", "tests.models:sleepy", "--name", "affine", "--device", "cpu", "--max-batch-size", "8"]
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(args, tmp_path, env={"TEST_SLEEP_MS": "5"})) for _ in range(3)]
-        hung_proc, hung = procs[0]
+        (hung_proc, hung_endpoint), (_, other) = sleepy_pair
         stack.callback(lambda: hung_proc.poll() is None and hung_proc.send_signal(signal.SIGCONT))
         data = _batches(400, rows=8)  # 260 batches (>= 2.6 s) after the resume: time to probe and serve
         reader = stack.enter_context(DistillReader(
-            data, teachers=",".join(i["endpoint"] for _, i in procs), inputs=["X"], timeout=5.0,
+            data, teachers=f"{hung_endpoint},{other}", inputs=["X"], timeout=5.0,
             router=RouterConfig(backoff_max_s=0.5)))
         seen, gaps, last = [], [], time.monotonic()
         ok_at_resume = 0
@@ -484,10 +494,10 @@ def test_hung_teacher_costs_less_than_a_deadline_and_returns_after_resume(tmp_pa
                 hung_proc.send_signal(signal.SIGSTOP)
             if i == 140:
                 hung_proc.send_signal(signal.SIGCONT)
-                ok_at_resume = int(reader.stats().teachers["teachers"][hung["endpoint"]]["ok"])
+                ok_at_resume = int(reader.stats().teachers["teachers"][hung_endpoint]["ok"])
             if i > 140:
                 time.sleep(0.01)  # leave the probe time to readmit it before the epoch ends
-        final = reader.stats().teachers["teachers"][hung["endpoint"]]
+        final = reader.stats().teachers["teachers"][hung_endpoint]
     assert seen == list(range(400))
     # A deadline is 5 s; a hung teacher must not cost one per batch, nor even one in total.
     assert max(gaps) < 5.0, f"the loop stalled {max(gaps):.2f}s on a hung teacher"
