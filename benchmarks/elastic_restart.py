@@ -55,12 +55,15 @@ class Run:
 
 def torchrun(kind: str, teacher: str, checkpoint: Path | None, *, nproc: int = 2, max_restarts: int = 0,
              crash_after_epoch: int | None = None, env: dict[str, str] | None = None,
-             timeout: float = 240.0) -> Run:
-    """Run ``examples.elastic.train --smoke`` under a real torchrun and parse what it printed."""
+             timeout: float = 240.0, json_out: Path | None = None) -> Run:
+    """Run ``examples.elastic.train --smoke`` under a real torchrun and parse what it printed
+    (``json_out``: where rank 0 writes the results JSON; none by default)."""
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
            "-m", "examples.elastic.train", "--smoke", "--seeds", "0", "--distill_teachers", teacher]
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
+    if json_out is not None:
+        cmd += ["--json", str(json_out)]
     if crash_after_epoch is not None:
         cmd += ["--crash_after_epoch", str(crash_after_epoch)]
     started = time.perf_counter()
@@ -77,8 +80,11 @@ def torchrun(kind: str, teacher: str, checkpoint: Path | None, *, nproc: int = 2
 
 
 def scenario(teacher: str, workdir: Path, runs: int, env: dict[str, str] | None = None) -> list[Run]:
-    """The reference run, ``runs`` crash-and-restart runs, and the 2-rank -> 1-rank resume."""
-    results = [torchrun("uninterrupted", teacher, None, env=env)]
+    """The reference run, ``runs`` crash-and-restart runs, and the 2-rank -> 1-rank resume. Every
+    run names a file in ``workdir`` on its command line (the reference run its results JSON,
+    ``uninterrupted.json``; the others their checkpoint), so ``pgrep -f <workdir>`` finds any
+    worker a run left behind."""
+    results = [torchrun("uninterrupted", teacher, None, env=env, json_out=workdir / "uninterrupted.json")]
     for i in range(runs):
         ck = workdir / f"restart-{i}.pt"
         results.append(torchrun("crash+restart", teacher, ck, max_restarts=1, crash_after_epoch=0, env=env))

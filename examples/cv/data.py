@@ -10,9 +10,13 @@ is scored on the same 500 test images. Batches are dicts ``{"INPUT": [B,1,8,8] f
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 SPLIT_SEED = 0
@@ -32,18 +36,34 @@ class Digits:
     test_y: torch.Tensor
 
 
-def load(test_size: int = TEST_SIZE) -> Digits:
-    """Load ``load_digits`` and split it with ``SPLIT_SEED`` (same split on every machine)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # pragma: no cover - an install without the examples extra
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """``load_digits()``'s ``images`` ``[1797, 8, 8]`` and ``target``, read as it reads them (the CSV
+    in scikit-learn's wheel, through ``np.loadtxt``) without importing scikit-learn: its import
+    (scipy with it) would be most of the start-up of every process that loads the data, each
+    torchrun rank among them. Where the file is not where it ships, ``load_digits`` itself."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:  # pragma: no cover - an install without the examples extra
         raise ImportError(
             "the CV example needs scikit-learn (its load_digits dataset ships inside the package): "
             "pip install -e '.[examples]'"
-        ) from e
-    raw = load_digits()
-    x = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(raw.target, dtype=torch.int64)
+        )
+    for root in spec.submodule_search_locations or ():
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, mode="rt", encoding="utf-8") as f:
+                raw = np.loadtxt(f, delimiter=",")
+            return raw[:, :-1].reshape(-1, 8, 8), raw[:, -1].astype(int)
+    from sklearn.datasets import load_digits  # pragma: no cover - another layout of the package
+
+    digits = load_digits()  # pragma: no cover
+    return digits.images, digits.target  # pragma: no cover
+
+
+def load(test_size: int = TEST_SIZE) -> Digits:
+    """Load ``load_digits`` and split it with ``SPLIT_SEED`` (same split on every machine)."""
+    images, target = _digits()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
     test, train = order[:test_size], order[test_size:]
     return Digits(x[train], y[train], x[test], y[test])
