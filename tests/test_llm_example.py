@@ -3,7 +3,7 @@
 Real runs, small: the tokenizer is trained on a few standard-library files, the smoke teacher and
 student are tiny Llama models trained for a few dozen steps, all into a temporary cache. The
 student runs once per teacher source: through a real teacher server and DistillReader (mesh), from
-a store recorded through one and then read with no teacher (store), and in process. The assertions
+a store recorded through the same server and then read with no teacher (store), and in process. The assertions
 are on what the runs produced (round trips, losses that fall, finite KD losses, the same KD result
 from every source).
 """
@@ -22,7 +22,7 @@ import torch
 from distill.cache import TeacherOutputStore
 from distill.losses import TokenKDLoss
 from examples.common import CACHE_ENV
-from examples.llm import models
+from examples.llm import mesh, models
 from examples.llm import train_student as llm_student
 from examples.llm import train_teacher as llm_teacher
 from examples.llm.data import (
@@ -162,12 +162,18 @@ def test_bytes_per_token() -> None:
 
 @pytest.fixture(scope="module")
 def student_runs(smoke_teacher: Path, cache: Path) -> dict[str, dict[str, Any]]:
-    """The smoke student run once per teacher source: {source: results JSON}."""
+    """The smoke student run once per teacher source: {source: results JSON}. One teacher server
+    (the one ``main`` would start: the student's defaults, one smoke batch of 8 per request) serves
+    the mesh run and records the store, passed as ``--teachers``."""
+    defaults = llm_student.build_parser().parse_args([])
     results = {}
-    for source in llm_student.SOURCES:
-        out = cache / f"student-{source}.json"
-        assert llm_student.main(["--smoke", "--teacher-source", source, "--out", str(out)]) == 0
-        results[source] = json.loads(out.read_text())
+    with mesh.serve_teacher(smoke_teacher, k=defaults.k, temperature=defaults.temperature, max_batch_size=8,
+                            threads=1) as teachers:
+        for source in llm_student.SOURCES:
+            out = cache / f"student-{source}.json"
+            assert llm_student.main(["--smoke", "--teacher-source", source, "--teachers", teachers,
+                                     "--out", str(out)]) == 0
+            results[source] = json.loads(out.read_text())
     return results
 
 
