@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,18 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_smoke_comparison_trains_and_evaluates_every_arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(models.TEACHER_ENV, raising=False)
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private cache for the module: the first comparison trains the smoke tokenizer and teacher
+    there (``ensure_teacher``), the other one finds them."""
+    path = tmp_path_factory.mktemp("compare-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(path))
+        mp.delenv(models.TEACHER_ENV, raising=False)
+        yield path
+
+
+def test_the_smoke_comparison_trains_and_evaluates_every_arm(cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     assert compare.main(["--smoke", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -54,12 +64,10 @@ def test_the_smoke_comparison_trains_and_evaluates_every_arm(tmp_path: Path, mon
 
 
 def test_a_mixed_on_policy_arm_trains_on_text_in_some_steps_from_the_seed_initialisation(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        cache: Path, tmp_path: Path) -> None:
     """``--on-policy-fraction 0.5`` (GKD's lambda) with no warm start: the on-policy arm spends the
     same budget, some of its steps (not all) on training text; every arm starts from the seed's
     random initialisation, the same weights."""
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(models.TEACHER_ENV, raising=False)
     out = tmp_path / "compare.json"
     assert compare.main(["--smoke", "--warm-start-steps", "0", "--on-policy-fraction", "0.5", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
