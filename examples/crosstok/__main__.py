@@ -32,8 +32,8 @@ from examples.crosstok.train import get_teacher
 from examples.llm.common import quiet, use_all_cores
 
 RESULTS = Path(__file__).with_name("results.json")
-QUICK = {"student_vocab": 320, "teacher_vocab": 512, "max_bytes": 128, "teacher_steps": 200, "steps": 40,
-         "batch_size": 8, "eval_pieces": 48, "warmup": 0.75, "prompt_tokens": 8, "new_tokens": 16}
+QUICK = {"student_vocab": 320, "teacher_vocab": 512, "max_bytes": 128, "teacher_steps": 100, "steps": 24,
+         "batch_size": 8, "eval_pieces": 32, "warmup": 0.75, "prompt_tokens": 8, "new_tokens": 16}
 """What ``--quick`` sets, whatever the flags say (the seeds too: the first two given)."""
 
 
