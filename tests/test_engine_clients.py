@@ -388,7 +388,7 @@ def test_a_mixed_pool_of_a_real_vllm_and_a_teacher_server_loses_nothing_to_a_sig
         try:
             args = ["--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu", "--registry", etcd.address,
                     "--service", service, "--ttl", "3"]
-            with teacher_process(args, tmp_path) as (teacher, _), DistillReader(
+            with teacher_process(args, tmp_path, timeout=300) as (teacher, _), DistillReader(
                     data, registry=etcd.address, service=service, prefetch=2, **READER) as reader:
                 deadline = time.monotonic() + 60
                 while reader.stats().teachers_in_use < 2:  # both members, before the stream starts
