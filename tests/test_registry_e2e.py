@@ -20,6 +20,7 @@ from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from distill import DistillReader, NoTeacherError
 from tests.etcd_fixtures import arun, unique_service
+from tests.faults.helpers import start_teachers
 from tests.models import Affine
 from tests.servers import teacher_process
 
@@ -49,8 +50,25 @@ def _registered(etcd: LocalEtcd, service: str) -> dict[str, object]:
     return arun(read())
 
 
+def _demand_while_training(etcd: LocalEtcd, service: str) -> list[object]:
+    """The demand published for ``service``, polled (at most 10 s) from inside a training loop,
+    the reader open, until a student's report shows consumption (a publish comes every second)."""
+
+    async def demand() -> list[object]:
+        async with open_registry(etcd.address) as reg:
+            return list(await reg.demand(service))
+
+    deadline = time.monotonic() + 10
+    while not (published := arun(demand())) or not published[0].samples_per_s:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"no demand with samples_per_s > 0 published: {published}"
+        time.sleep(0.1)
+    return published
+
+
 def test_teacher_server_registers_publishes_load_and_deregisters_on_sigterm(etcd: LocalEtcd,
                                                                             tmp_path: Path) -> None:
+    """The teacher's record and load, and the student's demand while it trains, in the registry;
+    SIGTERM leaves no key behind."""
     service = unique_service("reg")
     args = [*ARGS, "--registry", etcd.address, "--service", service, "--instance-id", "t-1"]
     with teacher_process(args, tmp_path, env=ENV) as (proc, info):
@@ -60,8 +78,17 @@ def test_teacher_server_registers_publishes_load_and_deregisters_on_sigterm(etcd
         assert rec.endpoint == info["endpoint"] and rec.model_name == "affine" and rec.max_batch_size == 8
         assert [(t.name, t.datatype, list(t.shape)) for t in rec.inputs] == [("X", "FP32", [8])]
         # Traffic, then the published load shows a measured capacity.
-        with DistillReader(_batches(20), registry=etcd.address, service=service, inputs=["X"]) as reader:
-            assert sum(1 for _ in reader) == 20
+        published: list[object] = []
+        seen = 0
+        with DistillReader(_batches(100), registry=etcd.address, service=service, inputs=["X"],
+                           student_id="student-7") as reader:
+            for batch, _ in reader:
+                seen += 1
+                if int(batch["idx"][0]) == 99:
+                    published = _demand_while_training(etcd, service)
+        assert seen == 100
+        assert [d.student_id for d in published] == ["student-7"]  # type: ignore[attr-defined]
+        assert published[0].samples_per_s > 0 and published[0].teachers_in_use == 1  # type: ignore[attr-defined]
 
         async def load_seen() -> float:
             async with open_registry(etcd.address) as reg:
@@ -165,33 +192,11 @@ def test_student_uses_a_teacher_that_joins_mid_epoch(etcd: LocalEtcd, tmp_path: 
     assert stats.teachers[service][second_endpoint]["samples"] > 0, "the new teacher got work mid-epoch"
 
 
-def test_demand_is_published_while_training(etcd: LocalEtcd, tmp_path: Path) -> None:
-    service = unique_service("demand")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(teacher_process([*ARGS, "--registry", etcd.address, "--service", service],
-                                            tmp_path, env=ENV))
-        reader = stack.enter_context(DistillReader(_batches(300), registry=etcd.address, service=service,
-                                                   inputs=["X"], student_id="student-7"))
-
-        async def demand() -> list[object]:
-            async with open_registry(etcd.address) as reg:
-                return list(await reg.demand(service))
-
-        published = []
-        for batch, _ in reader:
-            if int(batch["idx"][0]) % 100 == 99:
-                published = arun(demand())
-                time.sleep(1.2)  # at least one publish period
-        published = arun(demand())
-    assert [d.student_id for d in published] == ["student-7"]  # type: ignore[attr-defined]
-    assert published[0].samples_per_s > 0 and published[0].teachers_in_use == 1  # type: ignore[attr-defined]
-
-
 def test_sigkilled_registered_teacher_loses_no_batch(etcd: LocalEtcd, tmp_path: Path) -> None:
     service = unique_service("kill")
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(
-            [*ARGS, "--registry", etcd.address, "--service", service], tmp_path, env=ENV)) for _ in range(3)]
+        procs = start_teachers(stack, [[*ARGS, "--registry", etcd.address, "--service", service]] * 2, tmp_path,
+                               env=ENV)
         reader = stack.enter_context(DistillReader(_batches(120), registry=etcd.address, service=service,
                                                    inputs=["X"], timeout=5.0))
         seen = []
@@ -216,9 +221,8 @@ def test_draining_registered_teacher_mid_epoch_loses_nothing(etcd: LocalEtcd, tm
     student's probe of it may then meet a closed channel; that must never reach the training loop."""
     service = unique_service("drain")
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(teacher_process(
-            [*ARGS, "--registry", etcd.address, "--service", service], tmp_path, env={"TEST_SLEEP_MS": "20"}))
-            for _ in range(3)]
+        procs = start_teachers(stack, [[*ARGS, "--registry", etcd.address, "--service", service]] * 3, tmp_path,
+                               env={"TEST_SLEEP_MS": "20"})
         reader = stack.enter_context(DistillReader(_batches(150), registry=etcd.address, service=service,
                                                    inputs=["X"], timeout=5.0))
         seen = []
