@@ -52,8 +52,7 @@ def run_benchmark_main(main: Callable[[list[str]], int], args: list[str], result
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "RESULTS_DIR", results)
-        mp.chdir(REPO)  # where `python -m benchmarks.<module>` runs, for the processes it starts
-        mp.setenv("PYTHONPATH", str(REPO))
+        mp.chdir(REPO)  # where `python -m benchmarks.<module>` runs: the processes it starts import from here
         for key, value in (env or {}).items():
             if value is None:
                 mp.delenv(key, raising=False)
