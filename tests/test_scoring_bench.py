@@ -5,26 +5,21 @@ benchmark."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from benchmarks import vllm_json
+from benchmarks import gateway, vllm_json
+from tests.bench_runs import run_benchmark_main
 
 pytestmark = pytest.mark.timeout(240)
-REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(module: str, tmp_path: Path) -> dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--compute-dtype", "FP32"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=200, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc: dict[str, object] = json.loads((tmp_path / f"{module}_quick.json").read_text())
+def _run(module: ModuleType, tmp_path: Path) -> dict[str, object]:
+    name = module.__name__.rsplit(".", 1)[-1]
+    doc = run_benchmark_main(module.main, ["--quick", "--compute-dtype", "FP32"], tmp_path, name=f"{name}_quick")
     settings = doc["settings"]
     assert isinstance(settings, dict)
     assert (settings["device"], settings["compute_dtype"]) == ("cpu", "FP32")
@@ -32,7 +27,7 @@ def _run(module: str, tmp_path: Path) -> dict[str, object]:
 
 
 def test_the_scoring_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
-    doc = _run("vllm_json", tmp_path)
+    doc = _run(vllm_json, tmp_path)
     summary = doc["summary"]
     assert isinstance(summary, dict) and set(summary) == set(vllm_json.VARIANTS)
     assert all(v["tokens_per_s"] > 0 and v["bytes_per_token"] > 0 for v in summary.values())
@@ -42,7 +37,7 @@ def test_the_scoring_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> 
 
 
 def test_the_gateway_benchmark_runs_and_reports_sane_figures(tmp_path: Path) -> None:
-    doc = _run("gateway", tmp_path)
+    doc = _run(gateway, tmp_path)
     summary = doc["summary"]
     assert isinstance(summary, dict) and set(summary) == {"direct", "gateway"}
     assert all(v["tokens_per_s"] > 0 for v in summary.values())
