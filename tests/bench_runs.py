@@ -52,7 +52,8 @@ def run_benchmark_main(main: Callable[[list[str]], int], args: list[str], result
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "RESULTS_DIR", results)
-        mp.chdir(REPO)  # where `python -m benchmarks.<module>` runs: the processes it starts import from here
+        mp.chdir(REPO)  # where `python -m benchmarks.<module>` runs, for the processes it starts
+        mp.setenv("PYTHONPATH", str(REPO))  # as run_benchmark's process had it: its children import the project
         for key, value in (env or {}).items():
             if value is None:
                 mp.delenv(key, raising=False)
