@@ -9,10 +9,6 @@ private cache) and its JSON must hold sane figures.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +16,11 @@ import pytest
 from examples.common import CACHE_ENV
 from teacher_server import BatchingConfig, ServerConfig
 from tests import seq_models
+from tests.bench_runs import run_benchmark_main
 from tests.servers import ServerThread
 from tests.test_padded_batching import PADDED, _check, _ok, _open_gate, _Queued, reference
 
 __all__ = ["_open_gate", "reference"]  # fixtures used by name
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +28,11 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One private cache for both benchmark runs: the first trains the smoke teacher into it, the other
     serves that teacher (the training is the example's business, not what these tests check)."""
     return tmp_path_factory.mktemp("llm-serving-cache")
+
+
+def _private(cache: Path) -> dict[str, str | None]:
+    """The benchmark's environment: the private cache, and no teacher named from outside."""
+    return {CACHE_ENV: str(cache), "DISTILL_LLM_TEACHER": None}
 
 
 def _server(max_batch_size: int, length_buckets: bool = True) -> ServerThread:
@@ -68,16 +68,13 @@ def test_without_length_buckets_any_lengths_share_a_batch(reference: seq_models.
     assert batches == [(1, 20), (3, 30)]
 
 
-@pytest.mark.timeout(330)  # the benchmark's own bound is 300 s: it trains a teacher and starts two servers
+@pytest.mark.timeout(330)  # trains the smoke teacher when it runs first, and starts two servers
 def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path, private_cache: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
-    env[CACHE_ENV] = str(private_cache)
-    env.pop("DISTILL_LLM_TEACHER", None)
-    cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--quick", "--tiny", "--reps", "1", "--sequences", "24",
-           "--batch", "4", "--max-foreign-cores", "0", "--out", "w6"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "results" / "w6.json").read_text())
+    from benchmarks import llm_serving
+
+    args = ["--quick", "--tiny", "--reps", "1", "--sequences", "24", "--batch", "4", "--max-foreign-cores", "0",
+            "--out", "w6"]
+    doc = run_benchmark_main(llm_serving.main, args, tmp_path, name="w6", env=_private(private_cache))
     assert doc["sequences"]["count"] == 24
     assert doc["sequences"]["min_len"] >= 8
     assert set(doc["medians_tokens_per_s"]) == {"inprocess", "server_buckets", "server_no_buckets"}
@@ -98,15 +95,12 @@ def test_the_benchmark_runs_and_reports_sane_figures(tmp_path: Path, private_cac
 
 @pytest.mark.timeout(330)  # trains the smoke teacher when it runs first, and starts a server
 def test_the_reader_mode_runs_and_reports_sane_figures(tmp_path: Path, private_cache: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DISTILL_BENCH_RESULTS=str(tmp_path / "results"))
-    env[CACHE_ENV] = str(private_cache)
-    env.pop("DISTILL_LLM_TEACHER", None)
-    cmd = [sys.executable, "-m", "benchmarks.llm_serving", "--mode", "reader", "--quick", "--tiny", "--reps", "1",
-           "--sequences", "24", "--batch", "4", "--student-batch", "3", "--max-foreign-cores", "0"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "padded rows match one request per row" in proc.stdout
-    doc = json.loads((tmp_path / "results" / "llm_reader.json").read_text())
+    from benchmarks import llm_serving
+
+    args = ["--mode", "reader", "--quick", "--tiny", "--reps", "1", "--sequences", "24", "--batch", "4",
+            "--student-batch", "3", "--max-foreign-cores", "0"]
+    doc = run_benchmark_main(llm_serving.main, args, tmp_path, name="llm_reader", env=_private(private_cache))
+    assert "padded rows match one request per row" in doc["stdout"]
     # the student's batches (--student-batch) apart from the server's batch bound (--batch)
     assert doc["sequences"]["count"] == 24 and doc["sequences"]["student_batch"] == 3
     assert doc["settings"]["batch"] == 4
