@@ -2,9 +2,9 @@
 
 One `Dispatcher` per engine, one `run` task per teacher service. For each chunk: take the oldest
 (a "suspect", refused once, goes alone), pick a teacher whose declared inputs take the batch
-(``distill.acquire``; none does: the batch is rejected, the teachers stay), split the chunk to the teacher's max batch, take
-along the chunks that may share its call (``distill.bundles``), send them (one ModelInfer, a
-deadline) and judge the outcome by the client's error type:
+(``distill.acquire``; none does: the batch is rejected, the teachers stay), split the chunk to
+the teacher's max batch, take along the chunks that may share its call (``distill.bundles``),
+send them (one ModelInfer, a deadline) and judge the outcome by the client's error type:
   answer        copy the outputs into the batch's tensors (``distill.batches.Delivery``)
   failure       the chunk goes back to the head of the queue: another teacher takes it
   rejection     retried once, alone, on another teacher; refused twice, only its batch fails (a
