@@ -74,7 +74,6 @@ from distill.types import FieldArray, OutputCache, ParameterValue, StoredRows
 log = logging.getLogger("distill.reader")
 
 
-
 class Engine:
     """Lives on the reader's event loop thread; the DistillReader talks to it thread-safely.
 

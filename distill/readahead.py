@@ -44,6 +44,7 @@ def depth(prefetch: int | None, batch_bytes: float, by_length_rows: int, batch_r
     fits = int(read_ahead_mb * 2**20 // batch_bytes)
     return max(PREFETCH, min(-(-by_length_rows // batch_rows), fits))
 
+
 END_OF_LOADER = object()
 
 
