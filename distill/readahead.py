@@ -6,7 +6,8 @@ context switch, the GIL changing hands), which on a fast loader costs more than 
 So the loader thread runs ahead on its own (`pump`): it takes read-ahead slots itself, reads as
 many batches as it holds slots for, and pushes each into a `Feed`, which wakes the event loop only
 when it is not already due to drain it. The training loop gives slots back (`ReadAhead.give_back`)
-and wakes the loader only once a quarter of the slots are free again, not for every batch.
+and, while it takes batches faster than one per `SLOW_TAKE_S`, wakes the loader only once a quarter
+of the slots are free again, not for every batch.
 """
 
 from __future__ import annotations
@@ -14,14 +15,24 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["END_OF_LOADER", "PREFETCH", "Failed", "Feed", "LoaderThread", "ReadAhead", "depth", "pump"]
+__all__ = ["END_OF_LOADER", "PREFETCH", "SLOW_TAKE_S", "Failed", "Feed", "LoaderThread", "ReadAhead", "depth",
+           "pump"]
 
 PREFETCH = 4
 """Batches read ahead when `prefetch` is not set and no teacher batches by length (`depth`)."""
+
+SLOW_TAKE_S = 0.002
+"""A training loop that takes batches this far apart or more (a moving average) wakes the loader for
+every slot it gives back: a wake-up costs tens of microseconds, little next to a batch that slow,
+while a slot left free is a teacher call not made until the next batch is taken. Faster loops wake
+it once a quarter of the slots are free."""
+
+_GAP_WEIGHT = 0.125  # of the latest gap in the moving average of the gaps between two takes
 
 
 def depth(prefetch: int | None, batch_bytes: float, by_length_rows: int, batch_rows: int,
@@ -115,8 +126,9 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
 class ReadAhead:
     """The read-ahead slots of one pass: taken on the loader thread before it reads a batch, given
     back from the training loop's thread when it takes one. A loader with no slot sleeps until
-    `wake_at` slots are free (a quarter of them), so a loader faster than the training loop is woken
-    once per few batches. `close` ends the pass: the loader's `take` then returns 0.
+    `wake_at` slots are free (a quarter of them), so a loader faster than a fast training loop is
+    woken once per few batches; a loop that takes a batch every `SLOW_TAKE_S` or slower wakes it for
+    each slot. `close` ends the pass: the loader's `take` then returns 0.
 
     With ordered delivery an answered batch may wait for an earlier one still at the teachers;
     `waiting` lends such a batch's slot back while it waits, for up to `size` of them, so one slow
@@ -132,6 +144,9 @@ class ReadAhead:
         self._waiting_batches = 0  # answered batches waiting for an earlier one (ordered delivery)
         self._lent = 0  # the slots lent to them: min(_waiting_batches, size)
         self._wake_at = max(1, slots // 4)
+        self._gap = 0.0  # moving average of the seconds between two give_back() calls (the first sets it)
+        self._last: float | None = None
+        self._gaps = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake the loader
         self._wakeup.acquire()
@@ -151,10 +166,16 @@ class ReadAhead:
             self._wakeup.acquire()
 
     def give_back(self) -> None:
-        """One slot back (any thread); wakes a waiting loader once `wake_at` slots are free."""
+        """One slot back (any thread); wakes a waiting loader once `wake_at` slots are free, or at
+        once when batches are taken `SLOW_TAKE_S` apart or more."""
+        now = time.perf_counter()
         with self._lock:
             self._free += 1
-            if self._waiting and self._free >= self._wake_at:
+            if self._last is not None:
+                self._gap += (now - self._last - self._gap) * (_GAP_WEIGHT if self._gaps else 1.0)
+                self._gaps += 1
+            self._last = now
+            if self._waiting and (self._free >= self._wake_at or self._gap >= SLOW_TAKE_S):
                 self._waiting = False
                 self._wakeup.release()
 

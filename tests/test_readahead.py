@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from distill.readahead import END_OF_LOADER, Failed, Feed, LoaderThread, ReadAhead, pump
+from distill.readahead import END_OF_LOADER, SLOW_TAKE_S, Failed, Feed, LoaderThread, ReadAhead, pump
 from distill.reader import BATCH, END, Outbox
 from distill.timeline import Timeline
 
@@ -50,6 +50,27 @@ def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
     assert done.wait(LIMIT_S), "close() must wake a loader waiting for a slot"
     thread.join(LIMIT_S)
     assert slots.take() == 0
+
+
+def test_a_training_loop_slower_than_slow_take_s_wakes_the_loader_for_every_slot() -> None:
+    """A slot left free waits for the next batch taken; when batches are taken far apart (an LLM
+    teacher's, tens of milliseconds each), the loader is woken for each one, not once a quarter is
+    free."""
+    slots = ReadAhead(1, 16)  # a quarter: 4
+    taken, thread = _loader(slots)
+    _wait_until(lambda: taken == [16], "the first take of every slot")
+    slots.give_back()  # the first take: no gap seen yet, 1 free of a quarter's 4: the loader sleeps on
+    time.sleep(0.05)
+    assert taken == [16]
+    time.sleep(SLOW_TAKE_S)
+    slots.give_back()  # batches now come at least SLOW_TAKE_S apart: the loader takes both free slots
+    _wait_until(lambda: taken == [16, 2], "the loader to take the two free slots")
+    time.sleep(2 * SLOW_TAKE_S)
+    slots.give_back()
+    _wait_until(lambda: taken == [16, 2, 1], "the loader to take the one slot given back")
+    slots.close()
+    thread.join(LIMIT_S)
+    assert not thread.is_alive()
 
 
 def _loader(slots: ReadAhead) -> tuple[list[int], threading.Thread]:
