@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -48,6 +49,7 @@ from benchmarks.vllm_json import Settings, draw, measure_json
 VARIANTS = ("direct", "gateway", "reader")
 MODEL_NAME = "tiny-llama"
 GOAL = 0.95
+SAMPLE_S = 0.01  # between two looks at the reader's calls in flight
 
 
 def save_engine_teacher(directory: Path, vocab: int, context: int) -> None:
@@ -92,11 +94,27 @@ def mesh_cpu(gateway_pid: int) -> float:
     return self_cpu_seconds() + process_cpu_seconds(gateway_pid)
 
 
-def read_all(reader: Any) -> int:
-    """One pass of the reader; the positions of top-k it delivered."""
+def read_all(reader: Any, in_flight: list[int] | None = None) -> int:
+    """One pass of the reader; the positions of top-k it delivered. With `in_flight`, the reader's
+    calls at the engine are sampled into it every `SAMPLE_S` while the pass runs (on a thread of
+    its own, so the samples do not fall only where the training loop takes a batch)."""
     positions = 0
-    for _, outputs in reader:
-        positions += int(outputs["LOGITS_TOPK_VALUES"].shape[1])
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(SAMPLE_S):
+            in_flight.append(reader.stats().in_flight)  # type: ignore[union-attr]
+
+    sampler = threading.Thread(target=sample, name="in-flight-sampler", daemon=True)
+    if in_flight is not None:
+        sampler.start()
+    try:
+        for _, outputs in reader:
+            positions += int(outputs["LOGITS_TOPK_VALUES"].shape[1])
+    finally:
+        done.set()
+        if in_flight is not None:
+            sampler.join()
     return positions
 
 
@@ -107,6 +125,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
     tokens = sum(len(q) for q in seqs)
     batches = [{"INPUT_IDS": np.asarray([q], dtype=np.int64)} for q in seqs]
     per_rep: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    in_flight: list[int] = []  # the reader's calls at the engine, sampled during its throughput runs
     with tempfile.TemporaryDirectory(prefix="engines-bench-") as name:
         tmp = Path(name)
         directory = tmp / "teacher"
@@ -121,10 +140,10 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
                 asyncio.run(wait_healthy(gateway_url, timeout=600))
                 urls = {"direct": f"http://{address}", "gateway": gateway_url}
 
-                def seconds(variant: str, clients: int) -> float:
+                def seconds(variant: str, clients: int, sampled: list[int] | None = None) -> float:
                     if variant == "reader":
                         started = time.perf_counter()
-                        assert read_all(readers[clients]) == tokens
+                        assert read_all(readers[clients], sampled) == tokens
                         return time.perf_counter() - started
                     return asyncio.run(measure_json(urls[variant], seqs, replace(s, clients=clients)))[0]
 
@@ -134,7 +153,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
                 for rep in range(s.reps):
                     for variant in (VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))):
                         engine0, mesh0 = tree_cpu_seconds(engine_pid), mesh_cpu(gateway.pid)
-                        m = {"tokens_per_s": tokens / seconds(variant, s.clients)}
+                        m = {"tokens_per_s": tokens / seconds(variant, s.clients, in_flight)}
                         m["engine_cpu_us_per_token"] = (tree_cpu_seconds(engine_pid) - engine0) / tokens * 1e6
                         m["client_cpu_us_per_token"] = (mesh_cpu(gateway.pid) - mesh0) / tokens * 1e6
                         m["ms_per_sequence"] = seconds(variant, 1) / len(seqs) * 1000
@@ -157,6 +176,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
              for v in ("gateway", "reader")}
     return {"benchmark": "engines", "engine": kind, "settings": s.__dict__, "tokens": tokens, "summary": summary,
             "throughput_vs_direct": relative, "added_ms_per_sequence": added, "goal": GOAL,
+            "reader_calls_in_flight": round(sum(in_flight) / len(in_flight), 2) if in_flight else None,
             "per_rep": per_rep, "machine": machine_info()}
 
 
@@ -168,8 +188,10 @@ def report(doc: dict[str, Any]) -> str:
     head = (f"engine {doc['engine']}: {s['sequences']} sequences ({doc['tokens']} tokens), prompt_logprobs "
             f"{s['top_k']}, {s['clients']} in flight (ms/sequence: 1 in flight), median of {s['reps']}; goal: "
             f"throughput >= {doc['goal']} of direct")
-    return head + "\n" + format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms",
-                                           "engine CPU µs/token", "client side CPU µs/token"], rows)
+    table = format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms", "engine CPU µs/token",
+                          "client side CPU µs/token"], rows)
+    return (f"{head}\n{table}\nthe reader's calls at the engine during its throughput runs (mean of samples every "
+            f"{SAMPLE_S * 1000:g} ms): {doc.get('reader_calls_in_flight')} of {s['clients']}")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str]:

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from statistics import median
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from benchmarks.common import (
     rate_report,
     run_and_report,
 )
+from benchmarks.cpu import process_cpu_seconds, self_cpu_seconds
 from teacher_server.launch import TeacherProcess
 from teacher_server.spec import ModelIO
 
@@ -196,8 +198,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"rep {rep}  {name:<7} {rate:9.0f} rows/s", flush=True)
 
         in_flight: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
-        rates = interleave(args.reps, {"routed": lambda: routed_rate(endpoints, batches, in_flight=in_flight["routed"]),
-                                       "split": lambda: split_rate(endpoints, batches, in_flight["split"])}, show)
+        cpu: dict[str, dict[str, list[float]]] = {v: {"readers": [], "teachers": []} for v in ("routed", "split")}
+        rows = sum(len(b["teacher"]) for b in batches)
+
+        def counted(variant: str, measure: Any) -> Any:
+            """`measure` with this process's and the teachers' CPU seconds per row recorded."""
+            def run_it() -> float:
+                ours, theirs = self_cpu_seconds(), process_cpu_seconds(math.pid) + process_cpu_seconds(code.pid)
+                rate = float(measure())
+                cpu[variant]["readers"].append((self_cpu_seconds() - ours) / rows * 1e6)
+                cpu[variant]["teachers"].append(
+                    (process_cpu_seconds(math.pid) + process_cpu_seconds(code.pid) - theirs) / rows * 1e6)
+                return rate
+            return run_it
+
+        rates = interleave(args.reps, {
+            "routed": counted("routed", lambda: routed_rate(endpoints, batches, in_flight=in_flight["routed"])),
+            "split": counted("split", lambda: split_rate(endpoints, batches, in_flight["split"]))}, show)
     ratios = paired_ratios(rates["routed"], rates["split"])
     return {
         "benchmark": "routing",
@@ -211,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **rate_fields(rates, ratios, "ratio_routed_vs_split", GOAL),
         "calls_in_flight": {v: {s: round(sum(xs) / len(xs), 2) if xs else None for s, xs in by_service.items()}
                             for v, by_service in in_flight.items()},
+        "cpu_us_per_row": {v: {k: round(median(xs), 1) for k, xs in by_part.items()} for v, by_part in cpu.items()},
     }
 
 
@@ -218,7 +236,9 @@ def report(doc: dict[str, Any]) -> str:
     table = rate_report(doc, ("routed", "split"), "ratio_routed_vs_split")
     shown = "; ".join(f"{v} " + ", ".join(f"{s} {n}" for s, n in by_service.items())
                       for v, by_service in doc["calls_in_flight"].items())
-    return f"{table}\ncalls in flight per expert (mean): {shown}"
+    cpu = "; ".join(f"{v} readers {x['readers']}, teachers {x['teachers']}"
+                    for v, x in doc.get("cpu_us_per_row", {}).items())
+    return f"{table}\ncalls in flight per expert (mean): {shown}\nCPU µs per row (median): {cpu}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,5 +28,7 @@ def test_the_engines_workload_runs_and_reports_sane_figures(tmp_path: Path) -> N
         assert math.isfinite(doc["throughput_vs_direct"][variant]) and doc["throughput_vs_direct"][variant] > 0
         assert math.isfinite(doc["added_ms_per_sequence"][variant])
     assert all(len(reps) == 1 for reps in doc["per_rep"].values())
+    sampled = doc["reader_calls_in_flight"]  # None when its passes were shorter than one sampling interval
+    assert sampled is None or 0 <= sampled <= doc["settings"]["clients"], sampled
     assert doc["machine"]["cpu_count"] >= 1
     assert "vs direct" in doc["stdout"]  # the printed table

@@ -28,4 +28,9 @@ def test_w8_measures_the_routed_reader_and_the_split_readers(tmp_path: Path) -> 
         "routed": {"math", "code"}, "split": {"math", "code"}}, in_flight
     assert all(isinstance(n, float) and 0 <= n <= 64 for by_service in in_flight.values()
                for n in by_service.values()), in_flight
+    cpu = doc["cpu_us_per_row"]  # this process's and the two teachers' CPU per row, per side
+    assert {v: set(parts) for v, parts in cpu.items()} == {"routed": {"readers", "teachers"},
+                                                          "split": {"readers", "teachers"}}, cpu
+    assert all(0 < us < 1e6 for parts in cpu.values() for us in parts.values()), cpu
     assert doc["machine"] and "routed / split" in doc["stdout"] and "calls in flight per expert" in doc["stdout"]
+    assert "CPU µs per row" in doc["stdout"]
