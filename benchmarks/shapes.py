@@ -1,11 +1,12 @@
 """Causal LMs of real shapes with random weights, for GPU measurements that need the real cost of
 a forward pass (its matrices, its vocabulary) but not its accuracy.
 
-    .venv/bin/python -m benchmarks.shapes qwen2.5-1.5b --tokenizer DIR --out DIR [--context 1024]
+    .venv/bin/python -m benchmarks.shapes qwen2.5-1.5b --tokenizer DIR|smoke --out DIR [--context 1024]
         [--device cuda --dtype BF16]
 
 The directory is a `save_pretrained` one (config, weights, and the tokenizer files copied from
---tokenizer, e.g. the LLM example's teacher, whose ids all fall inside the larger vocabulary), so
+--tokenizer, e.g. the LLM example's teacher, whose ids all fall inside the larger vocabulary; `smoke`
+is the LLM example's smoke tokenizer, trained and cached first if there is none), so
 `teacher-server --model hf:DIR`, `benchmarks.llm_serving --teacher DIR` and
 `benchmarks.teacher_memory --teacher DIR` take it as they take a trained teacher.
 """
@@ -67,12 +68,19 @@ def write(shape: str, tokenizer: Path, out: Path, *, context: int, device: str, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shape", choices=sorted(SHAPES))
-    p.add_argument("--tokenizer", required=True, type=Path, help="a directory with tokenizer.json")
+    p.add_argument("--tokenizer", required=True, type=Path,
+                   help="a directory with tokenizer.json, or `smoke`: the LLM example's smoke tokenizer")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--context", type=int, default=1024, help="max_position_embeddings (default 1024)")
     p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster)")
     p.add_argument("--dtype", type=str.upper, choices=list(DTYPES), default="BF16")
     a = p.parse_args(argv)
+    if str(a.tokenizer) == "smoke":  # in this process: a process of its own to find it imports torch again
+        from examples.llm.tokenizer import get_tokenizer, tokenizer_dir
+
+        a.tokenizer = tokenizer_dir(smoke=True)
+        if not (a.tokenizer / "tokenizer.json").is_file():
+            get_tokenizer(smoke=True)
     write(a.shape, a.tokenizer, a.out, context=a.context, device=a.device, dtype=a.dtype)
     return 0
 
