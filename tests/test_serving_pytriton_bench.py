@@ -4,18 +4,13 @@ and the W2/W3 ratios against it land in the JSON and the table."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import serving
+from tests.bench_runs import run_benchmark_main
 from tests.pytriton_env import pytriton_python_or_skip
-
-REPO = Path(__file__).resolve().parent.parent
 
 # The venv may be built here first (pip download and install, about 2 minutes once).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -27,16 +22,12 @@ def pytriton_python() -> Path:
 
 
 def test_the_benchmark_measures_pytriton_beside_teacher_server(pytriton_python: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "DISTILL_BENCH_RESULTS": str(tmp_path)}
     # One repetition, no quiet gate: a smoke run. A window of a few batch times, so even a loaded
-    # machine completes several batches of 256 in it.
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serving", "--quick", "--pytriton", "--reps", "1", "--warmup", "0.3",
-         "--duration", "3", "--max-foreign-cores", "0", "--out", "serving_pytriton_test"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    doc = json.loads((tmp_path / "serving_pytriton_test.json").read_text())
+    # machine completes several batches of 256 in it. Its main in this process (a fresh interpreter
+    # would import torch again); the servers are processes of their own either way.
+    doc = run_benchmark_main(serving.main, ["--quick", "--pytriton", "--reps", "1", "--warmup", "0.3", "--duration",
+                                            "3", "--max-foreign-cores", "0", "--out", "serving_pytriton_test"],
+                             tmp_path, name="serving_pytriton_test")
 
     # PyTriton ran with the batching teacher-server's layout and answered what the model computes.
     pt = doc["pytriton"]
@@ -63,7 +54,7 @@ def test_the_benchmark_measures_pytriton_beside_teacher_server(pytriton_python: 
     assert ratios["w2_server_over_pytriton"]["verdict"] == "smoke test only"
     for row in ("W2 PyTriton saturated, batch 256", "W3 PyTriton batching, 64 x batch 8",
                 "W2 server / PyTriton (batch 256)", "W3 batching on / PyTriton (64 x batch 8)"):
-        assert row in proc.stdout
+        assert row in doc["stdout"]
 
 
 def test_pytriton_is_left_out_unless_the_run_is_cpu_fp32_or_asked_for() -> None:
