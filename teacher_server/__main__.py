@@ -1,5 +1,5 @@
 import sys
 
-from teacher_server.cli import main
+from teacher_server.entry import main
 
 sys.exit(main())

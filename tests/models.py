@@ -157,3 +157,8 @@ def tiny_lm(vocab: int = 50, hidden: int = 16, seed: int = 0, scale: float = 1.0
     if vocab < 2:
         raise ValueError(f"vocab must be at least 2, got {vocab}")
     return TinyLM(vocab, hidden, seed, scale)
+
+
+def omp_wait_policy() -> nn.Module:
+    """Refuses to load, naming the OpenMP wait policy its process has (tests of teacher_server.entry)."""
+    raise ValueError(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '<unset>')}")
