@@ -117,10 +117,18 @@ def _sample_in_flight(reader: Any, into: dict[str, list[int]] | None, name: dict
         into[name[service]].append(sum(figures["in_flight"] for figures in teachers.values()))
 
 
+def _count_calls(reader: Any, into: dict[str, list[int]] | None, name: dict[str, str]) -> None:
+    """Append the calls each service's teachers answered in this reader's pass to `into[name[service]]`."""
+    if into is None:
+        return
+    for service, teachers in reader.stats().teachers.items():
+        into[name[service]].append(sum(int(figures["ok"]) for figures in teachers.values()))
+
+
 def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check: bool = False,
-                in_flight: dict[str, list[int]] | None = None) -> float:
+                in_flight: dict[str, list[int]] | None = None, calls: dict[str, list[int]] | None = None) -> float:
     """Rows per second of one routing reader over `batches` (connecting is not timed); samples of its
-    calls in flight per service go to `in_flight`."""
+    calls in flight per service go to `in_flight`, the calls it made per service to `calls`."""
     from distill import DistillReader
 
     outputs = []
@@ -135,15 +143,16 @@ def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check:
             if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
                 _sample_in_flight(reader, in_flight, {s: s for s in endpoints})
         elapsed = time.perf_counter() - started
+        _count_calls(reader, calls, {s: s for s in endpoints})
     if check:
         _check(batches, outputs)
     return rows / elapsed
 
 
 def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]],
-               in_flight: dict[str, list[int]] | None = None) -> float:
+               in_flight: dict[str, list[int]] | None = None, calls: dict[str, list[int]] | None = None) -> float:
     """Rows per second of two readers, one per expert, each over its own rows, on two threads;
-    samples of each one's calls in flight go to `in_flight` under its expert."""
+    samples of each one's calls in flight go to `in_flight` under its expert, its calls to `calls`."""
     from distill import DistillReader
 
     parts = {"math": _own_rows(batches, True), "code": _own_rows(batches, False)}
@@ -171,6 +180,8 @@ def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]],
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - started
+        for service, r in readers.items():
+            _count_calls(r, calls, {"teachers": service})
     finally:
         for r in readers.values():
             r.close()
@@ -199,6 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         in_flight: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
         cpu: dict[str, dict[str, list[float]]] = {v: {"readers": [], "teachers": []} for v in ("routed", "split")}
+        calls: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
+        expert_rows = {"math": sum(int(b["to_math"].sum()) for b in batches)}
+        expert_rows["code"] = sum(len(b["teacher"]) for b in batches) - expert_rows["math"]
         rows = sum(len(b["teacher"]) for b in batches)
 
         def counted(variant: str, measure: Any) -> Any:
@@ -213,8 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return run_it
 
         rates = interleave(args.reps, {
-            "routed": counted("routed", lambda: routed_rate(endpoints, batches, in_flight=in_flight["routed"])),
-            "split": counted("split", lambda: split_rate(endpoints, batches, in_flight["split"]))}, show)
+            "routed": counted("routed", lambda: routed_rate(endpoints, batches, in_flight=in_flight["routed"],
+                                                            calls=calls["routed"])),
+            "split": counted("split", lambda: split_rate(endpoints, batches, in_flight["split"], calls["split"])),
+        }, show)
     ratios = paired_ratios(rates["routed"], rates["split"])
     return {
         "benchmark": "routing",
@@ -229,6 +245,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls_in_flight": {v: {s: round(sum(xs) / len(xs), 2) if xs else None for s, xs in by_service.items()}
                             for v, by_service in in_flight.items()},
         "cpu_us_per_row": {v: {k: round(median(xs), 1) for k, xs in by_part.items()} for v, by_part in cpu.items()},
+        "rows_per_call": {v: {s: round(expert_rows[s] / median(xs), 1) if xs and median(xs) else None
+                              for s, xs in by_service.items()} for v, by_service in calls.items()},
     }
 
 
@@ -238,7 +256,10 @@ def report(doc: dict[str, Any]) -> str:
                       for v, by_service in doc["calls_in_flight"].items())
     cpu = "; ".join(f"{v} readers {x['readers']}, teachers {x['teachers']}"
                     for v, x in doc.get("cpu_us_per_row", {}).items())
-    return f"{table}\ncalls in flight per expert (mean): {shown}\nCPU µs per row (median): {cpu}"
+    per_call = "; ".join(f"{v} " + ", ".join(f"{s} {n}" for s, n in by_service.items())
+                         for v, by_service in doc.get("rows_per_call", {}).items())
+    return (f"{table}\ncalls in flight per expert (mean): {shown}\nCPU µs per row (median): {cpu}\n"
+            f"rows per call to each expert (median calls of a pass): {per_call}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

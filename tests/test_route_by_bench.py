@@ -34,3 +34,7 @@ def test_w8_measures_the_routed_reader_and_the_split_readers(tmp_path: Path) -> 
     assert all(0 < us < 1e6 for parts in cpu.values() for us in parts.values()), cpu
     assert doc["machine"] and "routed / split" in doc["stdout"] and "calls in flight per expert" in doc["stdout"]
     assert "CPU µs per row" in doc["stdout"]
+    per_call = doc["rows_per_call"]  # each expert's rows over the calls it answered in a pass
+    assert {v: set(by_service) for v, by_service in per_call.items()} == {
+        "routed": {"math", "code"}, "split": {"math", "code"}}, per_call
+    assert all(1 <= n <= 64 for by_service in per_call.values() for n in by_service.values()), per_call
