@@ -30,9 +30,9 @@ SLOW_TAKE_S = 0.01
 """A training loop that takes batches this far apart or more (a moving average) wakes the loader for
 every slot it gives back: a slot left free is a teacher call not made until the next batch is taken,
 which at these gaps costs more than what the batches read together would save by sharing calls
-(`distill.bundles`: a call's fixed cost, well under a millisecond of CPU on either side) and than
-the wake-up itself. Faster loops wake it once a quarter of the slots are free, so that the batches
-it then reads reach the event loop together and share calls."""
+(`distill.bundles`: the fixed cost of a call, on either side) and than the wake-up itself. Faster
+loops wake it once a quarter of the slots are free, so that the batches it then reads reach the
+event loop together and share calls."""
 
 _GAP_WEIGHT = 0.125  # of the latest gap in the moving average of the gaps between two takes
 
