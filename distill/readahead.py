@@ -146,9 +146,8 @@ class ReadAhead:
         self._waiting_batches = 0  # answered batches waiting for an earlier one (ordered delivery)
         self._lent = 0  # the slots lent to them: min(_waiting_batches, size)
         self._wake_at = max(1, slots // 4)
-        self._gap = 0.0  # moving average of the seconds between two give_back() calls (the first sets it)
+        self._gap: float | None = None  # moving average of the seconds between two give_back() calls
         self._last: float | None = None
-        self._gaps = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake the loader
         self._wakeup.acquire()
@@ -173,11 +172,12 @@ class ReadAhead:
         now = time.perf_counter()
         with self._lock:
             self._free += 1
-            if self._last is not None:
-                self._gap += (now - self._last - self._gap) * (_GAP_WEIGHT if self._gaps else 1.0)
-                self._gaps += 1
+            if self._last is not None:  # the first gap sets the average
+                gap = now - self._last
+                self._gap = gap if self._gap is None else self._gap + (gap - self._gap) * _GAP_WEIGHT
             self._last = now
-            if self._waiting and (self._free >= self._wake_at or self._gap >= SLOW_TAKE_S):
+            slow = self._gap is not None and self._gap >= SLOW_TAKE_S
+            if self._waiting and (self._free >= self._wake_at or slow):
                 self._waiting = False
                 self._wakeup.release()
 
