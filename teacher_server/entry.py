@@ -17,24 +17,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["PROCESS_DEFAULTS", "apply_process_defaults", "main"]
+__all__ = ["WAIT_POLICY", "apply_process_defaults", "main"]
 
-PROCESS_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""Environment defaults of a teacher-server process, applied unless the variable (or, for the
-wait policy, `GOMP_SPINCOUNT`) is set."""
+WAIT_POLICY = "PASSIVE"
+"""The `OMP_WAIT_POLICY` of a teacher-server process whose environment sets neither it nor
+`GOMP_SPINCOUNT` (either is a choice of how to wait)."""
 
-_OVERRIDDEN_BY = {"OMP_WAIT_POLICY": ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+_CHOSEN_BY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def apply_process_defaults(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, str]:
-    """Set each of `PROCESS_DEFAULTS` the environment leaves unset; what was set. Call it before
-    anything imports torch."""
-    applied = {}
-    for name, value in PROCESS_DEFAULTS.items():
-        if not any(other in environ for other in _OVERRIDDEN_BY.get(name, (name,))):
-            environ[name] = value
-            applied[name] = value
-    return applied
+    """Set the wait policy unless the environment chose one; what was set. Call it before anything
+    imports torch."""
+    if any(name in environ for name in _CHOSEN_BY):
+        return {}
+    environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return {"OMP_WAIT_POLICY": WAIT_POLICY}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
