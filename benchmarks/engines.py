@@ -98,24 +98,22 @@ def read_all(reader: Any, in_flight: list[int] | None = None) -> int:
     """One pass of the reader; the positions of top-k it delivered. With `in_flight`, the reader's
     calls at the engine are sampled into it every `SAMPLE_S` while the pass runs (on a thread of
     its own, so the samples do not fall only where the training loop takes a batch)."""
-    positions = 0
+    if in_flight is None:
+        return sum(int(outputs["LOGITS_TOPK_VALUES"].shape[1]) for _, outputs in reader)
+    samples = in_flight
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(SAMPLE_S):
-            in_flight.append(reader.stats().in_flight)  # type: ignore[union-attr]
+            samples.append(reader.stats().in_flight)
 
     sampler = threading.Thread(target=sample, name="in-flight-sampler", daemon=True)
-    if in_flight is not None:
-        sampler.start()
+    sampler.start()
     try:
-        for _, outputs in reader:
-            positions += int(outputs["LOGITS_TOPK_VALUES"].shape[1])
+        return read_all(reader)
     finally:
         done.set()
-        if in_flight is not None:
-            sampler.join()
-    return positions
+        sampler.join()
 
 
 def run(s: Settings, kind: str) -> dict[str, Any]:

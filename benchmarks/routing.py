@@ -109,20 +109,14 @@ def _check(batches: list[dict[str, Any]], outputs: list[torch.Tensor]) -> None:
             assert torch.allclose(y, want, atol=1e-4), "a routed row got another expert's answer"
 
 
-def _sample_in_flight(reader: Any, into: dict[str, list[int]] | None, name: dict[str, str]) -> None:
-    """Append each service's calls in flight now to `into[name[service]]` (None: not sampled)."""
+def _per_service(reader: Any, figure: str, into: dict[str, list[int]] | None, name: dict[str, str]) -> None:
+    """Append each service's `figure` of the reader's teacher stats, summed over its teachers, to
+    `into[name[service]]` (None: not kept): "in_flight", its calls in flight now; "ok", the calls
+    it has had answered."""
     if into is None:
         return
     for service, teachers in reader.stats().teachers.items():
-        into[name[service]].append(sum(figures["in_flight"] for figures in teachers.values()))
-
-
-def _count_calls(reader: Any, into: dict[str, list[int]] | None, name: dict[str, str]) -> None:
-    """Append the calls each service's teachers answered in this reader's pass to `into[name[service]]`."""
-    if into is None:
-        return
-    for service, teachers in reader.stats().teachers.items():
-        into[name[service]].append(sum(int(figures["ok"]) for figures in teachers.values()))
+        into[name[service]].append(sum(int(figures[figure]) for figures in teachers.values()))
 
 
 def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check: bool = False,
@@ -141,9 +135,9 @@ def routed_rate(endpoints: dict[str, str], batches: list[dict[str, Any]], check:
             if check:
                 outputs.append(teacher["Y"])
             if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
-                _sample_in_flight(reader, in_flight, {s: s for s in endpoints})
+                _per_service(reader, "in_flight", in_flight, {s: s for s in endpoints})
         elapsed = time.perf_counter() - started
-        _count_calls(reader, calls, {s: s for s in endpoints})
+        _per_service(reader, "ok", calls, {s: s for s in endpoints})
     if check:
         _check(batches, outputs)
     return rows / elapsed
@@ -167,7 +161,7 @@ def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]],
             for i, (b, _) in enumerate(readers[service]):
                 rows += len(b["X"])
                 if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
-                    _sample_in_flight(readers[service], in_flight, {"teachers": service})
+                    _per_service(readers[service], "in_flight", in_flight, {"teachers": service})
             counts[service] = rows
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -181,7 +175,7 @@ def split_rate(endpoints: dict[str, str], batches: list[dict[str, Any]],
             t.join()
         elapsed = time.perf_counter() - started
         for service, r in readers.items():
-            _count_calls(r, calls, {"teachers": service})
+            _per_service(r, "ok", calls, {"teachers": service})
     finally:
         for r in readers.values():
             r.close()
@@ -211,18 +205,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         in_flight: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
         cpu: dict[str, dict[str, list[float]]] = {v: {"readers": [], "teachers": []} for v in ("routed", "split")}
         calls: dict[str, dict[str, list[int]]] = {v: {s: [] for s in endpoints} for v in ("routed", "split")}
-        expert_rows = {"math": sum(int(b["to_math"].sum()) for b in batches)}
-        expert_rows["code"] = sum(len(b["teacher"]) for b in batches) - expert_rows["math"]
         rows = sum(len(b["teacher"]) for b in batches)
+        math_rows = sum(int(b["to_math"].sum()) for b in batches)
+        expert_rows = {"math": math_rows, "code": rows - math_rows}
+
+        def teachers_cpu() -> float:
+            return process_cpu_seconds(math.pid) + process_cpu_seconds(code.pid)
 
         def counted(variant: str, measure: Any) -> Any:
             """`measure` with this process's and the teachers' CPU seconds per row recorded."""
             def run_it() -> float:
-                ours, theirs = self_cpu_seconds(), process_cpu_seconds(math.pid) + process_cpu_seconds(code.pid)
+                ours, theirs = self_cpu_seconds(), teachers_cpu()
                 rate = float(measure())
                 cpu[variant]["readers"].append((self_cpu_seconds() - ours) / rows * 1e6)
-                cpu[variant]["teachers"].append(
-                    (process_cpu_seconds(math.pid) + process_cpu_seconds(code.pid) - theirs) / rows * 1e6)
+                cpu[variant]["teachers"].append((teachers_cpu() - theirs) / rows * 1e6)
                 return rate
             return run_it
 
@@ -245,9 +241,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls_in_flight": {v: {s: round(sum(xs) / len(xs), 2) if xs else None for s, xs in by_service.items()}
                             for v, by_service in in_flight.items()},
         "cpu_us_per_row": {v: {k: round(median(xs), 1) for k, xs in by_part.items()} for v, by_part in cpu.items()},
-        "rows_per_call": {v: {s: round(expert_rows[s] / median(xs), 1) if xs and median(xs) else None
-                              for s, xs in by_service.items()} for v, by_service in calls.items()},
+        "rows_per_call": {v: {s: _rows_per_call(expert_rows[s], xs) for s, xs in by_service.items()}
+                          for v, by_service in calls.items()},
     }
+
+
+def _rows_per_call(rows: int, calls: list[int]) -> float | None:
+    """An expert's rows over the median calls of a pass (None when no pass called it)."""
+    typical = median(calls) if calls else 0
+    return round(rows / typical, 1) if typical else None
 
 
 def report(doc: dict[str, Any]) -> str:
