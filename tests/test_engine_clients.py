@@ -179,6 +179,18 @@ def test_an_engine_answers_what_the_model_and_a_kserve_teacher_answer(
 
 
 @pytest.mark.parametrize("engine", ["vllm", "teacher-server-as-vllm"])
+def test_a_batch_of_one_sequence_is_scored_as_the_model_scores_it(
+        engine: str, request: pytest.FixtureRequest, reference: torch.nn.Module) -> None:
+    """One prompt goes to vLLM as a flat list of ids (a list of lists otherwise): the answer is
+    read the same way."""
+    data = [{name: value[r:r + 1] for name, value in batches()[0].items()} for r in (0, 1, 3)]
+    answers = read(teachers(engine, request), data)
+    assert len(answers) == len(data)
+    for i, (got, batch) in enumerate(zip(answers, data, strict=True)):
+        assert_same(got, expected(reference, batch), f"{engine} one-row batch {i} vs the model")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "teacher-server-as-vllm"])
 def test_vllm_reports_the_ranks_a_kserve_teacher_reports(
         engine: str, request: pytest.FixtureRequest, kserve: ServerThread) -> None:
     data = batches()[:1]

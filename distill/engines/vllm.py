@@ -89,7 +89,11 @@ class VllmClient(EngineClient):
     reports_ranks = True
 
     async def _score(self, pl: Plan, model: str, timeout: float) -> Sequence[RowScores]:
-        body: dict[str, Any] = {"prompt": [[*p, p[-1]] for p in pl.prompts], "max_tokens": 1,
+        # Each prompt gets its last token again, so the answer scores the position after it too. One
+        # prompt goes as a flat list of ids, as clients send one: vLLM spends a few percent more CPU on
+        # a list of prompts, even of one (benchmarks.engines).
+        prompts = [[*p, p[-1]] for p in pl.prompts]
+        body: dict[str, Any] = {"prompt": prompts[0] if len(prompts) == 1 else prompts, "max_tokens": 1,
                                 "prompt_logprobs": pl.k, "temperature": 1.0}
         if model:
             body["model"] = model
