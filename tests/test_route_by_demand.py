@@ -109,11 +109,13 @@ def test_each_expert_gets_demand_in_proportion_to_its_rows(tmp_path: Path) -> No
     assert rates[math][2] > 0 and rates[code][2] > 0 and rates[math][2] >= 3 * rates[code][2], rates
     assert rates[math][3] == rates[math][2] and rates[code][3] == rates[code][2], rates  # one token per row
     # What the autoscaler's policy makes of it: with teachers that each serve the code share, the math
-    # pool needs about four times as many.
+    # pool needs about four times as many. The proportion is the rates'; the student's measured wait
+    # fraction says how loaded this machine was (it adds teachers when the student waits), so the
+    # policy reads the rates with no wait.
     needed: dict[str, int] = {}
-    for service, (rate, wait, _rows, _tokens) in rates.items():
+    for service, (rate, _wait, _rows, _tokens) in rates.items():
         snapshot = ScaleSnapshot(current=1, teachers=(TeacherSample("t", capacity=rates[code][0] / 0.8),),
-                                 students=(StudentSample("router-student", rate, wait),))
+                                 students=(StudentSample("router-student", rate, 0.0),))
         decision = decide(snapshot, PolicyConfig(min_teachers=1, max_teachers=16), PolicyState(), time.monotonic())
         assert decision.needed is not None, decision.reason
         needed[service] = decision.needed
