@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import threading
 import time
@@ -28,7 +27,7 @@ from benchmarks.common import (
 from benchmarks.cpu import CpuMeter, CpuUsage, busiest_threads, thread_cpu_seconds
 from benchmarks.device import DeviceChoice
 from teacher_server.batch_rules import TYPICAL_LENGTH
-from teacher_server.server import default_instances
+from teacher_server.server import default_instances, usable_cores
 
 MODEL_NAME = "llm_teacher"
 RATIO_GOAL = 0.90
@@ -94,7 +93,7 @@ class Settings:
 
     @property
     def server_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.server_instances)
+        return self.threads or max(1, usable_cores() // self.server_instances)
 
     @property
     def concurrency(self) -> int:

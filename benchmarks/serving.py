@@ -89,7 +89,7 @@ from benchmarks.serving_measure import (
 )
 from examples.refteacher import build
 from teacher_server.launch import TeacherProcess
-from teacher_server.server import default_instances
+from teacher_server.server import default_instances, usable_cores
 
 MODEL_REF = REF_MODEL_REF
 # The goals of docs/design/workloads.md.
@@ -135,7 +135,7 @@ class Settings:
 
     @property
     def server_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.server_instances)
+        return self.threads or max(1, usable_cores() // self.server_instances)
 
     @property
     def server_instances(self) -> int:

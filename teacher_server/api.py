@@ -264,7 +264,7 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     """Serve ``model`` until SIGINT or SIGTERM, then drain; the blocking form (call it from the main
     thread: it installs the signal handlers). ``teacher-server`` is this function behind argparse:
     its keywords are the flags' (``teacher_server.options.SETTINGS``), with the flags' defaults
-    (``port=8001``, Triton's gRPC port; ``instances``: one per core on CPU, 2 on GPU).
+    (``port=8001``, Triton's gRPC port; ``instances``: one per usable core on CPU, 2 on GPU).
 
     ``inputs``/``outputs``: declarations ``"NAME:DATATYPE:D1,D2"`` (or ``TensorSpec``) in
     ``forward()`` order, batch dimension left out; outputs are inferred when not declared.
@@ -272,7 +272,7 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     (``registry_options``: ``discovery.open_registry``'s TLS and credential options); credentials
     etcd refuses stop it before the model loads (RegistryAccessError).
     ``ready_file``: written with ``{endpoint, port, pid, ...}`` as JSON once serving.
-    ``threads``: torch intra-op threads (default: the cores shared out between the instances).
+    ``threads``: torch intra-op threads (default: the usable cores shared out between the instances).
     Everything else goes to ``prepare`` (device, max_batch_size, preprocess, instances, ...).
     The port opens before the model loads and warms up (health NOT_SERVING meanwhile), so a
     load failure is reported with the port already answering, as with the CLI.

@@ -165,10 +165,10 @@ class ServerConfig(OutputSettings, HTTPLimits):
     compute_dtype: str = setting(
         "FP32", "autocast dtype for the forward pass; an hf:DIR teacher loads its weights in it "
         "(default: %(default)s)", group="model", type=str.upper, choices=DTYPES)
-    # serve() and the CLI default to 0 (one per core on CPU, 2 on GPU); a config built directly, to 1.
+    # serve() and the CLI default to 0 (one per usable core on CPU, 2 on GPU); a config built directly, to 1.
     instances: int = setting(
-        0, "model instances, each on its own thread (default: one per core on CPU, 2 on GPU)", group="model",
-        type=int, check=at_least(0, "(0: one per core on CPU, 2 on GPU)"), field_default=1)
+        0, "model instances, each on its own thread (default: one per usable core on CPU, 2 on GPU)", group="model",
+        type=int, check=at_least(0, "(0: one per usable core on CPU, 2 on GPU)"), field_default=1)
     output_chunk_mb: int = setting(
         CHUNK_BYTES >> 20, "output transforms of sequence models (top-k, log-probs, scores, an hf: LM's output "
         "projection) run this many MiB of fp32 logits at a time: larger chunks launch fewer, larger kernels, "

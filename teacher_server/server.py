@@ -380,8 +380,17 @@ measured best (docs/benchmarks.md). While one instance's thread does a batch's h
 contention, not overlap. The weights are shared, so a second instance costs only its activations."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's cpuset, `taskset`, a
+    Kubernetes pod with exclusive CPUs), not the host's count, which `os.cpu_count()` gives."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
 def default_instances(device: str | None) -> int:
-    """One single-threaded instance per core on CPU; GPU_INSTANCES on an accelerator.
+    """One single-threaded instance per usable core on CPU; GPU_INSTANCES on an accelerator.
 
     On CPU, one instance with a thread per core loses a whole batch step whenever the event loop or
     gRPC takes a core: every intra-op sync point waits for the descheduled thread. Independent
@@ -390,12 +399,12 @@ def default_instances(device: str | None) -> int:
     named = device not in (None, "", "auto")
     if (torch.device(str(device)).type if named else resolve_device(device).type) != "cpu":
         return GPU_INSTANCES
-    return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 def configure_torch_threads(threads: int | None, instances: int = 1) -> None:
-    """Intra-op threads for the model: the cores shared out between the instances."""
+    """Intra-op threads for the model: the usable cores shared out between the instances."""
     if threads:
         torch.set_num_threads(threads)
     elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, instances)))
+        torch.set_num_threads(max(1, usable_cores() // max(1, instances)))

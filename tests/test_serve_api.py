@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,5 +273,47 @@ def test_serve_refuses_credentials_etcd_refuses_before_serving(tmp_path: Path) -
 def test_the_instance_default_follows_the_device_named_even_without_that_device_here() -> None:
     from teacher_server.server import GPU_INSTANCES, default_instances
 
-    assert default_instances("cpu") == max(1, os.cpu_count() or 1)
+    assert default_instances("cpu") == len(os.sched_getaffinity(0))
     assert default_instances("cuda") == default_instances("cuda:1") == GPU_INSTANCES == 2
+
+
+def _instance_threads(pid: int) -> list[str]:
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            names.append((task / "comm").read_text().strip())
+    return sorted(n for n in names if n.startswith("instance-"))
+
+
+def test_a_teacher_pinned_to_one_core_runs_one_instance_with_one_thread(tmp_path: Path) -> None:
+    """The CPU defaults count the cores the process may run on (a cpuset, `taskset`, a pod's
+    exclusive CPUs), not the host's: pinned to one core, the server runs one single-threaded
+    instance, where the host's count would start one per host core, all on that one."""
+    core = min(os.sched_getaffinity(0))
+    args = ["--model", "examples.refteacher:build", "--name", "ref", "--device", "cpu"]
+    log = tmp_path / "teacher.log"
+    proc = TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, log=log, ready_timeout=120, stop_grace=10)
+
+    def launch_pinned() -> None:  # a child starts with the affinity of the thread that forks it
+        os.sched_setaffinity(0, {core})
+        proc.launch()
+
+    spawner = threading.Thread(target=launch_pinned)
+    spawner.start()
+    spawner.join(30)
+    try:
+        proc.wait_ready()
+        assert os.sched_getaffinity(proc.pid) == {core}
+        assert ", 1 instance(s)," in log.read_text(), log.read_text()
+        client = tg.InferenceServerClient(proc.endpoint)
+        try:
+            x = tg.InferInput("INPUT", [4, 3, 32, 32], "FP32")
+            x.set_data_from_numpy(np.ones((4, 3, 32, 32), dtype=np.float32))
+            assert client.infer("ref", [x]).as_numpy("LOGITS").shape == (4, 100)
+        finally:
+            client.close()
+        # After a batch ran: one instance thread and no OpenMP worker beside it (a worker would carry
+        # the name of the instance thread that started it).
+        assert _instance_threads(proc.pid) == ["instance-0"]
+    finally:
+        proc.stop()
