@@ -154,6 +154,10 @@ run_stage() {
         --out serving_gpu_threads2
       stage serving_threads_default 200 $PY -m benchmarks.serving --device "$DEVICE" --compute-dtype FP16 --quick \
         --out serving_gpu ;;
+    serving_split)  # W2/W3 on the host's CPU as this project's 2-core machine runs them, but with the load
+                    # generator on cores of its own: servers and in-process loops on 0-1, the client on 2-5
+      stage serving_split 200 $PY -m benchmarks.serving --server-cpus 0-1 --client-cpus 2-5 --reps "${SPLIT_REPS:-5}" \
+        --out serving_cpu_split ;;
     w1) stage w1 200 $PY -m benchmarks.mesh --only w1 --device "$DEVICE" --compute-dtype FP16 --quick ;;
     w1_train) stage w1_train 240 $PY -m benchmarks.w1_train --device "$DEVICE" --compute-dtype FP16 --reps "$REPS" ;;
     w7) stage w7 200 $PY -m benchmarks.onpolicy --device "$DEVICE" --compute-dtype "$DTYPE" --shape qwen2.5-1.5b \
@@ -168,8 +172,8 @@ run_stage() {
     next)  # what the benchmarks page names for the next GPU run: one call of at most 600 s at REPS=3 (the H200's
            # stages took 135-140 s each, the shape 20 s): the thread A/B, then the batches-ahead A/B again
       for s in w6_threads w6_ahead1; do run_stage "$s"; done ;;
-    next2)  # the 2-instance layout with more repetitions (about 240 s)
-      for s in w6_long; do run_stage "$s"; done ;;
+    next2)  # the 2-instance layout with more repetitions (about 240 s), then W2/W3 with the client apart (about 120 s)
+      for s in w6_long serving_split; do run_stage "$s"; done ;;
     *) echo "unknown stage $1"; FAILED+=("$1"); return 2 ;;
   esac
 }

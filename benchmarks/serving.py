@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.serving [--reps 7] [--quick] [--threads N --instances N --delay-us N]
                                            [--pytriton | --no-pytriton] [--device cuda:0 --compute-dtype FP16]
+                                           [--server-cpus 0-1 --client-cpus 2-3]
 
 W2: how much of the machine's in-process RefTeacher throughput at batch 256 survives the trip
 through teacher-server. A = `model(x)` in this process; B = the server kept saturated by a few
@@ -43,6 +44,11 @@ How the numbers are kept honest on a 2-core machine shared with other people's j
   * the load generator is as light as Python allows (raw gRPC stub, one pre-built request,
     responses not decoded), and its own CPU use is measured and reported, because it competes
     with the server for the same two cores; so is the CPU used by everyone else ("foreign").
+
+On a machine with cores to spare, `--server-cpus` and `--client-cpus` (core lists as `taskset -c`
+writes them) keep the two sides apart: the servers and the in-process baselines run on the first
+set (their default instances and threads count those cores), this process's load generator on
+the second (`benchmarks.pinning`), so the client's CPU is no longer charged to the server.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from benchmarks.common import (
 )
 from benchmarks.cpu import QuietGate
 from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
+from benchmarks.pinning import CpuListError, check_split, on_cores, parse_cpu_list, pin_process
 from benchmarks.pytriton_env import PyTritonServer, cached_venv, pytriton_server, pytriton_venv
 from benchmarks.serving_measure import (
     CLASSES,
@@ -128,19 +135,32 @@ class Settings:
     device: str = "cpu"  # servers and in-process baseline (benchmarks/device.py)
     compute_dtype: str = "FP32"
     pytriton: str = "auto"  # on | off | auto: on when its venv is built and the run is CPU FP32
+    server_cpus: tuple[int, ...] = ()  # the servers' and the in-process baselines' cores; (): this process's
+    client_cpus: tuple[int, ...] = ()  # the load generator's cores; () with server_cpus ()
 
     @property
     def choice(self) -> DeviceChoice:
         return DeviceChoice(self.device, self.compute_dtype)
 
     @property
+    def server_cores(self) -> int:
+        """The cores the server side runs on: --server-cpus, else all this process may use."""
+        return len(self.server_cpus) or usable_cores()
+
+    @property
     def server_threads(self) -> int:
-        return self.threads or max(1, usable_cores() // self.server_instances)
+        return self.threads or max(1, self.server_cores // self.server_instances)
 
     @property
     def server_instances(self) -> int:
-        """--instances, else the teacher's own default for the device."""
-        return self.instances or default_instances(self.device)
+        """--instances, else the teacher's own default for the device (on CPU: one per server core)."""
+        if self.instances:
+            return self.instances
+        return self.server_cores if not self.choice.cuda else default_instances(self.device)
+
+    def server_side(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose servers and threads run on --server-cpus (no change without them)."""
+        return on_cores(self.server_cpus) if self.server_cpus else contextlib.nullcontext()
 
     @property
     def requests_in_flight(self) -> int:
@@ -230,13 +250,17 @@ async def run(s: Settings) -> dict[str, Any]:
                                                      cwd=REPO_ROOT, stop_grace=20.0)
         for p in servers.values():  # cleanups first: an error while any is starting stops them all
             stack.callback(p.cleanup)
-        for p in servers.values():
-            p.launch()
-        if pt_venv is not None:  # PyTriton starts while the teacher-servers load
-            pt = stack.enter_context(pytriton_server(**pytriton_args(s, pt_venv, dict(s.server_env_pairs))))
+        with s.server_side():  # a child process starts on the cores of the thread that forks it
+            for p in servers.values():
+                p.launch()
+            if pt_venv is not None:  # PyTriton starts while the teacher-servers load
+                pt = stack.enter_context(pytriton_server(**pytriton_args(s, pt_venv, dict(s.server_env_pairs))))
+        if s.client_cpus:  # before any channel: gRPC's threads are this process's too
+            pin_process(s.client_cpus)
         for p in servers.values():
             p.wait_ready()
         pids = [p.pid for p in servers.values()]
+        affinity = {k: sorted(os.sched_getaffinity(p.pid)) for k, p in servers.items()}
         print("servers: " + ", ".join(f"{k} pid {p.pid} at {p.endpoint}" for k, p in servers.items()), flush=True)
         endpoints = {k: p.endpoint for k, p in servers.items()}
         if pt is not None:
@@ -257,8 +281,9 @@ async def run(s: Settings) -> dict[str, Any]:
 
             async def inprocess(batch: int) -> Measurement:
                 # Blocks the event loop on purpose: nothing else may run while the baseline does.
-                return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
-                                         workers=s.server_instances)
+                with s.server_side():  # its loop threads start on the servers' cores
+                    return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
+                                             workers=s.server_instances)
 
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {}
             if want_w2:
@@ -299,6 +324,7 @@ async def run(s: Settings) -> dict[str, Any]:
         exit_codes["pytriton"] = pt.process.returncode
 
     doc = summarise(s, per_rep, exit_codes)
+    doc["machine"]["servers_ran_on"] = affinity
     doc["output_max_abs_diff"] = output_diffs
     doc["pytriton"] = {"enabled": pt is not None, "why": pt_why, "venv": str(pt_venv) if pt_venv else None} | (
         {"instances": pt.instances, "torch_threads": s.server_threads, "max_batch_size": pt.max_batch_size,
@@ -373,7 +399,8 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         "benchmark": "serving (W2, W3)",
         "machine": machine_info(s.baseline_threads) | s.choice.info() | {
             "inprocess_loops": s.server_instances, "server_torch_threads": s.server_threads,
-            "server_instances": s.server_instances},
+            "server_instances": s.server_instances, "server_cpus": list(s.server_cpus) or None,
+            "client_cpus": list(s.client_cpus) or None},
         "settings": asdict(s),
         "medians_samples_per_s": {k: round(v, 1) for k, v in medians.items()},
         "medians_all_reps_samples_per_s": {k: round(v, 1) for k, v in medians_all.items()},
@@ -429,6 +456,10 @@ def report(doc: dict[str, Any]) -> str:
                f"torch {m['torch_version']}")
     out.append(f"layout: in-process {m['inprocess_loops']} model(x) loop(s) x {m['torch_threads']} torch thread(s); "
                f"server {m['server_instances']} instance(s) x {m['server_torch_threads']} torch thread(s)")
+    if m.get("server_cpus"):
+        out.append(f"cores: servers and in-process baselines {m['server_cpus']} (the servers ran on "
+                   f"{sorted({c for cs in m['servers_ran_on'].values() for c in cs})}), load generator "
+                   f"{m['client_cpus']}")
     pt = doc.get("pytriton") or {}
     out.append(f"PyTriton side: {pt.get('why', 'not recorded')}" + (
         f"; {pt['instances']} instance(s) x {pt['torch_threads']} torch thread(s), max batch {pt['max_batch_size']}, "
@@ -475,6 +506,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the servers, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     p.add_argument("--out", default="serving", help="results file: benchmarks/results/<OUT>.json (default serving)")
+    p.add_argument("--server-cpus", default="", metavar="LIST",
+                   help="cores for the servers and the in-process baselines, e.g. 0-1 (with --client-cpus)")
+    p.add_argument("--client-cpus", default="", metavar="LIST",
+                   help="cores for this process's load generator, e.g. 2-3 (with --server-cpus)")
     p.add_argument("--pytriton", action=argparse.BooleanOptionalAction, default=None,
                    help="serve the model with PyTriton too and compare (default: when its virtualenv is built "
                    "and the run is CPU FP32; --pytriton builds the virtualenv, about 2 minutes once)")
@@ -487,6 +522,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--server-env takes KEY=VALUE")
     if a.pytriton and (a.device != "cpu" or a.compute_dtype != "FP32"):
         p.error("--pytriton serves the model on the CPU in FP32: drop --device/--compute-dtype, or --pytriton")
+    server_cpus: tuple[int, ...] = ()
+    client_cpus: tuple[int, ...] = ()
+    if bool(a.server_cpus) != bool(a.client_cpus):
+        p.error("give both --server-cpus and --client-cpus, or neither")
+    if a.server_cpus:
+        try:
+            server_cpus, client_cpus = parse_cpu_list(a.server_cpus), parse_cpu_list(a.client_cpus)
+            check_split(server_cpus, client_cpus)
+        except CpuListError as e:
+            p.error(str(e))
     return Settings(
         reps=reps,
         warmup_s=_pick(a.warmup, a.quick, 0.3, Settings.warmup_s),
@@ -499,6 +544,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         extra_server_args=tuple(a.server_arg), server_env=tuple(a.server_env), out=a.out,
         device=a.device, compute_dtype=a.compute_dtype,
         pytriton={True: "on", False: "off", None: "auto"}[a.pytriton],
+        server_cpus=server_cpus, client_cpus=client_cpus,
     )
 
 

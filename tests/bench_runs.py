@@ -42,13 +42,16 @@ def run_benchmark_main(main: Callable[[list[str]], int], args: list[str], result
     process: a fresh interpreter would import torch again (seconds of CPU), and the servers the
     benchmark starts are processes of their own either way. Its results go under ``results``,
     ``env`` is set for the call (a None value unsets the variable), and the torch thread count
-    it sets is put back after; as ``run_benchmark``, its exit status must be one of
-    ``exit_codes`` and ``<name>.json`` is returned with ``exit_code`` and ``stdout`` added."""
+    and the cores it pins this process's threads to (``benchmarks.pinning``) are put back after;
+    as ``run_benchmark``, its exit status must be one of ``exit_codes`` and ``<name>.json`` is
+    returned with ``exit_code`` and ``stdout`` added."""
     import torch
 
     from benchmarks import common
+    from benchmarks.pinning import pin_process
 
     threads = torch.get_num_threads()
+    cores = os.sched_getaffinity(0)
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "RESULTS_DIR", results)
@@ -67,6 +70,7 @@ def run_benchmark_main(main: Callable[[list[str]], int], args: list[str], result
             raise
         finally:
             torch.set_num_threads(threads)
+            pin_process(cores)  # threads it started meanwhile (gRPC's) included
     assert code in exit_codes, out.getvalue()[-3000:]
     doc: dict[str, Any] = json.loads((results / f"{name}.json").read_text())
     doc["exit_code"] = code

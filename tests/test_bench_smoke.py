@@ -15,6 +15,7 @@ soak (`benchmarks.soak`). The other benchmarks' smoke tests are in their own fil
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,19 @@ def test_serving_w2_and_w3_run_and_report_sane_figures(tmp_path: Path) -> None:
     # torch thread per server (and in the in-process loops): each window keeps one core busy, not
     # two, and the batch-256 requests run one after the other, each its own burst. No quiet gate
     # (--max-foreign-cores 0); the teacher-servers only (--no-pytriton), whichever virtualenvs
-    # this machine has built.
+    # this machine has built. With two cores or more, the servers and the in-process loops run on
+    # the last and the load generator on the first (--server-cpus, --client-cpus).
+    cores = sorted(os.sched_getaffinity(0))
+    split = ["--server-cpus", str(cores[-1]), "--client-cpus", str(cores[0])] if len(cores) > 1 else []
     doc = run_benchmark_main(serving.main, ["--quick", "--reps", "1", "--warmup", "0.3", "--duration", "2",
                                             "--instances", "1", "--threads", "1", "--max-foreign-cores", "0",
-                                            "--no-pytriton", "--out", "serving_smoke"], tmp_path, name="serving_smoke")
+                                            "--no-pytriton", *split, "--out", "serving_smoke"], tmp_path,
+                             name="serving_smoke")
     _machine(doc)
+    assert os.sched_getaffinity(0) == set(cores), "the test's process got its cores back"
+    if split:
+        assert doc["machine"]["servers_ran_on"] == {"batching_on": cores[-1:], "batching_off": cores[-1:]}
+        assert doc["machine"]["client_cpus"] == cores[:1] and f"load generator {cores[:1]}" in doc["stdout"]
     assert doc["settings"]["reps"] == 1 and doc["settings"]["device"] == "cpu"
     medians = doc["medians_samples_per_s"]
     assert {"w2_inprocess_256", "w2_server_256", "w3_inprocess_8", "w3_on", "w3_off"} <= set(medians)
