@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import textwrap
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,8 @@ import tritonclient.grpc as tg
 from torch import nn
 
 import teacher_server
+from benchmarks.cpu import thread_cpu_seconds
+from benchmarks.pinning import on_cores
 from discovery import open_registry
 from discovery.local_etcd import LocalEtcd
 from teacher_server.api import RegistryAccessError, prepare, server_config
@@ -277,14 +277,6 @@ def test_the_instance_default_follows_the_device_named_even_without_that_device_
     assert default_instances("cuda") == default_instances("cuda:1") == GPU_INSTANCES == 2
 
 
-def _instance_threads(pid: int) -> list[str]:
-    names = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            names.append((task / "comm").read_text().strip())
-    return sorted(n for n in names if n.startswith("instance-"))
-
-
 def test_a_teacher_pinned_to_one_core_runs_one_instance_with_one_thread(tmp_path: Path) -> None:
     """The CPU defaults count the cores the process may run on (a cpuset, `taskset`, a pod's
     exclusive CPUs), not the host's: pinned to one core, the server runs one single-threaded
@@ -293,14 +285,8 @@ def test_a_teacher_pinned_to_one_core_runs_one_instance_with_one_thread(tmp_path
     args = ["--model", "examples.refteacher:build", "--name", "ref", "--device", "cpu"]
     log = tmp_path / "teacher.log"
     proc = TeacherProcess(args, cwd=REPO, env={"PYTHONPATH": str(REPO)}, log=log, ready_timeout=120, stop_grace=10)
-
-    def launch_pinned() -> None:  # a child starts with the affinity of the thread that forks it
-        os.sched_setaffinity(0, {core})
+    with on_cores([core]):  # a child starts with the affinity of the thread that forks it
         proc.launch()
-
-    spawner = threading.Thread(target=launch_pinned)
-    spawner.start()
-    spawner.join(30)
     try:
         proc.wait_ready()
         assert os.sched_getaffinity(proc.pid) == {core}
@@ -314,6 +300,7 @@ def test_a_teacher_pinned_to_one_core_runs_one_instance_with_one_thread(tmp_path
             client.close()
         # After a batch ran: one instance thread and no OpenMP worker beside it (a worker would carry
         # the name of the instance thread that started it).
-        assert _instance_threads(proc.pid) == ["instance-0"]
+        names = [name for name, _ in thread_cpu_seconds(proc.pid).values()]
+        assert sorted(n for n in names if n.startswith("instance-")) == ["instance-0"]
     finally:
         proc.stop()
