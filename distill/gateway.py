@@ -55,6 +55,7 @@ from protos.vllm import (
     parse_completion,
     resolve_prompt_logprobs,
 )
+from teacher_server.api import run_async
 
 __all__ = ["Gateway", "GatewayConfig", "TeacherSpec", "run_gateway"]
 
@@ -335,6 +336,8 @@ async def serve_until_stopped(config: GatewayConfig) -> None:
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    """Serve `config` until SIGINT/SIGTERM (the `distill gateway` command); returns the exit status."""
-    asyncio.run(serve_until_stopped(config))
+    """Serve `config` until SIGINT/SIGTERM (the `distill gateway` command); returns the exit status.
+    The HTTP server runs on uvloop, as teacher-server does: its per-request cost is the gateway's
+    share of the CPU beside a teacher on the same host."""
+    run_async(serve_until_stopped(config))
     return 0

@@ -4,8 +4,9 @@ The writer (`protos.vllm.prompt_logprobs`: the gateway's and teacher-server's an
 against real vLLM's by tests/test_vllm_parity.py) and the reader's decoder
 (`distill.engines.vllm.decode_prompt_logprobs`) are each other's inverse: what one writes for a
 prompt sent with its last token repeated, the other reads back as the same top-k, ids, and the
-prompt tokens' own log-probs and ranks. An answer that does not fit vLLM's layout is refused with
-`MalformedAnswerError` naming the position.
+prompt tokens' own log-probs and ranks. Every answer here goes through the bytes the reader gets:
+`read_completion` reads a whole `/v1/completions` body, then the decoder cuts it into positions. An
+answer that does not fit vLLM's layout is refused with `MalformedAnswerError` naming the position.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 
 from distill.call_errors import MalformedAnswerError
-from distill.engines.vllm import decode_prompt_logprobs
+from distill.engines.rows import RowScores
+from distill.engines.vllm import decode_prompt_logprobs, read_completion
 from protos.vllm import Scored, prompt_logprobs
 
 VOCAB = 300
@@ -42,12 +44,19 @@ def answer(k: int, seed: int) -> tuple[list[int], Scored]:
     return prompt, Scored(top_values, top_ids, own, ranks)
 
 
+def decode(entries: Any, prompt: list[int], k: int) -> RowScores:
+    """`entries` (JSON text, or Python objects to write as JSON) as the one choice of a body."""
+    text = entries if isinstance(entries, str) else json.dumps(entries)
+    body = f'{{"id":"cmpl-1","choices":[{{"index":0,"text":"","prompt_logprobs":{text}}}],"usage":null}}'
+    answer = read_completion(body.encode())
+    return decode_prompt_logprobs(answer.choices[0].prompt_logprobs, prompt, k)
+
+
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
 def test_the_decoder_reads_back_what_the_writer_wrote(k: int) -> None:
     prompt, result = answer(k, seed=k)
     sent = [*prompt, prompt[-1]]
-    entries = json.loads(prompt_logprobs(sent, result, k, None))
-    got = decode_prompt_logprobs(entries, prompt, k)
+    got = decode(prompt_logprobs(sent, result, k, None), prompt, k)
 
     assert np.array_equal(got.top_ids, result.top_ids[:N]) and got.top_ids.dtype == np.int32
     assert np.array_equal(got.top_values, result.top_values[:N]) and got.top_values.dtype == np.float32
@@ -73,7 +82,7 @@ def test_top_k_entries_out_of_rank_order_are_put_in_it() -> None:
     for position in entries[1:]:
         items = list(position.items())
         shuffled.append(dict([items[0], *reversed(items[1:])]))
-    got = decode_prompt_logprobs(shuffled, prompt, k)
+    got = decode(shuffled, prompt, k)
     assert np.array_equal(got.top_ids, result.top_ids[:N])
     assert np.array_equal(got.top_values, result.top_values[:N])
 
@@ -101,24 +110,26 @@ def _no_rank(position: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda e: {"0": e}, r"prompt_logprobs has dict entries for a prompt of 41 tokens"),
+    (lambda e: {"0": e}, r"layout: Expected `array \| null`, got `object` - at `\$.choices\[0\].prompt_logprobs`"),
     (lambda e: e[:-1], r"prompt_logprobs has 40 entries for a prompt of 41 tokens"),
     (lambda e: [e[1], *e[1:]], r"prompt_logprobs has 41 entries .*null, then one per token"),
     (_position(2, lambda p: None), r"prompt_logprobs\[2\] is null, not vLLM's map"),
-    (_position(5, lambda p: list(p.items())), r"prompt_logprobs\[5\] is list, not vLLM's map"),
+    (_position(5, lambda p: list(p.items())), r"got `array` - at `\$.choices\[0\].prompt_logprobs\[5\]`"),
     (_position(3, _other_first_token), rf"prompt_logprobs\[3\] starts with token {VOCAB + 1}, not the prompt's"),
     (_position(4, _drop_last), r"prompt_logprobs\[4\] has \d+ entries; want 5 or 6 for prompt_logprobs 5"),
-    (_position(6, _no_rank), r"do not have vLLM's layout \(KeyError: 'rank'\)"),
-    (_position(7, lambda p: {f"w{i}": v for i, v in p.items()}), r"do not have vLLM's layout \(ValueError"),
+    (_position(6, _no_rank), r"missing required field `rank` - at `\$.choices\[0\].prompt_logprobs\[6\]"),
+    (_position(7, lambda p: {f"w{i}": v for i, v in p.items()}),
+     r"Expected `int`, got `str` - at `key` in `\$.choices\[0\].prompt_logprobs\[7\]`"),
+    (_position(8, lambda p: {str(2**64): v for v in p.values()}), r"do not have vLLM's layout \(OverflowError"),
 ], ids=["not-a-list", "too-few", "no-leading-null", "null-position", "list-position", "wrong-token",
-        "too-few-entries", "no-rank", "key-not-an-id"])
+        "too-few-entries", "no-rank", "key-not-an-id", "id-past-int64"])
 def test_an_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[list[Any]], Any],
                                                              message: str) -> None:
     k = 5
     prompt, result = answer(k, seed=3)
     entries = json.loads(prompt_logprobs([*prompt, prompt[-1]], result, k, None))
     with pytest.raises(MalformedAnswerError, match=message):
-        decode_prompt_logprobs(mutate(entries), prompt, k)
+        decode(mutate(entries), prompt, k)
 
 
 def test_log_probs_of_every_magnitude_are_written_exactly() -> None:
@@ -129,6 +140,23 @@ def test_log_probs_of_every_magnitude_are_written_exactly() -> None:
     values = np.resize(magnitudes, result.top_values.size).reshape(result.top_values.shape)
     result = Scored(-np.sort(-values, axis=1), result.top_ids, result.token_logprobs, result.token_ranks)
     text = prompt_logprobs([*prompt, prompt[-1]], result, 3, None)
-    got = decode_prompt_logprobs(json.loads(text), prompt, 3)
+    got = decode(text, prompt, 3)
     assert "e-" in text  # exponent forms were written
     assert np.array_equal(got.top_values.view(np.int32), result.top_values[:N].view(np.int32))
+
+
+def test_a_body_with_non_finite_log_probs_is_read_as_python_writes_them() -> None:
+    """Strict JSON has no NaN or Infinity; a server in Python writes them for a model's non-finite
+    log-prob. Such a body is still read, its values as the floats they name, and the rest exact."""
+    prompt, result = answer(2, seed=11)
+    text = prompt_logprobs([*prompt, prompt[-1]], result, 2, None)
+    first = str(result.top_values[0, 0].item())
+    assert text.count(first) >= 1
+    got = decode(text.replace(first, "-Infinity", 1), prompt, 2)
+    assert got.top_values[0, 0] == -np.inf
+    assert np.array_equal(got.top_values[1:], result.top_values[1:N])
+
+
+def test_a_body_that_is_not_json_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"Expecting value|JSON"):
+        read_completion(b'{"choices": [')

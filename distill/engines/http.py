@@ -22,6 +22,7 @@ import asyncio
 import json
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -133,27 +134,30 @@ class EngineHTTP:
                                                   json_serialize=lambda o: json.dumps(o, separators=(",", ":")))
         return self._session
 
-    async def call(self, method: str, route: str, timeout: float, body: Any = None) -> Any:
-        """`method` `route` with JSON `body`; the decoded JSON answer of a 2xx, else a verdict.
+    async def call(self, method: str, route: str, timeout: float, body: Any = None,
+                   decode: Callable[[bytes], Any] = parse_json) -> Any:
+        """`method` `route` with JSON `body`; a 2xx's body read by `decode` (JSON into Python objects
+        unless told otherwise; a ValueError from it is a MalformedAnswerError), else a verdict.
 
         A pooled connection the server closed while idle fails the next request before any answer
         (the server never saw it): that request is sent once more on a new connection, within the
         same deadline. Every call here is a scoring or a read, so sending it again is harmless."""
         deadline = time.monotonic() + timeout
         try:
-            return await self._call(method, route, timeout, body)
+            return await self._call(method, route, timeout, body, decode)
         except _StaleConnectionError as e:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TeacherCallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        f"{method} {self.base}{route} did not answer within {timeout:g} s") from None
             try:
-                return await self._call(method, route, left, body)
+                return await self._call(method, route, left, body, decode)
             except _StaleConnectionError:
                 raise TeacherCallError(grpc.StatusCode.UNAVAILABLE,
                                        f"{self.base}{route} dropped the connection twice: {e}") from None
 
-    async def _call(self, method: str, route: str, timeout: float, body: Any) -> Any:
+    async def _call(self, method: str, route: str, timeout: float, body: Any,
+                    decode: Callable[[bytes], Any]) -> Any:
         session = self._open()
         url = self.base + route
         extra: dict[str, Any] = {"server_hostname": self._server_name} if self._server_name else {}
@@ -181,7 +185,9 @@ class EngineHTTP:
         except aiohttp.ClientError as e:
             raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"{url}: {e}") from None
         try:
-            return parse_json(raw)
+            return decode(raw)
+        except MalformedAnswerError:
+            raise
         except ValueError:
             raise MalformedAnswerError(f"{method} {url} answered {len(raw)} bytes that are not JSON: "
                                        f"{raw[:200]!r}") from None

@@ -15,25 +15,68 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
+from distill.engines.http import parse_json
 from distill.engines.rows import Plan, RowScores
 
-__all__ = ["VllmClient", "decode_prompt_logprobs"]
+__all__ = ["Choice", "Completion", "Logprob", "VllmClient", "decode_prompt_logprobs", "read_completion"]
 
 
-_LOGPROB = itemgetter("logprob")
-_RANK = itemgetter("rank")
+class Logprob(msgspec.Struct, gc=False):
+    """One entry of a position's map; its `decoded_token` is skipped unread."""
+
+    logprob: float
+    rank: int
 
 
-def decode_prompt_logprobs(entries: Any, prompt: Sequence[int], k: int) -> RowScores:
-    """One choice's `prompt_logprobs` for `prompt` sent with its last token repeated, as the
-    mesh's positions (module docstring); MalformedAnswerError when it does not fit.
+class Choice(msgspec.Struct, gc=False):
+    """One prompt's answer: per prompt token, null first, then a map from token id to its entry."""
+
+    index: int
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class Completion(msgspec.Struct, gc=False):
+    """The part of a `/v1/completions` answer the reader uses."""
+
+    choices: list[Choice]
+
+
+_COMPLETION = msgspec.json.Decoder(Completion)
+_LOGPROB = attrgetter("logprob")
+_RANK = attrgetter("rank")
+
+
+def read_completion(raw: bytes) -> Completion:
+    """A `/v1/completions` body as typed structs, read in one pass: token ids come out as ints and
+    each entry's decoded text is never built (vLLM writes one per top-k entry, the bulk of the
+    body). A body with `NaN` or `Infinity` (a Python server's non-finite log-prob, which strict
+    JSON refuses) is read by the standard library and converted. MalformedAnswerError naming the
+    place when it has another layout; ValueError when it is not JSON."""
+    try:
+        return _COMPLETION.decode(raw)
+    except msgspec.ValidationError as e:
+        raise MalformedAnswerError(f"/v1/completions answer does not have vLLM's layout: {e}") from None
+    except msgspec.DecodeError:
+        pass
+    try:
+        return msgspec.convert(parse_json(raw), Completion, str_keys=True)
+    except msgspec.ValidationError as e:
+        raise MalformedAnswerError(f"/v1/completions answer does not have vLLM's layout: {e}") from None
+
+
+def decode_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None, prompt: Sequence[int],
+                           k: int) -> RowScores:
+    """One choice's `prompt_logprobs` (as `read_completion` reads them) for `prompt` sent with its
+    last token repeated, as the mesh's positions (module docstring); MalformedAnswerError when it
+    does not fit.
 
     The entries are read into flat arrays (token ids, log-probs, ranks, in the answer's order), one
     pass each, and cut into positions by index arithmetic, never a Python step per entry: this runs
@@ -43,7 +86,7 @@ def decode_prompt_logprobs(entries: Any, prompt: Sequence[int], k: int) -> RowSc
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
         raise MalformedAnswerError(f"prompt_logprobs has {got} entries for a prompt of {n + 1} tokens (want "
                                    f"{n + 1}: null, then one per token after the first)")
-    rows = entries[1:]
+    rows: list[Any] = entries[1:]  # a null among them fails dict.values below, and is named there
     try:
         fields = list(chain.from_iterable(map(dict.values, rows)))
     except TypeError:  # a position that is not a map
@@ -53,10 +96,10 @@ def decode_prompt_logprobs(entries: Any, prompt: Sequence[int], k: int) -> RowSc
                                    "log-prob and rank") from None
     count = len(fields)
     try:
-        ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=count)
+        ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=count)
         logprobs = np.fromiter(map(_LOGPROB, fields), dtype=np.float64, count=count)
         ranks = np.fromiter(map(_RANK, fields), dtype=np.int64, count=count)
-    except (KeyError, OverflowError, TypeError, ValueError) as e:
+    except (AttributeError, OverflowError, TypeError, ValueError) as e:
         raise MalformedAnswerError(f"prompt_logprobs do not have vLLM's layout ({type(e).__name__}: {e})") from None
     sizes = np.fromiter(map(len, rows), dtype=np.int64, count=n)
     firsts = np.cumsum(sizes) - sizes  # each position's first entry: the prompt's own token
@@ -97,18 +140,15 @@ class VllmClient(EngineClient):
                                 "prompt_logprobs": pl.k, "temperature": 1.0}
         if model:
             body["model"] = model
-        answer = await self._http.call("POST", "/v1/completions", timeout, body)
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        if not isinstance(choices, list) or len(choices) != len(pl.prompts):
-            got = len(choices) if isinstance(choices, list) else "no"
-            raise MalformedAnswerError(f"/v1/completions answered {got} choices for {len(pl.prompts)} prompts")
-        try:
-            ordered = sorted(choices, key=lambda c: int(c["index"]))
-        except (KeyError, TypeError, ValueError):
-            raise MalformedAnswerError("/v1/completions choices lack their integer 'index'") from None
-        if [int(c["index"]) for c in ordered] != list(range(len(pl.prompts))):
+        answer: Completion = await self._http.call("POST", "/v1/completions", timeout, body, read_completion)
+        choices = answer.choices
+        if len(choices) != len(pl.prompts):
+            raise MalformedAnswerError(f"/v1/completions answered {len(choices)} choices for {len(pl.prompts)} "
+                                       "prompts")
+        ordered = sorted(choices, key=lambda c: c.index)
+        if [c.index for c in ordered] != list(range(len(pl.prompts))):
             raise MalformedAnswerError("/v1/completions choices' indexes are not 0..n-1, one each")
-        return [decode_prompt_logprobs(c.get("prompt_logprobs"), p, pl.k)
+        return [decode_prompt_logprobs(c.prompt_logprobs, p, pl.k)
                 for c, p in zip(ordered, pl.prompts, strict=True)]
 
     async def _models(self, timeout: float) -> list[str]:
