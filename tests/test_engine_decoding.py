@@ -1,4 +1,4 @@
-"""vLLM's `prompt_logprobs` between the mesh's arrays and JSON text, without a server.
+"""vLLM's `prompt_logprobs` and SGLang's `meta_info` between the mesh's arrays and JSON text, without a server.
 
 The writer (`protos.vllm.prompt_logprobs`: the gateway's and teacher-server's answers, checked
 against real vLLM's by tests/test_vllm_parity.py) and the reader's decoder
@@ -20,6 +20,7 @@ import pytest
 
 from distill.call_errors import MalformedAnswerError
 from distill.engines.rows import RowScores
+from distill.engines.sglang import decode_meta_info, read_results
 from distill.engines.vllm import decode_prompt_logprobs, read_completion
 from protos.vllm import Scored, prompt_logprobs
 
@@ -160,3 +161,75 @@ def test_a_body_with_non_finite_log_probs_is_read_as_python_writes_them() -> Non
 def test_a_body_that_is_not_json_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"Expecting value|JSON"):
         read_completion(b'{"choices": [')
+
+
+# ---- SGLang's `/generate` ------------------------------------------------------------------------
+
+def sglang_body(prompt: list[int], result: Scored, k: int) -> list[Any]:
+    """SGLang's answer for `prompt` from a teacher's arrays over its N positions (as
+    tests/sglang_server.py writes it from a model): per prompt token j, its own log-prob given the
+    tokens before it (null for j = 0) and position j - 1's top-k as `[logprob, id, null]` triples,
+    then the top-k after the whole prompt."""
+    def triples(t: int) -> list[list[Any]]:
+        return [[float(v), int(i), None] for v, i in zip(result.top_values[t], result.top_ids[t], strict=True)]
+    meta = {"id": "x", "prompt_tokens": len(prompt),
+            "input_token_logprobs": [[None if j == 0 else float(result.token_logprobs[j - 1]), prompt[j], None]
+                                     for j in range(len(prompt))],
+            "input_top_logprobs": [None if j == 0 else triples(j - 1) for j in range(len(prompt))],
+            "output_top_logprobs": [triples(len(prompt) - 1)], "output_token_logprobs": [[-0.5, 7, None]]}
+    return [{"text": " w7", "output_ids": [7], "meta_info": meta}]
+
+
+def sglang_decode(body: Any, prompt: list[int], k: int) -> RowScores:
+    results = read_results(json.dumps(body).encode())
+    return decode_meta_info(results[0].meta_info, prompt, k)
+
+
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_sglang_answers_are_read_back_as_the_arrays_they_were_written_from(k: int) -> None:
+    prompt, result = answer(k, seed=20 + k)
+    got = sglang_decode(sglang_body(prompt, result, k), prompt, k)
+    assert np.array_equal(got.top_values, result.top_values[:N]) and got.top_values.dtype == np.float32
+    assert np.array_equal(got.top_ids, result.top_ids[:N]) and got.top_ids.dtype == np.int32
+    own = result.token_logprobs[:N].copy()
+    own[-1] = 0.0  # the last position's next token is not in the prompt
+    assert np.array_equal(got.token_logprobs, own) and got.token_ranks is None
+
+
+def _meta(change: Callable[[dict[str, Any]], Any]) -> Callable[[list[Any]], list[Any]]:
+    def mutate(body: list[Any]) -> list[Any]:
+        change(body[0]["meta_info"])
+        return body
+    return mutate
+
+
+def _set(key: str, index: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(meta: dict[str, Any]) -> None:
+        meta[key][index] = value
+    return change
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda b: b[0], r"SGLang's layout: Expected `array`, got `object`$"),
+    (_meta(lambda m: m.pop("input_top_logprobs")), r"missing required field `input_top_logprobs` - at `\$\[0\]"),
+    (_meta(lambda m: m["input_token_logprobs"].pop()), r"39 input token log-probs and 40 input top log-probs for a "
+                                                       r"prompt of 40 tokens"),
+    (_meta(_set("input_top_logprobs", 4, None)), r"input_top_logprobs\[4\] is null; want 5 entries"),
+    (_meta(lambda m: m["input_top_logprobs"][6].pop()), r"input_top_logprobs\[6\] is 4 entries; want 5"),
+    (_meta(lambda m: m["output_top_logprobs"][0].pop()), r"output_top_logprobs\[0\] is 4 entries; want 5"),
+    (_meta(lambda m: m.update(output_top_logprobs=[])), r"output_top_logprobs is empty"),
+    (_meta(lambda m: m["input_token_logprobs"][3].__setitem__(1, VOCAB + 1)),
+     rf"input_token_logprobs\[3\] is for token {VOCAB + 1}, not the prompt's"),
+    (_meta(lambda m: m["input_token_logprobs"][5].__setitem__(0, None)),
+     r"input_token_logprobs\[5\] has a null log-prob"),
+    (_meta(lambda m: m["input_top_logprobs"][2][0].__setitem__(0, "x")),
+     r"Expected `float`, got `str` - at `\$\[0\]\.meta_info\.input_top_logprobs\[2\]\[0\]\[0\]`"),
+    (_meta(lambda m: m["input_top_logprobs"][2][0].__setitem__(1, 2**40)), r"outside 0\.\.2\*\*31-1"),
+], ids=["not-a-list", "no-top-logprobs", "too-few-tokens", "null-position", "short-position", "short-last",
+        "no-last", "wrong-token", "null-own-log-prob", "value-not-a-number", "id-past-int32"])
+def test_an_sglang_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[list[Any]], Any],
+                                                                    message: str) -> None:
+    k = 5
+    prompt, result = answer(k, seed=9)
+    with pytest.raises(MalformedAnswerError, match=message):
+        sglang_decode(mutate(sglang_body(prompt, result, k)), prompt, k)

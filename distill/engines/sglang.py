@@ -15,53 +15,98 @@ is refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
+from distill.engines.http import parse_json
 from distill.engines.rows import Plan, RowScores
 
-__all__ = ["SglangClient", "decode_meta_info"]
+__all__ = ["MetaInfo", "Result", "SglangClient", "decode_meta_info", "read_results"]
+
+Triple = tuple[float, int, Any]
+"""`[logprob, token_id, text]`; the text (null unless `return_text_in_logprobs`) is not read."""
 
 
-def _triples(top: Any, k: int, where: str) -> tuple[list[float], list[int]]:
-    if not isinstance(top, list) or len(top) != k:
-        got = len(top) if isinstance(top, list) else type(top).__name__
-        raise MalformedAnswerError(f"{where} has {got} entries; want {k} for top_logprobs_num {k}")
-    return [float(e[0]) for e in top], [int(e[1]) for e in top]
+class MetaInfo(msgspec.Struct, gc=False):
+    """The log-prob fields of one result's `meta_info`, per prompt token (module docstring)."""
+
+    input_token_logprobs: list[tuple[float | None, int, Any]]
+    input_top_logprobs: list[list[Triple] | None]
+    output_top_logprobs: list[list[Triple]]
 
 
-def decode_meta_info(meta: Any, prompt: Sequence[int], k: int) -> RowScores:
-    """One prompt's `meta_info` as the mesh's positions (module docstring); MalformedAnswerError
-    when it does not fit."""
-    n = len(prompt)
+class Result(msgspec.Struct, gc=False):
+    meta_info: MetaInfo
+
+
+_RESULTS = msgspec.json.Decoder(list[Result])
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
+
+
+def read_results(raw: bytes) -> list[Result]:
+    """A `/generate` body for a list of prompts as typed structs, read in one pass; a body with `NaN`
+    or `Infinity` is read by the standard library and converted. MalformedAnswerError naming the
+    place when it has another layout; ValueError when it is not JSON."""
     try:
-        tokens = meta["input_token_logprobs"]
-        tops = meta["input_top_logprobs"]
-        last = meta["output_top_logprobs"][0]
-        if len(tokens) != n or len(tops) != n:
-            raise MalformedAnswerError(f"meta_info has {len(tokens)} input token log-probs and {len(tops)} input "
-                                       f"top log-probs for a prompt of {n} tokens")
-        values = np.empty((n, k), dtype=np.float32)
-        ids = np.empty((n, k), dtype=np.int32)
-        own = np.zeros(n, dtype=np.float32)
-        for t in range(n):
-            if t + 1 < n:
-                logprob, token = tokens[t + 1][0], int(tokens[t + 1][1])
-                if token != prompt[t + 1]:
-                    raise MalformedAnswerError(f"input_token_logprobs[{t + 1}] is for token {token}, not the "
-                                               f"prompt's {prompt[t + 1]}")
-                own[t] = logprob
-                values[t], ids[t] = _triples(tops[t + 1], k, f"input_top_logprobs[{t + 1}]")
-            else:
-                values[t], ids[t] = _triples(last, k, "output_top_logprobs[0]")
-    except MalformedAnswerError:
-        raise
-    except (IndexError, KeyError, TypeError, ValueError) as e:
-        raise MalformedAnswerError(f"meta_info does not have SGLang's layout ({type(e).__name__}: {e})") from None
-    return RowScores(values, ids, own, None)
+        return _RESULTS.decode(raw)
+    except msgspec.ValidationError as e:
+        raise MalformedAnswerError(f"/generate answer does not have SGLang's layout: {e}") from None
+    except msgspec.DecodeError:
+        pass
+    try:
+        return msgspec.convert(parse_json(raw), list[Result])
+    except msgspec.ValidationError as e:
+        raise MalformedAnswerError(f"/generate answer does not have SGLang's layout: {e}") from None
+
+
+def decode_meta_info(meta: MetaInfo, prompt: Sequence[int], k: int) -> RowScores:
+    """One prompt's `meta_info` (as `read_results` reads it) as the mesh's positions (module
+    docstring); MalformedAnswerError when it does not fit. Read into flat arrays, one pass each,
+    never a Python step per position, as vLLM's answers are."""
+    n = len(prompt)
+    tokens, tops = meta.input_token_logprobs, meta.input_top_logprobs
+    if len(tokens) != n or len(tops) != n:
+        raise MalformedAnswerError(f"meta_info has {len(tokens)} input token log-probs and {len(tops)} input top "
+                                   f"log-probs for a prompt of {n} tokens")
+    if not meta.output_top_logprobs:
+        raise MalformedAnswerError("meta_info's output_top_logprobs is empty: it holds the top-k after the prompt")
+    # Position t: prompt token t + 1's own log-prob and top-k (entry t + 1), then the last position's
+    # top-k from the distribution after the whole prompt.
+    rows: list[Any] = [*tops[1:], meta.output_top_logprobs[0]]
+    held = np.fromiter(map(len, (r or () for r in rows)), dtype=np.int64, count=n)
+    wrong = np.flatnonzero(held != k)
+    if len(wrong):
+        t = int(wrong[0])
+        where = f"input_top_logprobs[{t + 1}]" if t + 1 < n else "output_top_logprobs[0]"
+        got = "null" if rows[t] is None else f"{held[t]} entries"
+        raise MalformedAnswerError(f"{where} is {got}; want {k} entries for top_logprobs_num {k}")
+    flat = list(chain.from_iterable(rows))
+    values = np.fromiter(map(_FIRST, flat), dtype=np.float32, count=n * k).reshape(n, k)
+    ids = np.fromiter(map(_SECOND, flat), dtype=np.int64, count=n * k).reshape(n, k)
+    own = np.zeros(n, dtype=np.float32)
+    if n > 1:
+        scored = tokens[1:]
+        got_ids = np.fromiter(map(_SECOND, scored), dtype=np.int64, count=n - 1)
+        bad = np.flatnonzero(got_ids != np.asarray(prompt[1:], dtype=np.int64))
+        if len(bad):
+            t = int(bad[0]) + 1
+            raise MalformedAnswerError(f"input_token_logprobs[{t}] is for token {got_ids[t - 1]}, not the prompt's "
+                                       f"{prompt[t]}")
+        logprobs = list(map(_FIRST, scored))
+        if None in logprobs:
+            raise MalformedAnswerError(f"input_token_logprobs[{logprobs.index(None) + 1}] has a null log-prob; only "
+                                       "the first token's may be null")
+        own[:-1] = logprobs
+    if ((ids < 0) | (ids > np.iinfo(np.int32).max)).any():
+        raise MalformedAnswerError("a top-k token id is outside 0..2**31-1")
+    return RowScores(values, ids.astype(np.int32), own, None)
 
 
 class SglangClient(EngineClient):
@@ -74,12 +119,10 @@ class SglangClient(EngineClient):
     async def _score(self, pl: Plan, model: str, timeout: float) -> Sequence[RowScores]:
         body: dict[str, Any] = {"input_ids": pl.prompts, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
                                 "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": pl.k}
-        answer = await self._http.call("POST", "/generate", timeout, body)
-        if not isinstance(answer, list) or len(answer) != len(pl.prompts):
-            got = len(answer) if isinstance(answer, list) else type(answer).__name__
-            raise MalformedAnswerError(f"/generate answered {got} results for {len(pl.prompts)} prompts")
-        return [decode_meta_info(a.get("meta_info") if isinstance(a, dict) else None, p, pl.k)
-                for a, p in zip(answer, pl.prompts, strict=True)]
+        answer: list[Result] = await self._http.call("POST", "/generate", timeout, body, read_results)
+        if len(answer) != len(pl.prompts):
+            raise MalformedAnswerError(f"/generate answered {len(answer)} results for {len(pl.prompts)} prompts")
+        return [decode_meta_info(a.meta_info, p, pl.k) for a, p in zip(answer, pl.prompts, strict=True)]
 
     async def _models(self, timeout: float) -> list[str]:
         answer = await self._http.call("GET", "/get_model_info", timeout)
