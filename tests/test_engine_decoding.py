@@ -111,7 +111,8 @@ def _no_rank(position: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda e: {"0": e}, r"layout: Expected `array \| null`, got `object` - at `\$.choices\[0\].prompt_logprobs`"),
+    (lambda e: {"0": e},
+     r"completions layout: Expected `array \| null`, got `object` - at `\$.choices\[0\].prompt_logprobs`"),
     (lambda e: e[:-1], r"prompt_logprobs has 40 entries for a prompt of 41 tokens"),
     (lambda e: [e[1], *e[1:]], r"prompt_logprobs has 41 entries .*null, then one per token"),
     (_position(2, lambda p: None), r"prompt_logprobs\[2\] is null, not vLLM's map"),
@@ -210,7 +211,7 @@ def _set(key: str, index: int, value: Any) -> Callable[[dict[str, Any]], None]:
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda b: b[0], r"SGLang's layout: Expected `array`, got `object`$"),
+    (lambda b: b[0], r"SGLang's /generate layout: Expected `array`, got `object`$"),
     (_meta(lambda m: m.pop("input_top_logprobs")), r"missing required field `input_top_logprobs` - at `\$\[0\]"),
     (_meta(lambda m: m["input_token_logprobs"].pop()), r"39 input token log-probs and 40 input top log-probs for a "
                                                        r"prompt of 40 tokens"),

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import msgspec
 import orjson
 
 from distill.call_errors import (
@@ -39,7 +40,7 @@ from distill.call_errors import (
 )
 from distill.config import ClientTLS
 
-__all__ = ["EngineHTTP", "http_error", "parse_json", "ssl_context"]
+__all__ = ["EngineHTTP", "http_error", "parse_json", "ssl_context", "typed_json"]
 
 MAX_DETAILS = 2000
 KEEPALIVE_S = 4.0
@@ -74,6 +75,29 @@ def parse_json(raw: bytes) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return json.loads(raw)
+
+
+def typed_json(kind: Any, layout: str) -> Callable[[bytes], Any]:
+    """A reader of answer bodies straight into `kind` (msgspec structs), in one pass: only the
+    fields `kind` names are built, map keys typed as ints arrive as ints, and the rest (such as the
+    text an engine writes beside every top-k entry) is skipped unread. A body with `NaN` or
+    `Infinity` is read by `parse_json` and converted. MalformedAnswerError naming the JSON path
+    when a body does not have `layout` (e.g. "vLLM's layout"); ValueError when it is not JSON."""
+    decoder = msgspec.json.Decoder(kind)
+
+    def read(raw: bytes) -> Any:
+        try:
+            return decoder.decode(raw)
+        except msgspec.ValidationError as e:
+            raise MalformedAnswerError(f"the answer does not have {layout}: {e}") from None
+        except msgspec.DecodeError:
+            pass
+        try:
+            return msgspec.convert(parse_json(raw), kind, str_keys=True)
+        except msgspec.ValidationError as e:
+            raise MalformedAnswerError(f"the answer does not have {layout}: {e}") from None
+
+    return read
 
 
 def _details(status: int, text: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
-from distill.engines.http import parse_json
+from distill.engines.http import typed_json
 from distill.engines.rows import Plan, RowScores
 
 __all__ = ["MetaInfo", "Result", "SglangClient", "decode_meta_info", "read_results"]
@@ -45,25 +45,15 @@ class Result(msgspec.Struct, gc=False):
     meta_info: MetaInfo
 
 
-_RESULTS = msgspec.json.Decoder(list[Result])
+_RESULTS = typed_json(list[Result], "SGLang's /generate layout")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 
 
 def read_results(raw: bytes) -> list[Result]:
-    """A `/generate` body for a list of prompts as typed structs, read in one pass; a body with `NaN`
-    or `Infinity` is read by the standard library and converted. MalformedAnswerError naming the
-    place when it has another layout; ValueError when it is not JSON."""
-    try:
-        return _RESULTS.decode(raw)
-    except msgspec.ValidationError as e:
-        raise MalformedAnswerError(f"/generate answer does not have SGLang's layout: {e}") from None
-    except msgspec.DecodeError:
-        pass
-    try:
-        return msgspec.convert(parse_json(raw), list[Result])
-    except msgspec.ValidationError as e:
-        raise MalformedAnswerError(f"/generate answer does not have SGLang's layout: {e}") from None
+    """A `/generate` body for a list of prompts as typed structs (`typed_json`)."""
+    results: list[Result] = _RESULTS(raw)
+    return results
 
 
 def decode_meta_info(meta: MetaInfo, prompt: Sequence[int], k: int) -> RowScores:

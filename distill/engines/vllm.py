@@ -23,7 +23,7 @@ import numpy as np
 
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
-from distill.engines.http import parse_json
+from distill.engines.http import typed_json
 from distill.engines.rows import Plan, RowScores
 
 __all__ = ["Choice", "Completion", "Logprob", "VllmClient", "decode_prompt_logprobs", "read_completion"]
@@ -49,27 +49,16 @@ class Completion(msgspec.Struct, gc=False):
     choices: list[Choice]
 
 
-_COMPLETION = msgspec.json.Decoder(Completion)
+_COMPLETION = typed_json(Completion, "vLLM's /v1/completions layout")
 _LOGPROB = attrgetter("logprob")
 _RANK = attrgetter("rank")
 
 
 def read_completion(raw: bytes) -> Completion:
-    """A `/v1/completions` body as typed structs, read in one pass: token ids come out as ints and
-    each entry's decoded text is never built (vLLM writes one per top-k entry, the bulk of the
-    body). A body with `NaN` or `Infinity` (a Python server's non-finite log-prob, which strict
-    JSON refuses) is read by the standard library and converted. MalformedAnswerError naming the
-    place when it has another layout; ValueError when it is not JSON."""
-    try:
-        return _COMPLETION.decode(raw)
-    except msgspec.ValidationError as e:
-        raise MalformedAnswerError(f"/v1/completions answer does not have vLLM's layout: {e}") from None
-    except msgspec.DecodeError:
-        pass
-    try:
-        return msgspec.convert(parse_json(raw), Completion, str_keys=True)
-    except msgspec.ValidationError as e:
-        raise MalformedAnswerError(f"/v1/completions answer does not have vLLM's layout: {e}") from None
+    """A `/v1/completions` body as typed structs (`typed_json`): token ids come out as ints and
+    the decoded text vLLM writes for every top-k entry, the bulk of the body, is never built."""
+    answer: Completion = _COMPLETION(raw)
+    return answer
 
 
 def decode_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None, prompt: Sequence[int],
