@@ -124,6 +124,7 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
     batches = [{"INPUT_IDS": np.asarray([q], dtype=np.int64)} for q in seqs]
     per_rep: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     in_flight: list[int] = []  # the reader's calls at the engine, sampled in an untimed pass
+    direct_in_flight: list[int] = []  # the direct client's, likewise
     with tempfile.TemporaryDirectory(prefix="engines-bench-") as name:
         tmp = Path(name)
         directory = tmp / "teacher"
@@ -163,6 +164,9 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
                 # The reader's calls at the engine, sampled in a pass of its own after the timed ones: a
                 # look (reader.stats()) costs the reader's process CPU.
                 seconds("reader", s.clients, in_flight)
+                # ...and the direct client's requests at the engine, sampled alike: what the reader's are
+                # compared with (its ordered delivery could leave it fewer at the end of a pass).
+                asyncio.run(measure_json(urls["direct"], seqs, s, direct_in_flight, SAMPLE_S))
                 # Calls the readers sent twice (hedges past their hedge delay, retries after a failure):
                 # each is engine work a direct client does not ask for.
                 resent = {kind: sum(getattr(r.stats(), kind) for r in readers.values())
@@ -182,6 +186,8 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
     return {"benchmark": "engines", "engine": kind, "settings": s.__dict__, "tokens": tokens, "summary": summary,
             "throughput_vs_direct": relative, "added_ms_per_sequence": added, "goal": GOAL,
             "reader_calls_in_flight": round(sum(in_flight) / len(in_flight), 2) if in_flight else None,
+            "direct_calls_in_flight": (round(sum(direct_in_flight) / len(direct_in_flight), 2) if direct_in_flight
+                                       else None),
             "reader_resent": resent,
             "per_rep": per_rep, "machine": machine_info()}
 
@@ -197,8 +203,9 @@ def report(doc: dict[str, Any]) -> str:
     table = format_table(["path", "tokens/s", "ms/sequence", "vs direct", "added ms", "engine CPU µs/token",
                           "client side CPU µs/token"], rows)
     return (f"{head}\n{table}\nthe reader's calls at the engine in an untimed throughput pass (mean of samples "
-            f"every {SAMPLE_S * 1000:g} ms): {doc.get('reader_calls_in_flight')} of {s['clients']}; calls it sent "
-            f"twice: {doc.get('reader_resent')}")
+            f"every {SAMPLE_S * 1000:g} ms): {doc.get('reader_calls_in_flight')} of {s['clients']} (the direct "
+            f"client's requests, likewise: {doc.get('direct_calls_in_flight')}); calls it sent twice: "
+            f"{doc.get('reader_resent')}")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import tempfile
@@ -92,22 +93,46 @@ async def _bounded(n: int, clients: int, one: Callable[[int], Awaitable[int]]) -
     return time.perf_counter() - start, total
 
 
-async def measure_json(url: str, seqs: list[list[int]], s: Settings) -> tuple[float, int]:
+async def measure_json(url: str, seqs: list[list[int]], s: Settings, in_flight: list[int] | None = None,
+                       every: float = 0.01) -> tuple[float, int]:
+    """Score `seqs` through `url`'s /v1/completions, `s.clients` requests at a time; (seconds, bytes).
+    With `in_flight`, the requests sent and not yet answered are sampled into it every `every`
+    seconds (from a task on the same loop) while the pass runs."""
     import aiohttp
 
+    active = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def one(i: int) -> int:
+            nonlocal active
             body = {"model": "tiny-llama", "prompt": seqs[i], "max_tokens": 1, "prompt_logprobs": s.top_k,
                     "temperature": 1.0}
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"/v1/completions answered {resp.status}: {raw[:300]!r}")
+            active += 1
+            try:
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    raw = await resp.read()
+            finally:
+                active -= 1
+            if resp.status != 200:
+                raise RuntimeError(f"/v1/completions answered {resp.status}: {raw[:300]!r}")
             answer = json.loads(raw)
             assert len(answer["choices"][0]["prompt_logprobs"]) == len(seqs[i])
             return len(raw)
 
-        return await _bounded(len(seqs), s.clients, one)
+        if in_flight is None:
+            return await _bounded(len(seqs), s.clients, one)
+
+        async def sample(samples: list[int]) -> None:
+            while True:
+                await asyncio.sleep(every)
+                samples.append(active)
+
+        sampler = asyncio.create_task(sample(in_flight))
+        try:
+            return await _bounded(len(seqs), s.clients, one)
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
 
 
 async def measure_grpc(address: str, seqs: list[list[int]], s: Settings, dtype: str) -> tuple[float, int]:

@@ -30,5 +30,7 @@ def test_the_engines_workload_runs_and_reports_sane_figures(tmp_path: Path) -> N
     assert all(len(reps) == 1 for reps in doc["per_rep"].values())
     sampled = doc["reader_calls_in_flight"]  # None when its passes were shorter than one sampling interval
     assert sampled is None or 0 <= sampled <= doc["settings"]["clients"], sampled
+    direct = doc["direct_calls_in_flight"]  # sampled alike, on the direct client's own loop
+    assert direct is None or 0 <= direct <= doc["settings"]["clients"], direct
     assert doc["machine"]["cpu_count"] >= 1
     assert "vs direct" in doc["stdout"]  # the printed table
