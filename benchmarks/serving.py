@@ -524,11 +524,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--pytriton serves the model on the CPU in FP32: drop --device/--compute-dtype, or --pytriton")
     server_cpus: tuple[int, ...] = ()
     client_cpus: tuple[int, ...] = ()
-    if bool(a.server_cpus) != bool(a.client_cpus):
-        p.error("give both --server-cpus and --client-cpus, or neither")
-    if a.server_cpus:
+    if a.server_cpus or a.client_cpus:  # check_split refuses one without the other
         try:
-            server_cpus, client_cpus = parse_cpu_list(a.server_cpus), parse_cpu_list(a.client_cpus)
+            server_cpus = parse_cpu_list(a.server_cpus) if a.server_cpus else ()
+            client_cpus = parse_cpu_list(a.client_cpus) if a.client_cpus else ()
             check_split(server_cpus, client_cpus)
         except CpuListError as e:
             p.error(str(e))
