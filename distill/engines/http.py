@@ -81,7 +81,8 @@ def typed_json(kind: Any, layout: str) -> Callable[[bytes], Any]:
     """A reader of answer bodies straight into `kind` (msgspec structs), in one pass: only the
     fields `kind` names are built, map keys typed as ints arrive as ints, and the rest (such as the
     text an engine writes beside every top-k entry) is skipped unread. A body with `NaN` or
-    `Infinity` is read by `parse_json` and converted. MalformedAnswerError naming the JSON path
+    `Infinity`, which strict parsers refuse, is read by the standard library (as `parse_json` reads
+    it after orjson has refused it) and converted. MalformedAnswerError naming the JSON path
     when a body does not have `layout` (e.g. "vLLM's layout"); ValueError when it is not JSON."""
     decoder = msgspec.json.Decoder(kind)
 
@@ -93,7 +94,7 @@ def typed_json(kind: Any, layout: str) -> Callable[[bytes], Any]:
         except msgspec.DecodeError:
             pass
         try:
-            return msgspec.convert(parse_json(raw), kind, str_keys=True)
+            return msgspec.convert(json.loads(raw), kind, str_keys=True)
         except msgspec.ValidationError as e:
             raise MalformedAnswerError(f"the answer does not have {layout}: {e}") from None
 
