@@ -150,7 +150,7 @@ class Delivery:
         self.routed = False  # route_by: each row from its own service, one dict of outputs per batch
         # The pass's read-ahead slots: answered batches waiting in `ready` for an earlier one lend
         # theirs to the loader meanwhile (`ReadAhead.waiting`), so a slow batch does not hold back
-        # the calls of the batches behind it.
+        # the calls of the batches behind it; so do a few delivered ones until the loop takes them.
         self.slots: ReadAhead | None = None
         self._waiting = 0  # len(ready) as the slots last heard it
 
@@ -381,9 +381,9 @@ class Delivery:
                     self.sink.error(job.epoch, job.error)
                     return
                 self._deliver(job)
-            if len(self.ready) != self._waiting and self.slots is not None:
-                self._waiting = len(self.ready)
-                self.slots.waiting(self._waiting)
+        if self.slots is not None and len(self.ready) != self._waiting:
+            self._waiting = len(self.ready)
+            self.slots.waiting(self._waiting)
         if self.end_seq is not None and self.next_seq >= self.end_seq:
             if self.cache is not None:  # the pass's answers become readable by the next pass
                 self.cache.seal()
@@ -395,6 +395,9 @@ class Delivery:
         if isinstance(job.batch, Submitted):
             job.batch.settle(None if job.error else self._outputs_of(job), job.error)
             return
+        if self.slots is not None:  # its slot is lent until the training loop takes it (ReadAhead.waiting)
+            self._waiting = len(self.ready)  # (told before the loop can take it: a rejection goes at once)
+            self.slots.waiting(self._waiting, delivered=1)
         if job.error is not None:
             self.sink.rejected(job.epoch, job.error)
             return

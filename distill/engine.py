@@ -188,7 +188,7 @@ class Engine:
         self.epoch += 1
         self._dispatcher.epoch = self.epoch
         self._slots.close()  # the last pass's loader stops reading
-        self._slots = ReadAhead(self.epoch, self.read_ahead())
+        self._slots = ReadAhead(self.epoch, self.read_ahead(), gap=self._slots.gap)  # the same training loop
         self._delivery.reset(self.epoch, self._slots)
         for svc in self._services.values():
             svc.clear()

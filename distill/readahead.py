@@ -32,7 +32,9 @@ every slot it gives back: a slot left free is a teacher call not made until the 
 which at these gaps costs more than what the batches read together would save by sharing calls
 (`distill.bundles`: the fixed cost of a call, on either side) and than the wake-up itself. Faster
 loops wake it once a quarter of the slots are free, so that the batches it then reads reach the
-event loop together and share calls."""
+event loop together and share calls. Until the gaps are known (a pass's first two batches, when no
+earlier pass measured them), the loop counts as slow: a slot left free then can be a call missing
+at the teachers until a second answer comes back, while waking the loader costs a wake-up."""
 
 _GAP_WEIGHT = 0.125  # of the latest gap in the moving average of the gaps between two takes
 
@@ -135,18 +137,28 @@ class ReadAhead:
     With ordered delivery an answered batch may wait for an earlier one still at the teachers;
     `waiting` lends such a batch's slot back while it waits, for up to `size` of them, so one slow
     batch does not keep the batches behind it from being read and sent. The slot is owed again
-    once the batch is delivered. So a pass holds at most `size` batches unanswered or delivered
-    and not yet taken, plus at most `size` answered ones waiting for their turn: `2 * size` in all.
+    once the batch is delivered.
+
+    A delivered batch the training loop has not taken yet lends its slot too (`waiting`), for up
+    to `wake_at` of them: the next batch is read as soon as an answer is delivered, not after three
+    threads have passed the word along (the training loop's takes the batch and gives the slot
+    back, the loader's reads the next one, the event loop's sends it), which on cores the teachers
+    keep busy leaves a call missing at the teachers for milliseconds after each answer. The slot
+    is owed again once the batch is taken. So a pass holds at most `size` batches unanswered or
+    delivered and not yet taken, plus `wake_at` delivered ones, plus at most `size` answered ones
+    waiting for their turn: `2 * size + wake_at` in all.
     """
 
-    def __init__(self, epoch: int, slots: int) -> None:
+    def __init__(self, epoch: int, slots: int, gap: float | None = None) -> None:
+        """`gap`: the seconds between two takes measured by an earlier pass (`gap`), if any."""
         self.epoch = epoch
         self.size = slots
         self._free = slots
         self._waiting_batches = 0  # answered batches waiting for an earlier one (ordered delivery)
-        self._lent = 0  # the slots lent to them: min(_waiting_batches, size)
+        self._queued = 0  # delivered batches the training loop has not taken yet
+        self._lent = 0  # the slots lent: min(_waiting_batches, size) + min(_queued, wake_at)
         self._wake_at = max(1, slots // 4)
-        self._gap: float | None = None  # moving average of the seconds between two give_back() calls
+        self._gap = gap  # moving average of the seconds between two give_back() calls
         self._last: float | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Lock()  # held while nobody is to be woken; released to wake the loader
@@ -166,20 +178,33 @@ class ReadAhead:
                 self._waiting = True
             self._wakeup.acquire()
 
+    @property
+    def gap(self) -> float | None:
+        """The moving average of the seconds between two takes; None until two batches were taken."""
+        return self._gap
+
     def give_back(self) -> None:
         """One slot back (any thread); wakes a waiting loader once `wake_at` slots are free, or at
-        once when batches are taken `SLOW_TAKE_S` apart or more."""
+        once when batches are taken `SLOW_TAKE_S` apart or more (`_wake_if_due`)."""
         now = time.perf_counter()
         with self._lock:
             self._free += 1
+            if self._queued:  # the batch taken had lent its slot since it was delivered: owed again
+                self._queued -= 1
+                self._lend()
             if self._last is not None:  # the first gap sets the average
                 gap = now - self._last
                 self._gap = gap if self._gap is None else self._gap + (gap - self._gap) * _GAP_WEIGHT
             self._last = now
-            slow = self._gap is not None and self._gap >= SLOW_TAKE_S
-            if self._waiting and (self._free >= self._wake_at or slow):
-                self._waiting = False
-                self._wakeup.release()
+            self._wake_if_due()
+
+    def _wake_if_due(self) -> None:
+        """Wake a waiting loader once `wake_at` slots are free, or for any free slot while batches
+        are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
+        slow = self._gap is None or self._gap >= SLOW_TAKE_S
+        if self._waiting and self._free > 0 and (self._free >= self._wake_at or slow):
+            self._waiting = False
+            self._wakeup.release()
 
     def resize(self, size: int) -> None:
         """Hold `size` slots from now on (any thread). Growing frees the new slots at once and wakes a
@@ -196,20 +221,28 @@ class ReadAhead:
                 self._waiting = False
                 self._wakeup.release()
 
-    def waiting(self, batches: int) -> None:
-        """`batches` answered batches now wait for an earlier one to be delivered (ordered delivery;
-        the event loop's thread). Their slots, up to `size`, are lent to the loader meanwhile; a
-        waiting loader is woken as soon as one is free: a lent slot starts a call at once."""
+    def waiting(self, batches: int, delivered: int = 0) -> None:
+        """`batches` answered batches now wait for an earlier one to be delivered (ordered delivery),
+        and `delivered` more went to the training loop since the last call (the event loop's
+        thread; before the loop can take them). Slots are lent meanwhile: the waiting batches',
+        up to `size`, and the delivered ones' until `give_back`, up to `wake_at`. A waiting loader
+        is woken at once for a free slot when the batches waiting changed (a lent slot starts a
+        call at once), else as `give_back` would wake it."""
         with self._lock:
+            changed = batches != self._waiting_batches
             self._waiting_batches = batches
+            self._queued += delivered
             self._lend()
-            if self._waiting and self._free > 0:
+            if changed and self._waiting and self._free > 0:
                 self._waiting = False
                 self._wakeup.release()
+            else:
+                self._wake_if_due()
 
     def _lend(self) -> None:
-        """Lend min(waiting batches, size) slots, taking back what is lent beyond that (lock held)."""
-        lent = min(self._waiting_batches, self.size)
+        """Lend min(waiting batches, size) + min(delivered batches, wake_at) slots, taking back what
+        is lent beyond that (lock held)."""
+        lent = min(self._waiting_batches, self.size) + min(self._queued, self._wake_at)
         self._free += lent - self._lent
         self._lent = lent
 

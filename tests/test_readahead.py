@@ -29,7 +29,7 @@ def _wait_until(predicate: Any, what: str) -> None:
 
 
 def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
-    slots = ReadAhead(1, 8)
+    slots = ReadAhead(1, 8, gap=0.0)  # an earlier pass found the training loop fast
     taken: list[int] = []
     done = threading.Event()
 
@@ -52,22 +52,22 @@ def test_loader_reads_ahead_by_slots_and_wakes_once_a_quarter_is_free() -> None:
     assert slots.take() == 0
 
 
-def test_a_training_loop_slower_than_slow_take_s_wakes_the_loader_for_every_slot() -> None:
+def test_a_training_loop_slower_than_slow_take_s_or_not_yet_timed_wakes_the_loader_for_every_slot() -> None:
     """A slot left free waits for the next batch taken; when batches are taken far apart (an LLM
-    teacher's, tens of milliseconds each), the loader is woken for each one, not once a quarter is
-    free."""
-    slots = ReadAhead(1, 16)  # a quarter: 4
+    teacher's, tens of milliseconds each), or before two takes have timed the loop, the loader is
+    woken for each one, not once a quarter is free."""
+    slots = ReadAhead(1, 16)  # a quarter: 4; no earlier pass timed the loop
     taken, thread = _loader(slots)
     _wait_until(lambda: taken == [16], "the first take of every slot")
-    slots.give_back()  # the first take: no gap seen yet, 1 free of a quarter's 4: the loader sleeps on
-    time.sleep(0.05)
-    assert taken == [16]
+    slots.give_back()  # the first take: not yet timed, so slow: the loader takes the one free slot
+    _wait_until(lambda: taken == [16, 1], "the loader to take the slot given back first")
     time.sleep(SLOW_TAKE_S)
-    slots.give_back()  # batches now come at least SLOW_TAKE_S apart: the loader takes both free slots
-    _wait_until(lambda: taken == [16, 2], "the loader to take the two free slots")
+    slots.give_back()  # the first gap, at least SLOW_TAKE_S: slow
+    _wait_until(lambda: taken == [16, 1, 1], "the loader to take the one slot given back")
     time.sleep(2 * SLOW_TAKE_S)
     slots.give_back()
-    _wait_until(lambda: taken == [16, 2, 1], "the loader to take the one slot given back")
+    _wait_until(lambda: taken == [16, 1, 1, 1], "the loader to take the one slot given back")
+    assert slots.gap is not None and slots.gap >= SLOW_TAKE_S
     slots.close()
     thread.join(LIMIT_S)
     assert not thread.is_alive()
@@ -126,6 +126,29 @@ def test_answered_batches_waiting_for_an_earlier_one_lend_their_slots_up_to_the_
     assert taken == [4, 3, 1]
     slots.give_back()
     _wait_until(lambda: taken == [4, 3, 1, 1], "the loader to read one batch per slot returned")
+    slots.close()
+    thread.join(LIMIT_S)
+    assert not thread.is_alive()
+
+
+def test_delivered_batches_lend_their_slots_until_taken_up_to_a_quarter() -> None:
+    """A batch handed to the training loop lends its slot until the loop takes it, for up to a
+    quarter of the slots: the next batch is read when an answer is delivered, not when the loop
+    gets round to taking it. Taken, the slot is owed again: the loader reads no more for it."""
+    slots = ReadAhead(1, 8, gap=0.0)  # a quarter: 2; an earlier pass found the loop fast
+    taken, thread = _loader(slots)
+    _wait_until(lambda: taken == [8], "the first take of every slot")
+    slots.waiting(0, delivered=1)  # one lent: 1 free, below a quarter: sleeps on
+    time.sleep(0.05)
+    assert taken == [8]
+    slots.waiting(0, delivered=2)  # three delivered, two lent: the loader takes the second
+    _wait_until(lambda: taken == [8, 2], "the loader to take the two lent slots")
+    for _ in range(3):  # the loop takes the three, fast: each gives a slot back and its lend ends
+        slots.give_back()
+    time.sleep(0.05)  # ten read, seven out: one free, below a quarter
+    assert taken == [8, 2], "a taken batch's lent slot is owed again"
+    slots.give_back()
+    _wait_until(lambda: taken == [8, 2, 2], "the loader to take the two free slots")
     slots.close()
     thread.join(LIMIT_S)
     assert not thread.is_alive()
