@@ -239,13 +239,14 @@ def _read_ahead(loader: _CountingLoader, want: int) -> int:
 
 
 @pytest.mark.parametrize(("model", "rows", "prefetch", "want"),
-                         [(PADDED, 4, None, 10), (PADDED, 8, None, 5), (PADDED, 4, 3, 3), (UNPADDED, 4, None, 4)],
+                         [(PADDED, 4, None, 12), (PADDED, 8, None, 6), (PADDED, 4, 3, 4), (UNPADDED, 4, None, 5)],
                          ids=["by-length-default", "by-length-larger-batches", "by-length-explicit", "plain-default"])
 def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
         model: str, rows: int, prefetch: int | None, want: int) -> None:
     """`prefetch` unset: 4 batches, or `by_length_rows` rows (40: 10 batches of 4 rows, 5 of 8) for
     each teacher that batches by length (its metadata may arrive after the pass began: the pass
-    deepens); set, it is what it says."""
+    deepens); set, it is what it says. Answered batches the training loop has not taken lend their
+    slots, a quarter of them (at least one): 12, 6, 4 and 5 batches read."""
     loader = _CountingLoader(30, rows)
     if model == UNPADDED:
         loader.batches = [{"tokens": b["tokens"][:, :5].clamp(min=1)} for b in loader.batches]
@@ -259,13 +260,15 @@ def test_the_reader_reads_ahead_enough_for_a_teacher_that_batches_by_length(
     assert ahead == want
 
 
-@pytest.mark.parametrize(("read_ahead_mb", "want"), [(None, 16), (6.5 * 4 * _ROW_BYTES / 2**20, 12)],
+@pytest.mark.parametrize(("read_ahead_mb", "depth"), [(None, 10), (6.5 * 4 * _ROW_BYTES / 2**20, 6)],
                          ids=["default", "six-batches"])
-def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: float | None, want: int) -> None:
+def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: float | None, depth: int) -> None:
     """A row here holds 2,592 bytes once answered (ids and mask, 96 bytes each, and 12 x 50 fp32
     logits). The pass reads 4 batches ahead until the first answer shows what a row holds, then 10
     for the teacher's 40 rows, or 6 within a budget of 6.5 batches: once the training loop has
-    taken 6 batches, 12 have been read, not 16."""
+    taken 6 batches, 6 + 6 have been read, not 6 + 10, and the answered batches it has not taken
+    lend their slots, a quarter of them: one more (two for 10)."""
+    want = 6 + depth + max(1, depth // 4)
     kwargs = {} if read_ahead_mb is None else {"read_ahead_mb": read_ahead_mb}
     loader = _CountingLoader(30)
     with _server(PADDED) as s, DistillReader(loader, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK":
@@ -278,7 +281,7 @@ def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: fl
         after = _read_ahead(loader, want)
         ahead = reader.stats().read_ahead
         rest = sum(1 for _ in it)
-    assert 4 <= first <= 10 and after == want and ahead == want - 6
+    assert 4 <= first <= 12 and after == want and ahead == depth
     assert len(taken) + rest == 30
     assert taken[0][1]["LOGITS"].nbytes + sum(v.nbytes for v in loader.batches[0].values()) == 4 * _ROW_BYTES
 
@@ -290,8 +293,9 @@ def _teachers(reader: DistillReader) -> int:
 def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: LocalEtcd, tmp_path: Path) -> None:
     """Two teachers that batch by length, the second registered while the pass waits on the
     training loop: the pass deepens from one teacher's 20 rows (5 batches of 4) to two teachers'
-    (10). When the second leaves, it narrows back: the training loop takes 6 batches, and the
-    loader reads only the one that brings the batches out to 5 again (11 read, not 16)."""
+    (10), each plus the quarter (at least one) that answered batches not yet taken lend: 6, then 12.
+    When the second leaves, it narrows back: the training loop takes 7 batches, and the loader reads
+    only the one that brings the batches out to 5 + 1 again (13 read, not 19)."""
     service = unique_service("deepen")
 
     def args(iid: str) -> list[str]:
@@ -304,18 +308,18 @@ def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: Lo
             outputs=["LOGITS"], router=RouterConfig(max_limit=4, by_length_rows=20), timeout=30.0,
             ordered=False) as reader:
         it = iter(reader)
-        one = _read_ahead(loader, 5)
+        one = _read_ahead(loader, 6)
         with teacher_process(args("b"), tmp_path):
-            two = _read_ahead(loader, 10)
+            two = _read_ahead(loader, 12)
         for _ in range(150):  # b deregistered on its way out: at most 15 s for the reader to see it
             if _teachers(reader) == 1:
                 break
             time.sleep(0.1)
         assert _teachers(reader) == 1, "the second teacher never left the reader's pool"
-        first = [next(it) for _ in range(6)]
-        after = _read_ahead(loader, 11)
+        first = [next(it) for _ in range(7)]
+        after = _read_ahead(loader, 13)
         rest = sum(1 for _ in it)
-    assert (one, two, after) == (5, 10, 11)
+    assert (one, two, after) == (6, 12, 13)
     assert len(first) + rest == 40
 
 
