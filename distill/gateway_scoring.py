@@ -216,8 +216,8 @@ class Scorer:
                 raise APIError(503, f"scoring failed: {e}; retry") from None
         name = self.settings.output_name
 
-        def get(suffix: str) -> np.ndarray:
-            return np.asarray(outputs[name + suffix][0].numpy())
+        def get(suffix: str) -> np.ndarray:  # the row taken by numpy: a torch op would hand the GIL round
+            return np.asarray(outputs[name + suffix].numpy()[0])
 
         return Scored(get("_TOPK_VALUES"), get("_TOPK_INDICES"), get("_TOKEN_LOGPROBS"), get("_TOKEN_RANKS"))
 
