@@ -153,6 +153,7 @@ class Delivery:
         # the calls of the batches behind it; so do a few delivered ones until the loop takes them.
         self.slots: ReadAhead | None = None
         self._waiting = 0  # len(ready) as the slots last heard it
+        self._handed = 0  # batches handed to the training loop since the slots last heard
 
     def reset(self, epoch: int, slots: ReadAhead | None = None) -> None:
         """A new pass, `epoch`, reading ahead by `slots`."""
@@ -162,6 +163,7 @@ class Delivery:
         self.end_seq = None
         self.slots = slots
         self._waiting = 0
+        self._handed = 0
 
     def end_at(self, seq: int) -> None:
         """The loader ended after `seq` batches: the epoch ends once they are delivered."""
@@ -381,24 +383,30 @@ class Delivery:
                     self.sink.error(job.epoch, job.error)
                     return
                 self._deliver(job)
-        if self.slots is not None and len(self.ready) != self._waiting:
-            self._waiting = len(self.ready)
-            self.slots.waiting(self._waiting)
+        self._tell_slots()
         if self.end_seq is not None and self.next_seq >= self.end_seq:
             if self.cache is not None:  # the pass's answers become readable by the next pass
                 self.cache.seal()
             self.sink.end(self.epoch)
             self.end_seq = None
 
+    def _tell_slots(self) -> None:
+        """Tell the read-ahead slots how many answered batches wait and how many were handed to the
+        training loop since they last heard: once a turn (`flush`), not once a batch; the loop takes
+        a batch only after the turn that delivered it (`distill.reader.Outbox`)."""
+        if self.slots is not None and (self._handed or len(self.ready) != self._waiting):
+            self._waiting = len(self.ready)
+            self.slots.waiting(self._waiting, delivered=self._handed)
+            self._handed = 0
+
     def _deliver(self, job: Job) -> None:
         job.delivered = True
         if isinstance(job.batch, Submitted):
             job.batch.settle(None if job.error else self._outputs_of(job), job.error)
             return
-        if self.slots is not None:  # its slot is lent until the training loop takes it (ReadAhead.waiting)
-            self._waiting = len(self.ready)  # (told before the loop can take it: a rejection goes at once)
-            self.slots.waiting(self._waiting, delivered=1)
+        self._handed += 1  # its slot is lent until the training loop takes it (ReadAhead.waiting)
         if job.error is not None:
+            self._tell_slots()  # before the loop can take it: a rejection goes at once
             self.sink.rejected(job.epoch, job.error)
             return
         self.sink.batch(job.epoch, job.batch, self._outputs_of(job), job.size)

@@ -175,9 +175,10 @@ class ReaderOptions:
     ordered: bool = option(
         True, help="deliver in loader order (True), or each batch as soon as it is ready. In order, an answered batch "
         "waiting for an earlier one lends its read-ahead slot to the next batch, so a slow batch does not hold back "
-        "the calls behind it; at most prefetch batches lend theirs. Batches delivered and not yet taken lend theirs "
-        "too, at most a quarter of prefetch (at least 1), so the next call starts when an answer is delivered: the "
-        "reader holds at most 2 x prefetch batches and that quarter")
+        "the calls behind it; at most prefetch batches lend theirs. While the training loop takes batches 10 ms apart "
+        "or more, batches delivered and not yet taken lend theirs too, at most a quarter of prefetch (at least 1), so "
+        "the next call starts when an answer is delivered: the reader holds at most 2 x prefetch batches and that "
+        "quarter")
     bundle: bool = option(
         True, help="send batches that reach the reader together with the same input shapes as one request, within "
         "the teacher's max batch size (distill.bundles): a small batch then costs the student a fraction of a call; "

@@ -139,12 +139,14 @@ class ReadAhead:
     batch does not keep the batches behind it from being read and sent. The slot is owed again
     once the batch is delivered.
 
-    A delivered batch the training loop has not taken yet lends its slot too (`waiting`), for up
-    to `wake_at` of them: the next batch is read as soon as an answer is delivered, not after three
-    threads have passed the word along (the training loop's takes the batch and gives the slot
-    back, the loader's reads the next one, the event loop's sends it), which on cores the teachers
-    keep busy leaves a call missing at the teachers for milliseconds after each answer. The slot
-    is owed again once the batch is taken. So a pass holds at most `size` batches unanswered or
+    While the training loop is slow (`SLOW_TAKE_S`), a delivered batch it has not taken yet lends
+    its slot too (`waiting`), for up to `wake_at` of them: the next batch is read as soon as an
+    answer is delivered, not after three threads have passed the word along (the training loop's
+    takes the batch and gives the slot back, the loader's reads the next one, the event loop's
+    sends it), which on cores the teachers keep busy leaves a call missing at the teachers for
+    milliseconds after each answer. The slot is owed again once the batch is taken. A fast loop
+    takes its batches before that matters, and lending there would only break up the bunches of
+    batches the loader reads together, which share calls. So a pass holds at most `size` batches unanswered or
     delivered and not yet taken, plus `wake_at` delivered ones, plus at most `size` answered ones
     waiting for their turn: `2 * size + wake_at` in all.
     """
@@ -188,21 +190,20 @@ class ReadAhead:
         once when batches are taken `SLOW_TAKE_S` apart or more (`_wake_if_due`)."""
         now = time.perf_counter()
         with self._lock:
-            self._free += 1
-            if self._queued:  # the batch taken had lent its slot since it was delivered: owed again
-                self._queued -= 1
-                self._lend()
             if self._last is not None:  # the first gap sets the average
                 gap = now - self._last
                 self._gap = gap if self._gap is None else self._gap + (gap - self._gap) * _GAP_WEIGHT
             self._last = now
+            self._free += 1
+            if self._queued:  # the batch taken had lent its slot since it was delivered: owed again
+                self._queued -= 1
+            self._lend()  # (and the loop may have turned fast or slow)
             self._wake_if_due()
 
     def _wake_if_due(self) -> None:
         """Wake a waiting loader once `wake_at` slots are free, or for any free slot while batches
         are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
-        slow = self._gap is None or self._gap >= SLOW_TAKE_S
-        if self._waiting and self._free > 0 and (self._free >= self._wake_at or slow):
+        if self._waiting and self._free > 0 and (self._free >= self._wake_at or self._slow()):
             self._waiting = False
             self._wakeup.release()
 
@@ -226,23 +227,28 @@ class ReadAhead:
         and `delivered` more went to the training loop since the last call (the event loop's
         thread; before the loop can take them). Slots are lent meanwhile: the waiting batches',
         up to `size`, and the delivered ones' until `give_back`, up to `wake_at`. A waiting loader
-        is woken at once for a free slot when the batches waiting changed (a lent slot starts a
-        call at once), else as `give_back` would wake it."""
+        is woken at once for a free slot when more batches wait (a slot lent to one starts a call
+        at once), else as `give_back` would wake it."""
         with self._lock:
-            changed = batches != self._waiting_batches
+            more = batches > self._waiting_batches
             self._waiting_batches = batches
             self._queued += delivered
             self._lend()
-            if changed and self._waiting and self._free > 0:
+            if more and self._waiting and self._free > 0:
                 self._waiting = False
                 self._wakeup.release()
             else:
                 self._wake_if_due()
 
+    def _slow(self) -> bool:
+        """Whether batches are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
+        return self._gap is None or self._gap >= SLOW_TAKE_S
+
     def _lend(self) -> None:
-        """Lend min(waiting batches, size) + min(delivered batches, wake_at) slots, taking back what
-        is lent beyond that (lock held)."""
-        lent = min(self._waiting_batches, self.size) + min(self._queued, self._wake_at)
+        """Lend min(waiting batches, size) slots, and min(delivered batches, wake_at) while the loop
+        is slow, taking back what is lent beyond that (lock held)."""
+        delivered = min(self._queued, self._wake_at) if self._slow() else 0
+        lent = min(self._waiting_batches, self.size) + delivered
         self._free += lent - self._lent
         self._lent = lent
 

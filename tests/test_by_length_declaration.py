@@ -266,9 +266,11 @@ def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: fl
     """A row here holds 2,592 bytes once answered (ids and mask, 96 bytes each, and 12 x 50 fp32
     logits). The pass reads 4 batches ahead until the first answer shows what a row holds, then 10
     for the teacher's 40 rows, or 6 within a budget of 6.5 batches: once the training loop has
-    taken 6 batches, 6 + 6 have been read, not 6 + 10, and the answered batches it has not taken
-    lend their slots, a quarter of them: one more (two for 10)."""
-    want = 6 + depth + max(1, depth // 4)
+    taken 6 batches, 6 + 6 have been read, not 6 + 10. A training loop that takes batches 10 ms
+    apart or more (`SLOW_TAKE_S`) has the answered batches it has not taken lend their slots, a
+    quarter of them: one more (two for 10); these 6 are taken at once, which a stalled machine may
+    still see as slow."""
+    most = 6 + depth + max(1, depth // 4)
     kwargs = {} if read_ahead_mb is None else {"read_ahead_mb": read_ahead_mb}
     loader = _CountingLoader(30)
     with _server(PADDED) as s, DistillReader(loader, teachers=s.url, model="seq", inputs={"TOKENS": "tokens", "MASK":
@@ -278,10 +280,10 @@ def test_read_ahead_mb_bounds_what_the_batches_read_ahead_hold(read_ahead_mb: fl
         it = iter(reader)
         first = _read_ahead(loader, 4)
         taken = [next(it) for _ in range(6)]
-        after = _read_ahead(loader, want)
+        after = _read_ahead(loader, 6 + depth)
         ahead = reader.stats().read_ahead
         rest = sum(1 for _ in it)
-    assert 4 <= first <= 12 and after == want and ahead == depth
+    assert 4 <= first <= 12 and 6 + depth <= after <= most and ahead == depth
     assert len(taken) + rest == 30
     assert taken[0][1]["LOGITS"].nbytes + sum(v.nbytes for v in loader.batches[0].values()) == 4 * _ROW_BYTES
 
@@ -293,9 +295,10 @@ def _teachers(reader: DistillReader) -> int:
 def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: LocalEtcd, tmp_path: Path) -> None:
     """Two teachers that batch by length, the second registered while the pass waits on the
     training loop: the pass deepens from one teacher's 20 rows (5 batches of 4) to two teachers'
-    (10), each plus the quarter (at least one) that answered batches not yet taken lend: 6, then 12.
-    When the second leaves, it narrows back: the training loop takes 7 batches, and the loader reads
-    only the one that brings the batches out to 5 + 1 again (13 read, not 19)."""
+    (10), each plus the quarter (at least one) that answered batches not yet taken lend while the
+    training loop has taken none: 6, then 12. When the second leaves, it narrows back: the training
+    loop takes 7 batches at once, and the loader reads at most the one that brings the batches out
+    to 5 + 1 again (12 or 13 read, not 19)."""
     service = unique_service("deepen")
 
     def args(iid: str) -> list[str]:
@@ -319,7 +322,7 @@ def test_a_pass_reads_further_ahead_while_another_such_teacher_is_there(etcd: Lo
         first = [next(it) for _ in range(7)]
         after = _read_ahead(loader, 13)
         rest = sum(1 for _ in it)
-    assert (one, two, after) == (6, 12, 13)
+    assert (one, two) == (6, 12) and after in (12, 13)
     assert len(first) + rest == 40
 
 

@@ -131,24 +131,44 @@ def test_answered_batches_waiting_for_an_earlier_one_lend_their_slots_up_to_the_
     assert not thread.is_alive()
 
 
-def test_delivered_batches_lend_their_slots_until_taken_up_to_a_quarter() -> None:
-    """A batch handed to the training loop lends its slot until the loop takes it, for up to a
+def test_delivered_batches_lend_their_slots_until_taken_up_to_a_quarter_while_the_loop_is_slow() -> None:
+    """A batch handed to a slow training loop lends its slot until the loop takes it, for up to a
     quarter of the slots: the next batch is read when an answer is delivered, not when the loop
     gets round to taking it. Taken, the slot is owed again: the loader reads no more for it."""
-    slots = ReadAhead(1, 8, gap=0.0)  # a quarter: 2; an earlier pass found the loop fast
+    slots = ReadAhead(1, 8, gap=1.0)  # a quarter: 2; an earlier pass found the loop slow
     taken, thread = _loader(slots)
     _wait_until(lambda: taken == [8], "the first take of every slot")
-    slots.waiting(0, delivered=1)  # one lent: 1 free, below a quarter: sleeps on
+    slots.waiting(0, delivered=1)  # one lent, and the loop is slow: the loader reads one more
+    _wait_until(lambda: taken == [8, 1], "the loader to take the lent slot")
+    slots.waiting(0, delivered=2)  # three delivered, but at most two lent: one more
+    _wait_until(lambda: taken == [8, 1, 1], "the loader to take the second lent slot")
+    time.sleep(0.05)
+    assert taken == [8, 1, 1], "at most a quarter of the slots are lent"
+    slots.give_back()  # one taken: two still delivered and lent, one slot back: one more read
+    _wait_until(lambda: taken == [8, 1, 1, 1], "the loader to take the slot given back")
+    slots.give_back()
+    slots.give_back()  # the other two taken: their lent slots are owed again, none free
+    time.sleep(0.05)
+    assert taken == [8, 1, 1, 1], "a taken batch's lent slot is owed again"
+    slots.give_back()
+    _wait_until(lambda: taken == [8, 1, 1, 1, 1], "the loader to take the free slot")
+    slots.close()
+    thread.join(LIMIT_S)
+    assert not thread.is_alive()
+
+
+def test_a_fast_loops_delivered_batches_lend_nothing() -> None:
+    """A fast training loop takes its batches before a lent slot would matter; lending there would
+    only break up the bunches the loader reads together (they share calls)."""
+    slots = ReadAhead(1, 8, gap=0.0)
+    taken, thread = _loader(slots)
+    _wait_until(lambda: taken == [8], "the first take of every slot")
+    slots.waiting(0, delivered=4)
     time.sleep(0.05)
     assert taken == [8]
-    slots.waiting(0, delivered=2)  # three delivered, two lent: the loader takes the second
-    _wait_until(lambda: taken == [8, 2], "the loader to take the two lent slots")
-    for _ in range(3):  # the loop takes the three, fast: each gives a slot back and its lend ends
-        slots.give_back()
-    time.sleep(0.05)  # ten read, seven out: one free, below a quarter
-    assert taken == [8, 2], "a taken batch's lent slot is owed again"
     slots.give_back()
-    _wait_until(lambda: taken == [8, 2, 2], "the loader to take the two free slots")
+    slots.give_back()  # a quarter free: the loader takes both
+    _wait_until(lambda: taken == [8, 2], "the loader to take the two free slots")
     slots.close()
     thread.join(LIMIT_S)
     assert not thread.is_alive()
