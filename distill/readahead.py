@@ -146,19 +146,20 @@ class ReadAhead:
     sends it), which on cores the teachers keep busy leaves a call missing at the teachers for
     milliseconds after each answer. The slot is owed again once the batch is taken. A fast loop
     takes its batches before that matters, and lending there would only break up the bunches of
-    batches the loader reads together, which share calls. So a pass holds at most `size` batches unanswered or
-    delivered and not yet taken, plus `wake_at` delivered ones, plus at most `size` answered ones
-    waiting for their turn: `2 * size + wake_at` in all.
+    batches the loader reads together, which share calls. So a pass holds at most `size` batches
+    unanswered or delivered and not yet taken, plus `wake_at` delivered ones, plus at most `size`
+    answered ones waiting for their turn: `2 * size + wake_at` in all.
     """
 
     def __init__(self, epoch: int, slots: int, gap: float | None = None) -> None:
-        """`gap`: the seconds between two takes measured by an earlier pass (`gap`), if any."""
+        """`gap`: the moving average of the seconds between two takes that an earlier pass of the
+        same training loop measured (its `gap`); None: not yet timed."""
         self.epoch = epoch
         self.size = slots
         self._free = slots
         self._waiting_batches = 0  # answered batches waiting for an earlier one (ordered delivery)
         self._queued = 0  # delivered batches the training loop has not taken yet
-        self._lent = 0  # the slots lent: min(_waiting_batches, size) + min(_queued, wake_at)
+        self._lent = 0  # the slots lent: min(_waiting_batches, size), + min(_queued, wake_at) while slow
         self._wake_at = max(1, slots // 4)
         self._gap = gap  # moving average of the seconds between two give_back() calls
         self._last: float | None = None
@@ -226,9 +227,9 @@ class ReadAhead:
         """`batches` answered batches now wait for an earlier one to be delivered (ordered delivery),
         and `delivered` more went to the training loop since the last call (the event loop's
         thread; before the loop can take them). Slots are lent meanwhile: the waiting batches',
-        up to `size`, and the delivered ones' until `give_back`, up to `wake_at`. A waiting loader
-        is woken at once for a free slot when more batches wait (a slot lent to one starts a call
-        at once), else as `give_back` would wake it."""
+        up to `size`, and while the loop is slow the delivered ones' until `give_back`, up to
+        `wake_at`. A waiting loader is woken at once for a free slot when more batches wait (a
+        slot lent to one starts a call at once), else as `give_back` would wake it."""
         with self._lock:
             more = batches > self._waiting_batches
             self._waiting_batches = batches
