@@ -104,6 +104,13 @@ def _drop_last(position: dict[str, Any]) -> dict[str, Any]:
     return dict(list(position.items())[:-2])
 
 
+def _last_id(position: dict[str, Any], token: int) -> dict[str, Any]:
+    """The position's last top-k entry under another token id (an id int32 cannot hold, a wrapped
+    one would be another token)."""
+    items = list(position.items())
+    return dict([*items[:-1], (str(token), items[-1][1])])
+
+
 def _no_rank(position: dict[str, Any]) -> dict[str, Any]:
     first = next(iter(position))
     position[first] = {"logprob": -1.0}
@@ -123,8 +130,11 @@ def _no_rank(position: dict[str, Any]) -> dict[str, Any]:
     (_position(7, lambda p: {f"w{i}": v for i, v in p.items()}),
      r"Expected `int`, got `str` - at `key` in `\$.choices\[0\].prompt_logprobs\[7\]`"),
     (_position(8, lambda p: {str(2**64): v for v in p.values()}), r"do not have vLLM's layout \(OverflowError"),
+    (_position(9, lambda p: _last_id(p, 2**40)),
+     r"prompt_logprobs holds token id 1099511627776, outside 0\.\.2\*\*31-1"),
+    (_position(9, lambda p: _last_id(p, -3)), r"prompt_logprobs holds token id -3, outside 0\.\.2\*\*31-1"),
 ], ids=["not-a-list", "too-few", "no-leading-null", "null-position", "list-position", "wrong-token",
-        "too-few-entries", "no-rank", "key-not-an-id", "id-past-int64"])
+        "too-few-entries", "no-rank", "key-not-an-id", "id-past-int64", "id-past-int32", "negative-id"])
 def test_an_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[list[Any]], Any],
                                                              message: str) -> None:
     k = 5
@@ -225,7 +235,8 @@ def _set(key: str, index: int, value: Any) -> Callable[[dict[str, Any]], None]:
      r"input_token_logprobs\[5\] has a null log-prob"),
     (_meta(lambda m: m["input_top_logprobs"][2][0].__setitem__(0, "x")),
      r"Expected `float`, got `str` - at `\$\[0\]\.meta_info\.input_top_logprobs\[2\]\[0\]\[0\]`"),
-    (_meta(lambda m: m["input_top_logprobs"][2][0].__setitem__(1, 2**40)), r"outside 0\.\.2\*\*31-1"),
+    (_meta(lambda m: m["input_top_logprobs"][2][0].__setitem__(1, 2**40)),
+     r"input_top_logprobs holds token id 1099511627776, outside 0\.\.2\*\*31-1"),
 ], ids=["not-a-list", "no-top-logprobs", "too-few-tokens", "null-position", "short-position", "short-last",
         "no-last", "wrong-token", "null-own-log-prob", "value-not-a-number", "id-past-int32"])
 def test_an_sglang_answer_that_does_not_fit_is_refused_naming_where(mutate: Callable[[list[Any]], Any],

@@ -78,6 +78,15 @@ class RowScores:
     token_ranks: np.ndarray | None  # [L] int32; None when the engine does not report ranks
 
 
+def token_ids(ids: np.ndarray, field: str) -> np.ndarray:
+    """An engine's token ids (int64, as read) as the int32 the mesh's outputs carry; an id outside
+    0..2**31-1 is a MalformedAnswerError naming `field`, never an id wrapped round to another."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(np.int32).max):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise MalformedAnswerError(f"{field} holds token id {bad}, outside 0..2**31-1")
+    return ids.astype(np.int32)
+
+
 def _refuse(engine: str, what: str) -> RequestRejectedError:
     return RequestRejectedError(grpc.StatusCode.INVALID_ARGUMENT, f"{engine} cannot serve this request: {what}")
 

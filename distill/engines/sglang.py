@@ -25,7 +25,7 @@ import numpy as np
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
 from distill.engines.http import typed_json
-from distill.engines.rows import Plan, RowScores
+from distill.engines.rows import Plan, RowScores, token_ids
 
 __all__ = ["MetaInfo", "Result", "SglangClient", "decode_meta_info", "read_results"]
 
@@ -94,9 +94,7 @@ def decode_meta_info(meta: MetaInfo, prompt: Sequence[int], k: int) -> RowScores
             raise MalformedAnswerError(f"input_token_logprobs[{logprobs.index(None) + 1}] has a null log-prob; only "
                                        "the first token's may be null")
         own[:-1] = logprobs
-    if ((ids < 0) | (ids > np.iinfo(np.int32).max)).any():
-        raise MalformedAnswerError("a top-k token id is outside 0..2**31-1")
-    return RowScores(values, ids.astype(np.int32), own, None)
+    return RowScores(values, token_ids(ids, "input_top_logprobs"), own, None)
 
 
 class SglangClient(EngineClient):

@@ -24,7 +24,7 @@ import numpy as np
 from distill.call_errors import MalformedAnswerError
 from distill.engines.client import EngineClient
 from distill.engines.http import typed_json
-from distill.engines.rows import Plan, RowScores
+from distill.engines.rows import Plan, RowScores, token_ids
 
 __all__ = ["Choice", "Completion", "Logprob", "VllmClient", "decode_prompt_logprobs", "read_completion"]
 
@@ -108,7 +108,7 @@ def decode_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None, prom
     # Each position's top-k are its last k entries (the own token comes first unless it is among them).
     top = (firsts + sizes - k)[:, None] + np.arange(k)
     top = np.take_along_axis(top, np.argsort(ranks[top], axis=1, kind="stable"), axis=1)
-    return RowScores(logprobs[top].astype(np.float32), ids[top].astype(np.int32),
+    return RowScores(logprobs[top].astype(np.float32), token_ids(ids[top], "prompt_logprobs"),
                      logprobs[firsts].astype(np.float32), ranks[firsts].astype(np.int32))
 
 
