@@ -201,10 +201,15 @@ class ReadAhead:
             self._lend()  # (and the loop may have turned fast or slow)
             self._wake_if_due()
 
-    def _wake_if_due(self) -> None:
-        """Wake a waiting loader once `wake_at` slots are free, or for any free slot while batches
-        are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
-        if self._waiting and self._free > 0 and (self._free >= self._wake_at or self._slow()):
+    def _wake_if_due(self, at_once: bool = False) -> None:
+        """Wake a waiting loader for a free slot: `at_once`, or once `wake_at` slots are free, or
+        while batches are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
+        if self._free > 0 and (at_once or self._free >= self._wake_at or self._slow()):
+            self._wake()
+
+    def _wake(self) -> None:
+        """Release a loader waiting in `take` (lock held)."""
+        if self._waiting:
             self._waiting = False
             self._wakeup.release()
 
@@ -219,9 +224,7 @@ class ReadAhead:
             self.size = size
             self._wake_at = max(1, size // 4)
             self._lend()
-            if self._waiting and self._free > 0:
-                self._waiting = False
-                self._wakeup.release()
+            self._wake_if_due(at_once=True)
 
     def waiting(self, batches: int, delivered: int = 0) -> None:
         """`batches` answered batches now wait for an earlier one to be delivered (ordered delivery),
@@ -235,11 +238,7 @@ class ReadAhead:
             self._waiting_batches = batches
             self._queued += delivered
             self._lend()
-            if more and self._waiting and self._free > 0:
-                self._waiting = False
-                self._wakeup.release()
-            else:
-                self._wake_if_due()
+            self._wake_if_due(at_once=more)
 
     def _slow(self) -> bool:
         """Whether batches are taken `SLOW_TAKE_S` apart or more, or not yet timed (lock held)."""
@@ -257,9 +256,7 @@ class ReadAhead:
         """End the pass: a loader waiting for a slot returns at once (any thread)."""
         with self._lock:
             self.closed = True
-            if self._waiting:
-                self._waiting = False
-                self._wakeup.release()
+            self._wake()
 
 
 class Feed:
