@@ -185,11 +185,14 @@ def run(s: Settings, kind: str) -> dict[str, Any]:
              for v in ("gateway", "reader")}
     return {"benchmark": "engines", "engine": kind, "settings": s.__dict__, "tokens": tokens, "summary": summary,
             "throughput_vs_direct": relative, "added_ms_per_sequence": added, "goal": GOAL,
-            "reader_calls_in_flight": round(sum(in_flight) / len(in_flight), 2) if in_flight else None,
-            "direct_calls_in_flight": (round(sum(direct_in_flight) / len(direct_in_flight), 2) if direct_in_flight
-                                       else None),
+            "reader_calls_in_flight": _mean(in_flight), "direct_calls_in_flight": _mean(direct_in_flight),
             "reader_resent": resent,
             "per_rep": per_rep, "machine": machine_info()}
+
+
+def _mean(samples: list[int]) -> float | None:
+    """The mean of the samples of calls in flight; None when a pass was shorter than one interval."""
+    return round(sum(samples) / len(samples), 2) if samples else None
 
 
 def report(doc: dict[str, Any]) -> str:

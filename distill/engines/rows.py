@@ -81,9 +81,10 @@ class RowScores:
 def token_ids(ids: np.ndarray, field: str) -> np.ndarray:
     """An engine's token ids (int64, as read) as the int32 the mesh's outputs carry; an id outside
     0..2**31-1 is a MalformedAnswerError naming `field`, never an id wrapped round to another."""
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(np.int32).max):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise MalformedAnswerError(f"{field} holds token id {bad}, outside 0..2**31-1")
+    if ids.size:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high > np.iinfo(np.int32).max:
+            raise MalformedAnswerError(f"{field} holds token id {low if low < 0 else high}, outside 0..2**31-1")
     return ids.astype(np.int32)
 
 
