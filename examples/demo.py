@@ -89,7 +89,7 @@ def sampling(address: str, timeline: Timeline, interval: float = 0.5) -> Iterato
 
     async def run() -> None:
         async with open_registry(address, timeout=2.0) as reg:
-            last_reason = ""
+            last_reason, last_scale_at = "", None
             while not stop.is_set():
                 try:
                     teachers = await reg.teachers(SERVICE)
@@ -104,9 +104,18 @@ def sampling(address: str, timeline: Timeline, interval: float = 0.5) -> Iterato
                     "stall": max((d.wait_fraction for d in demand), default=0.0),
                 })
                 if decision is not None:
+                    # Every scale that landed, from the record's last_scale (the decision that made it
+                    # may be replaced before this poll); besides, each change of the hold's kind.
+                    scaled = decision.get("last_scale")
                     reason = str(decision.get("reason", ""))
-                    if reason and reason.split(":", maxsplit=1)[0] != last_reason.split(":", maxsplit=1)[0]:
+                    if isinstance(scaled, dict) and scaled.get("at") != last_scale_at:
+                        last_scale_at = scaled.get("at")
+                        last_reason = reason = str(scaled.get("reason", ""))
+                    elif decision.get("action") != "hold" or reason.split(":", 1)[0] == last_reason.split(":", 1)[0]:
+                        reason = ""
+                    else:
                         last_reason = reason
+                    if reason:
                         timeline.decisions.append((timeline.now(), reason))
                         _say(f"  [{timeline.now():5.1f}s] autoscaler: {reason[:150]}")
                 await asyncio.sleep(interval)

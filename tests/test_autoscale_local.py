@@ -134,6 +134,10 @@ async def exercise(controller: Controller, backend: LocalBackend, student: Stude
     got = await controller.registry.client().get(f"/distill/v1/{service}/autoscaler/decision".encode())
     published = json.loads(got.value)
     assert published["desired"] == 1 and published["action"] in ("down", "hold") and published["reason"]
+    # ... and with it the last scale that landed, however many decisions came after it.
+    last = published["last_scale"]
+    assert (last["action"], last["to"], last["reason"]) == ("down", 1, downs[-1].reason), last
+    assert last["from"] > 1 and last["at"] <= published["at"]
     print(f"scale-up decided {up:.1f} s after the student started")
 
 

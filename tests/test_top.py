@@ -273,6 +273,13 @@ def test_autoscaler_records_of_any_format_are_readable() -> None:
     assert dtop.describe_value(b"plain   text\nvalue") == "plain text value"
     assert dtop.describe_value(b"\xff\x00\x01") == "<3 bytes of binary data>"
     assert dtop.describe_value(b"[1, 2]") == "[1, 2]"
+    # The last scale that landed, as the controller publishes it: the counts and its age, not its JSON.
+    scaled = json.dumps({"action": "hold", "desired": 1, "at": 100.0, "last_scale": {
+        "action": "up", "from": 0, "to": 1, "reason": "scale up 0 -> 1: demand", "at": 40.0}}).encode()
+    assert dtop.describe_value(scaled, now=112.0) == \
+        'action=hold desired=1 last_scale="0 -> 1, 1m12s ago" (12.0s ago)'
+    odd = json.dumps({"last_scale": {"from": "x", "to": 1, "at": 40.0}}).encode()  # not the controller's shape
+    assert dtop.describe_value(odd, now=112.0) == 'last_scale={"from":"x","to":1,"at":40.0}'
 
 
 def test_render_fits_80_columns_and_keeps_the_throughput_columns() -> None:

@@ -9,6 +9,7 @@ their size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import textwrap
@@ -124,8 +125,13 @@ def describe_value(value: bytes, now: float | None = None) -> str:
         return json.dumps(obj)
     ordered = [k for k in _DECISION_KEYS if k in obj] + [k for k in obj if k not in _DECISION_KEYS + _TIME_KEYS]
     parts = []
+    now = now if now is not None else time.time()
     for k in ordered:
         v = obj[k]
+        if k == "last_scale" and isinstance(v, dict) and {"from", "to", "at"} <= v.keys():
+            with contextlib.suppress(TypeError, ValueError):  # a foreign shape falls through to JSON
+                parts.append(f'last_scale="{int(v["from"])} -> {int(v["to"])}, {age(now - float(v["at"]))} ago"')
+                continue
         if isinstance(v, float):
             v = f"{v:.4g}"
         elif isinstance(v, str) and (" " in v or not v):
@@ -135,7 +141,7 @@ def describe_value(value: bytes, now: float | None = None) -> str:
         parts.append(f"{k}={v}")
     stamp = next((obj[k] for k in _TIME_KEYS if isinstance(obj.get(k), (int, float))), None)
     if stamp is not None:
-        parts.append(f"({age((now if now is not None else time.time()) - float(stamp))} ago)")
+        parts.append(f"({age(now - float(stamp))} ago)")
     return " ".join(parts)
 
 

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from discovery.aio import Backoff, StateLog, bounded, cancel_and_wait, describe
 from discovery.base import Registry, RegistryError, TeacherSet
@@ -152,6 +153,10 @@ class Controller:
         self._expected: frozenset[int] | None = None
         self._hold_until = float("-inf")
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
+        # The last count written that landed (action, from, to, reason, at: wall time), published
+        # with every decision: a reader polling the record sees each scale even when the next
+        # period's decision has already replaced the one that made it.
+        self.last_scale: dict[str, Any] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @property
@@ -350,17 +355,24 @@ class Controller:
                 self._on_decision(decision, state)
             except Exception:
                 log.exception("on_decision hook failed")
-        await self._publish(decision, state)
         if decision.desired != state.current and self.election.is_leader:
-            try:
-                await self.backend.scale(decision.desired, view)
-            except BackendUnavailableError as e:
-                # The write may or may not have landed (a timeout): either count is ours next period.
-                self._expected = frozenset({state.current, decision.desired})
-                self._backend_log.change("down", logging.WARNING, "autoscaler of %r: %s; will retry", self.service, e)
-                return
-            self._expected = frozenset({decision.desired})
-            self.metrics.scaled("up" if decision.desired > state.current else "down")
+            await self._scale(decision, state, view)
+        await self._publish(decision, state)
+
+    async def _scale(self, decision: Decision, state: BackendState, view: TeacherSet) -> None:
+        """Write the decided count; a scale that landed becomes the record's ``last_scale``."""
+        try:
+            await self.backend.scale(decision.desired, view)
+        except BackendUnavailableError as e:
+            # The write may or may not have landed (a timeout): either count is ours next period.
+            self._expected = frozenset({state.current, decision.desired})
+            self._backend_log.change("down", logging.WARNING, "autoscaler of %r: %s; will retry", self.service, e)
+            return
+        self._expected = frozenset({decision.desired})
+        direction = "up" if decision.desired > state.current else "down"
+        self.metrics.scaled(direction)
+        self.last_scale = {"action": direction, "from": state.current, "to": decision.desired,
+                           "reason": decision.reason, "at": time.time()}
 
     def _notice_external(self, state: BackendState) -> None:
         """Start a hold when the backend's count is not one this controller wrote or last saw."""
@@ -400,7 +412,8 @@ class Controller:
     async def _publish(self, decision: Decision, state: BackendState) -> None:
         """The last decision as JSON at <autoscaler prefix>decision (read by `distill top`): on every
         change, and every 10 s so its age shows the controller is alive. Bound to the leader lease."""
-        fingerprint = (decision.action, decision.cause, decision.desired, state.current)
+        fingerprint = (decision.action, decision.cause, decision.desired, state.current, None if self.last_scale is None
+                       else self.last_scale["at"])
         now = time.monotonic()
         if fingerprint == self._published and now - self._published_at < 10.0:
             return
@@ -409,6 +422,8 @@ class Controller:
             "desired": decision.desired, "needed": decision.needed, "demand": round(decision.demand, 1),
             "capacity": round(decision.capacity, 1), "reason": decision.reason, "at": time.time(),
         }
+        if self.last_scale is not None:
+            record["last_scale"] = self.last_scale
         try:
             if await self.election.publish("decision", json.dumps(record).encode()):
                 self._published, self._published_at = fingerprint, now
