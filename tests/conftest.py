@@ -1,10 +1,10 @@
-"""The order the suite's files run in under ``pytest -n 2 --dist loadfile`` (make test).
+"""The order the suite's files run in under ``pytest -n 3 --dist loadfile`` (make test).
 
 xdist hands each worker one file at a time, by default the files with the most tests first, so
 the files of one long test each (a benchmark's smoke run, a real vLLM start) would come last,
-one worker running the last of them while the other sits idle. The files known to take the
+one worker running the last of them while the others sit idle. The files known to take the
 longest run first instead, the rest after them as xdist would order them, so the end of the run
-is many short files that the two workers share out.
+is many short files that the workers share out.
 """
 
 from __future__ import annotations

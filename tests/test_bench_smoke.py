@@ -6,22 +6,21 @@ and the figures in it must be sane: counts as asked, rates and ratios positive a
 finite, nothing lost, duplicated or wrong, the machine recorded. Speed is the benchmarks' business:
 no figure is compared with a goal here.
 
-W1/W5 (`benchmarks.mesh`), W2/W3 (`benchmarks.serving`), W4 (`benchmarks.autoscale`), the
-teacher-output store (`benchmarks.cache`), discovery (`benchmarks.discovery_propagation`) and the
-soak (`benchmarks.soak`). The other benchmarks' smoke tests are in their own files
-(benchmarks/README.md lists them).
+W1/W5 (`benchmarks.mesh`), W4 (`benchmarks.autoscale`), the teacher-output store
+(`benchmarks.cache`), discovery (`benchmarks.discovery_propagation`) and the soak
+(`benchmarks.soak`). The other benchmarks' smoke tests are in their own files, W2/W3's with its
+PyTriton side in test_serving_pytriton_bench.py (benchmarks/README.md lists them).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks import cache, mesh, serving, soak
+from benchmarks import cache, mesh, soak
 from benchmarks.autoscale import run as autoscale
 from tests.bench_runs import run_benchmark, run_benchmark_main
 
@@ -58,37 +57,6 @@ def test_mesh_w1_and_w5_run_and_report_sane_figures(tmp_path: Path) -> None:
     assert w5["delivered"] == w5["batches"] == 60
     assert (w5["lost"], w5["duplicated"], w5["out_of_order"], w5["wrong_outputs"]) == (0, 0, 0, 0)
     assert 0 < w5["longest_gap_ms"] < math.inf
-
-
-@pytest.mark.timeout(300)
-def test_serving_w2_and_w3_run_and_report_sane_figures(tmp_path: Path) -> None:
-    # Windows of 2 s: a batch of 256 takes a few hundred ms on a busy 2-core machine, and a window
-    # that saw fewer than two bursts of answers would say 0 samples/s. One model instance of one
-    # torch thread per server (and in the in-process loops): each window keeps one core busy, not
-    # two, and the batch-256 requests run one after the other, each its own burst. No quiet gate
-    # (--max-foreign-cores 0); the teacher-servers only (--no-pytriton), whichever virtualenvs
-    # this machine has built. With two cores or more, the servers and the in-process loops run on
-    # the last and the load generator on the first (--server-cpus, --client-cpus).
-    cores = sorted(os.sched_getaffinity(0))
-    split = ["--server-cpus", str(cores[-1]), "--client-cpus", str(cores[0])] if len(cores) > 1 else []
-    doc = run_benchmark_main(serving.main, ["--quick", "--reps", "1", "--warmup", "0.3", "--duration", "2",
-                                            "--instances", "1", "--threads", "1", "--max-foreign-cores", "0",
-                                            "--no-pytriton", *split, "--out", "serving_smoke"], tmp_path,
-                             name="serving_smoke")
-    _machine(doc)
-    assert os.sched_getaffinity(0) == set(cores), "the test's process got its cores back"
-    if split:
-        assert doc["machine"]["servers_ran_on"] == {"batching_on": cores[-1:], "batching_off": cores[-1:]}
-        assert doc["machine"]["client_cpus"] == cores[:1] and f"load generator {cores[:1]}" in doc["stdout"]
-    assert doc["settings"]["reps"] == 1 and doc["settings"]["device"] == "cpu"
-    medians = doc["medians_samples_per_s"]
-    assert {"w2_inprocess_256", "w2_server_256", "w3_inprocess_8", "w3_on", "w3_off"} <= set(medians)
-    _positive(medians)
-    for name in ("w2_server_over_inprocess", "w3_on_over_off", "w3_on_over_inprocess_256"):
-        _positive({name: doc["ratios"][name]["headline"]})
-    for name, reps in doc["per_rep"].items():
-        assert all(r["errors"] == 0 for r in reps), f"{name}: requests failed"
-    assert set(doc["server_exit_codes"].values()) == {0}
 
 
 @pytest.mark.timeout(330)

@@ -6,17 +6,20 @@ for the module, from the cached vLLM venv: tests/vllm_env.py), teacher-server's 
 `/v1/completions` named as a vLLM engine, and the SGLang-shaped server (tests/sglang_server.py).
 Every value is checked against the model run in process and against a KServe teacher-server's
 answer over gRPC; refusals carry the engine's own words; a stopped engine fails over to the other
-teacher of the same static list with every batch delivered once.
+teacher of the same static list with every batch delivered once. `distill register` puts the
+real vLLM in a real etcd, with its load, and withdraws it at SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +46,12 @@ from distill.engines import SglangClient, VllmClient, engine_client
 from distill.engines.rows import ENGINE_OUTPUTS
 from distill.types import ChunkRequest, FieldArray
 from teacher_server import ServerConfig
+from teacher_server.registrar.load import read_figures
 from tests.etcd_fixtures import unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, load_reference, reference_logprobs, save_vllm_llama
 from tests.servers import ServerThread, teacher_process
 from tests.sglang_server import SglangServer, sglang_server
+from tests.test_registrar import HTTP_CAPABILITIES, _entries, _registrar, _stop, _until
 from tests.vllm_env import VllmServer, vllm_server
 
 # The real vLLM's fixture builds the cached vLLM venv on a machine that lacks it (pip, minutes) and
@@ -418,3 +423,32 @@ def test_a_mixed_pool_of_a_real_vllm_and_a_teacher_server_loses_nothing_to_a_sig
     for (batch, outputs), sent in zip(got, data, strict=True):
         assert np.array_equal(batch["INPUT_IDS"], sent["INPUT_IDS"])  # in order, each once
         assert_same(outputs, expected(reference, sent), "mixed pool after a SIGKILL")
+
+
+def test_a_real_vllm_is_registered_with_its_load_then_withdrawn_at_sigterm(vllm: VllmServer, tmp_path: Path) -> None:
+    """`distill register` beside a real vLLM: the record its probes build, the load read from vLLM's
+    own /metrics, and a SIGTERM that withdraws the record once those metrics say nothing is in flight."""
+    service = unique_service("reg-real-vllm")
+    reg_log = tmp_path / "registrar.log"
+    with LocalEtcd() as etcd:
+        registrar = _registrar(["--engine", "vllm", "--url", vllm.url, "--model", "llama", "--registry",
+                                etcd.address, "--service", service, "--instance-id", "r-real"], reg_log)
+        try:
+            entry = _until(lambda: _entries(etcd, service).get("r-real"), 60, "the real vLLM's record", reg_log)
+            rec = entry.record
+            assert (rec.endpoint, rec.protocol, rec.path, rec.model_name) == (vllm.address, "vllm", "", "llama")
+            assert rec.capabilities == HTTP_CAPABILITIES
+            loaded = _until(lambda: _entries(etcd, service)["r-real"].load, 30, "a published load", reg_log)
+            assert loaded.in_flight == 0 and loaded.queue_depth == 0 and not loaded.draining
+
+            with urllib.request.urlopen(vllm.url + "/metrics", timeout=30) as resp:
+                figures = read_figures("vllm", resp.read().decode())
+            assert (figures.running, figures.waiting) == (0.0, 0.0)
+            assert figures.usage is not None and figures.finished is not None
+
+            registrar.send_signal(signal.SIGTERM)
+            assert registrar.wait(60) == 0
+            assert _entries(etcd, service) == {}
+            assert "drained: nothing in flight" in reg_log.read_text(), "the real metrics said nothing was in flight"
+        finally:
+            _stop(registrar)

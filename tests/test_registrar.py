@@ -1,10 +1,10 @@
-"""`distill register` against real engines and a real etcd: a real vLLM (started once, from the
-cached venv of tests/vllm_env.py); teacher-server serving a tiny Hugging Face Llama, standing in for
-vLLM where an engine must be killed and restarted (its HTTP port speaks vLLM's /health, /v1/models
-and /v1/completions) and itself a KServe v2 engine; the SGLang-shaped server of
-tests/sglang_server.py. The metrics parser also reads vLLM /metrics text recorded while requests
-ran (tests/record_vllm_metrics.py). The registrar and the engines are separate processes, stopped
-by signals as an operator would."""
+"""`distill register` against real engines and a real etcd: teacher-server serving a tiny Hugging
+Face Llama, standing in for vLLM where an engine must be killed and restarted (its HTTP port speaks
+vLLM's /health, /v1/models and /v1/completions) and itself a KServe v2 engine; the SGLang-shaped
+server of tests/sglang_server.py. The metrics parser also reads vLLM /metrics text recorded while
+requests ran (tests/record_vllm_metrics.py). The registrar and the engines are separate processes,
+stopped by signals as an operator would. A real vLLM's registration is in test_engine_clients.py,
+beside the other tests that start one: one vLLM start for all of them."""
 
 from __future__ import annotations
 
@@ -43,11 +43,9 @@ from teacher_server.registrar.probes import ProbeOptions, make_probe
 from tests.etcd_fixtures import arun, unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, save_llama, save_vllm_llama
 from tests.sglang_server import sglang_server
-from tests.vllm_env import VllmServer, vllm_server
 
-# Engines load in processes of their own, and the real vLLM's fixture may build the cached vLLM venv
-# (pip, minutes) before starting vLLM (minutes on CPU): the first test that uses it pays both.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+# Engines load in processes of their own: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 _T = TypeVar("_T")
 REPO = Path(__file__).resolve().parent.parent
@@ -75,12 +73,6 @@ def vllm_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("registrar-vllm-llama")
     save_vllm_llama(directory)
     return directory
-
-
-@pytest.fixture(scope="module")
-def vllm(vllm_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with vllm_server(vllm_llama_dir, served_model_name="llama", log_dir=tmp_path_factory.mktemp("vllm-log")) as s:
-        yield s
 
 
 def _free_port() -> int:
@@ -231,33 +223,6 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
         _stop(registrar)
         if engine is not None:
             _stop(engine)
-
-
-def test_real_vllm_registered_with_its_load_then_withdrawn_at_sigterm(etcd: LocalEtcd, vllm: VllmServer,
-                                                                     tmp_path: Path) -> None:
-    service = unique_service("reg-real-vllm")
-    reg_log = tmp_path / "registrar.log"
-    registrar = _registrar(["--engine", "vllm", "--url", vllm.url, "--model", "llama", "--registry", etcd.address,
-                            "--service", service, "--instance-id", "r-real"], reg_log)
-    try:
-        entry = _until(lambda: _entries(etcd, service).get("r-real"), 60, "the real vLLM's record", reg_log)
-        rec = entry.record
-        assert (rec.endpoint, rec.protocol, rec.path, rec.model_name) == (vllm.address, "vllm", "", "llama")
-        assert rec.capabilities == HTTP_CAPABILITIES
-        loaded = _until(lambda: _entries(etcd, service)["r-real"].load, 30, "a published load", reg_log)
-        assert loaded.in_flight == 0 and loaded.queue_depth == 0 and not loaded.draining
-
-        with urllib.request.urlopen(vllm.url + "/metrics", timeout=30) as resp:
-            figures = read_figures("vllm", resp.read().decode())
-        assert (figures.running, figures.waiting) == (0.0, 0.0)
-        assert figures.usage is not None and figures.finished is not None
-
-        registrar.send_signal(signal.SIGTERM)
-        assert registrar.wait(60) == 0
-        assert _entries(etcd, service) == {}
-        assert "drained: nothing in flight" in reg_log.read_text(), "the real metrics said nothing was in flight"
-    finally:
-        _stop(registrar)
 
 
 def test_sglang_probe_record_health_and_metrics(vllm_llama_dir: Path) -> None:

@@ -1,9 +1,12 @@
-"""benchmarks.serving's PyTriton side end to end: PyTriton (the real Triton core, from its own
-cached virtualenv) serves RefTeacher beside teacher-server, driven by the same load generator,
-and the W2/W3 ratios against it land in the JSON and the table."""
+"""benchmarks.serving (W2/W3) end to end at its smallest, PyTriton side included: PyTriton (the real
+Triton core, from its own cached virtualenv) serves RefTeacher beside teacher-server, driven by the
+same load generator; every figure is sane, and the W2/W3 ratios against PyTriton land in the JSON
+and the table."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -21,13 +24,37 @@ def pytriton_python() -> Path:
     return pytriton_python_or_skip()
 
 
-def test_the_benchmark_measures_pytriton_beside_teacher_server(pytriton_python: Path, tmp_path: Path) -> None:
-    # One repetition, no quiet gate: a smoke run. A window of a few batch times, so even a loaded
-    # machine completes several batches of 256 in it. Its main in this process (a fresh interpreter
-    # would import torch again); the servers are processes of their own either way.
+def test_the_benchmark_measures_the_servers_and_pytriton_beside_them(pytriton_python: Path, tmp_path: Path) -> None:
+    # One repetition, no quiet gate (--max-foreign-cores 0): a smoke run. Windows of 2 s: a batch of
+    # 256 takes a few hundred ms on a busy 2-core machine, and a window that saw fewer than two
+    # bursts of answers would say 0 samples/s. One model instance of one torch thread per server
+    # (and in the in-process loops): each window keeps one core busy, not two, and the batch-256
+    # requests run one after the other, each its own burst. With two cores or more, the servers and
+    # the in-process loops run on the last and the load generator on the first (--server-cpus,
+    # --client-cpus). Its main in this process (a fresh interpreter would import torch again); the
+    # servers are processes of their own either way.
+    cores = sorted(os.sched_getaffinity(0))
+    split = ["--server-cpus", str(cores[-1]), "--client-cpus", str(cores[0])] if len(cores) > 1 else []
     doc = run_benchmark_main(serving.main, ["--quick", "--pytriton", "--reps", "1", "--warmup", "0.3", "--duration",
-                                            "3", "--max-foreign-cores", "0", "--out", "serving_pytriton_test"],
+                                            "2", "--instances", "1", "--threads", "1", "--max-foreign-cores", "0",
+                                            *split, "--out", "serving_pytriton_test"],
                              tmp_path, name="serving_pytriton_test")
+    m = doc["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["platform"]
+    assert os.sched_getaffinity(0) == set(cores), "the test's process got its cores back"
+    if split:
+        assert m["servers_ran_on"] == {"batching_on": cores[-1:], "batching_off": cores[-1:]}, m["servers_ran_on"]
+        assert m["client_cpus"] == cores[:1] and f"load generator {cores[:1]}" in doc["stdout"]
+    assert doc["settings"]["reps"] == 1 and doc["settings"]["device"] == "cpu"
+    medians = doc["medians_samples_per_s"]
+    assert {"w2_inprocess_256", "w2_server_256", "w3_inprocess_8", "w3_on", "w3_off"} <= set(medians)
+    assert all(math.isfinite(v) and v > 0 for v in medians.values()), medians
+    for name in ("w2_server_over_inprocess", "w3_on_over_off", "w3_on_over_inprocess_256"):
+        value = doc["ratios"][name]["headline"]
+        assert math.isfinite(value) and value > 0, (name, value)
+    for name, reps in doc["per_rep"].items():
+        assert all(r["errors"] == 0 for r in reps), f"{name}: requests failed"
+    assert set(doc["server_exit_codes"].values()) == {0}
 
     # PyTriton ran with the batching teacher-server's layout and answered what the model computes.
     pt = doc["pytriton"]
