@@ -186,6 +186,25 @@ def test_demand_up_adds_teachers_demand_down_drains_them_without_failed_requests
     assert student.reader is not None and student.reader.stats().fallback_batches == 0
 
 
+def test_the_follower_rebuilds_a_scale_whose_decision_it_never_saw() -> None:
+    """A poll that comes after the next period's decision still learns of the scale, from last_scale;
+    one that saw the scaling decision itself does not count it twice."""
+    follower = DecisionFollower(None, "svc")
+    scale = {"action": "up", "from": 1, "to": 2, "cause": "demand", "reason": "scale up 1 -> 2: busy", "at": 10.0}
+    follower._note({"action": "hold", "cause": "steady", "current": 1, "desired": 1, "reason": "hold 1: ok",
+                    "at": 5.0}, 0.0)
+    follower._note({"action": "hold", "cause": "starting", "current": 2, "desired": 2, "reason": "hold 2: up",
+                    "at": 11.0, "last_scale": scale}, 0.0)
+    seen = [(d["action"], d["from"], d["desired"], d["cause"], d["t"]) for d in follower.decisions(0.0)]
+    assert seen == [("hold", 1, 1, "steady", 5.0), ("up", 1, 2, "demand", 10.0), ("hold", 2, 2, "starting", 11.0)]
+    down = {"action": "down", "from": 2, "to": 1, "cause": "demand", "reason": "scale down 2 -> 1: idle", "at": 20.0}
+    follower._note({"action": "down", "cause": "demand", "current": 2, "desired": 1, "reason": down["reason"],
+                    "at": 20.0, "last_scale": down}, 0.0)
+    follower._note({"action": "hold", "cause": "steady", "current": 1, "desired": 1, "reason": "hold 1: ok",
+                    "at": 21.0, "last_scale": down}, 0.0)
+    assert [(d["action"], d["desired"]) for d in follower.decisions(0.0)][3:] == [("down", 1), ("hold", 1)]
+
+
 def test_crashed_teacher_is_replaced_and_close_stops_everything() -> None:
     service = unique_service("crash")
     with LocalEtcd() as etcd:

@@ -250,6 +250,7 @@ class DecisionFollower:
         self.call_timeout_s = call_timeout_s
         self.records: list[dict[str, Any]] = []  # each with "t": monotonic time of the decision
         self._last: tuple[Any, ...] | None = None
+        self._scale_at: object = None  # the `at` of the last `last_scale` seen
 
     async def follow(self) -> None:
         """Poll until cancelled; an etcd hiccup skips a poll (the record stays until replaced)."""
@@ -266,6 +267,15 @@ class DecisionFollower:
             await asyncio.sleep(self.poll_s)
 
     def _note(self, record: dict[str, Any], wall_minus_mono: float) -> None:
+        scaled = record.get("last_scale")
+        if isinstance(scaled, dict) and scaled.get("at") != self._scale_at:
+            self._scale_at = scaled.get("at")
+            own = (record["action"], record["current"], record["desired"]) == (
+                scaled["action"], scaled["from"], scaled["to"])
+            if not own:  # the decision that scaled was replaced between two polls: its record, rebuilt
+                self._note({"action": scaled["action"], "cause": scaled.get("cause", ""), "current": scaled["from"],
+                            "desired": scaled["to"], "reason": scaled.get("reason", ""), "at": scaled["at"]},
+                           wall_minus_mono)
         fingerprint = (record["action"], record["cause"], record["desired"], record["current"])
         if fingerprint == self._last:
             return  # the 10 s heartbeat of an unchanged decision

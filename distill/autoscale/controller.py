@@ -153,7 +153,7 @@ class Controller:
         self._expected: frozenset[int] | None = None
         self._hold_until = float("-inf")
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
-        # The last count written that landed (action, from, to, reason, at: wall time), published
+        # The last count written that landed (action, from, to, cause, reason, at: wall time), published
         # with every decision: a reader polling the record sees each scale even when the next
         # period's decision has already replaced the one that made it.
         self.last_scale: dict[str, Any] | None = None
@@ -372,7 +372,7 @@ class Controller:
         direction = "up" if decision.desired > state.current else "down"
         self.metrics.scaled(direction)
         self.last_scale = {"action": direction, "from": state.current, "to": decision.desired,
-                           "reason": decision.reason, "at": time.time()}
+                           "cause": decision.cause, "reason": decision.reason, "at": time.time()}
 
     def _notice_external(self, state: BackendState) -> None:
         """Start a hold when the backend's count is not one this controller wrote or last saw."""
