@@ -87,6 +87,7 @@ from benchmarks.serving_measure import (
     CLASSES,
     INPUT_SHAPE,
     MODEL_NAME,
+    THREAD_KINDS,
     Measurement,
     check_server_output,
     make_request,
@@ -290,7 +291,8 @@ async def run(s: Settings) -> dict[str, Any]:
                 variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
                 variants["w2_server_256"] = lambda: measure_server(
                     stubs["batching_on"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
-                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids,
+                    profile_pid=servers["batching_on"].pid)
                 if pt is not None:
                     variants["w2_pytriton_256"] = lambda: measure_server(
                         stubs["pytriton"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
@@ -299,7 +301,8 @@ async def run(s: Settings) -> dict[str, Any]:
                 variants["w3_inprocess_8"] = lambda: inprocess(s.w3_batch)
                 variants["w3_on"] = lambda: measure_server(
                     stubs["batching_on"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
-                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids,
+                    profile_pid=servers["batching_on"].pid)
                 variants["w3_off"] = lambda: measure_server(
                     stubs["batching_off"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
                     warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
@@ -407,6 +410,11 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         "quiet_reps": {k: sum(quiet(m) for m in v) for k, v in per_rep.items()},
         "ratios": ratios,
         "cpu_medians_cores": cpu_medians,
+        "server_ms_per_request_medians": {
+            k: {kind: round(median([m.server_ms_per_request[kind] for m in v if m.server_ms_per_request]), 3)
+                for kind in THREAD_KINDS}
+            for k, v in per_rep.items() if any(m.server_ms_per_request for m in v)
+        },
         "per_rep": {k: [m.as_dict() | {"quiet": quiet(m)} for m in v] for k, v in per_rep.items()},
         "server_exit_codes": exit_codes,
     }
@@ -448,6 +456,11 @@ def report(doc: dict[str, Any]) -> str:
                           r["median_of_all_pairs"], f"{r.get('goal_op', '>=')} {r['goal']}", r["verdict"]])
     out.append(format_table(["ratio", "median, quiet pairs", "quiet", "median, all pairs", "goal", "verdict"],
                             rrows))
+    by_thread = doc.get("server_ms_per_request_medians") or {}
+    if by_thread:
+        out.append("")
+        out.append(format_table(["server CPU ms a request", *THREAD_KINDS],
+                                [[labels[k], *(v[kind] for kind in THREAD_KINDS)] for k, v in by_thread.items()]))
     m = doc["machine"]
     out.append("")
     out.append("samples/s: median of the quiet repetitions (all, when fewer than "

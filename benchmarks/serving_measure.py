@@ -21,7 +21,7 @@ import torch
 from tritonclient.grpc import service_pb2
 
 from benchmarks.common import REF_MODEL_NAME
-from benchmarks.cpu import CpuMeter, CpuUsage
+from benchmarks.cpu import CpuMeter, CpuUsage, thread_cpu_seconds
 
 MODEL_NAME = REF_MODEL_NAME
 INPUT_SHAPE = (3, 32, 32)
@@ -44,6 +44,9 @@ class Measurement:
     server_busy: float | None = None  # instance-seconds computing per second (up to --instances)
     server_latency_ms: float | None = None  # mean request time inside the server (queue + compute + rest)
     server_queue_ms: float | None = None  # mean time a request waited for an instance
+    # CPU ms a request in the measured server, by kind of thread (`thread_kind`): where the work
+    # outside the model goes
+    server_ms_per_request: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -53,7 +56,34 @@ class Measurement:
         for k in ("mean_server_batch", "server_compute_ms", "server_busy", "server_latency_ms", "server_queue_ms"):
             if d[k] is not None:
                 d[k] = round(d[k], 3)
+        if self.server_ms_per_request is not None:
+            d["server_ms_per_request"] = {k: round(v, 3) for k, v in self.server_ms_per_request.items()}
         return d
+
+
+THREAD_KINDS = ("event loop", "gRPC", "model instances", "other")
+
+
+def thread_kind(name: str, main: bool) -> str:
+    """Which of THREAD_KINDS a teacher-server thread is, by its OS name: the main thread runs the
+    event loop (gRPC's asyncio server, decoding, the batcher); gRPC's core polls and writes on its
+    `event_engine` and `grpc_*` threads; the model runs on `instance-N` (teacher_server.threads)."""
+    if main:
+        return "event loop"
+    if name.startswith("instance-"):
+        return "model instances"
+    if name.startswith(("event_engine", "grpc")):
+        return "gRPC"
+    return "other"
+
+
+def cpu_ms_per_request(pid: int, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                       requests: int) -> dict[str, float]:
+    """CPU milliseconds a request by `thread_kind`, between two `thread_cpu_seconds` readings of `pid`."""
+    out = dict.fromkeys(THREAD_KINDS, 0.0)
+    for tid, (name, sec) in after.items():
+        out[thread_kind(name, tid == pid)] += sec - before.get(tid, (name, 0.0))[1]
+    return {k: 1e3 * v / max(requests, 1) for k, v in out.items()}
 
 
 # ---- in-process baseline --------------------------------------------------------------------
@@ -212,13 +242,15 @@ async def measure_server(
     warmup_s: float,
     duration_s: float,
     server_pids: Sequence[int],
+    profile_pid: int | None = None,
 ) -> Measurement:
     """Keep `concurrency` requests in flight for warm-up + duration; rate over the window (the
     request's own model's statistics say how the server batched).
 
     The rate comes from `burst_rate` over the completions seen in the window. Requests still in
     flight when the window ends are awaited, not cancelled, so the server is idle (not computing
-    abandoned batches) when the next variant starts.
+    abandoned batches) when the next variant starts. With `profile_pid` (the measured server's),
+    its CPU a request by kind of thread (`cpu_ms_per_request`) over the same window.
     """
     loop = asyncio.get_running_loop()
     stop = False
@@ -244,11 +276,13 @@ async def measure_server(
         await asyncio.sleep(warmup_s)
         stats0 = await server_stats(stubs[0], request.model_name)
         meter = CpuMeter(server_pids)
+        threads0 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
         meter.start()
         window_open = True
         await asyncio.sleep(duration_s)
         window_open = False
         cpu = meter.stop()
+        threads1 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
         st = await server_stats(stubs[0], request.model_name) - stats0
         stop = True
         await asyncio.gather(*tasks)
@@ -259,6 +293,8 @@ async def measure_server(
         await asyncio.gather(*tasks, return_exceptions=True)
     rate, span = burst_rate(done, cpu.wall_s / st.executions if st.executions else 0.0)
     m = Measurement(rate, len(done), span, cpu, st.executions, errors=errors)
+    if profile_pid is not None and threads1:
+        m.server_ms_per_request = cpu_ms_per_request(profile_pid, threads0, threads1, len(done))
     if st.executions and st.requests:
         m.mean_server_batch = st.samples / st.executions
         # The server sums compute time per request, so compute_ns / requests is the mean compute

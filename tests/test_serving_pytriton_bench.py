@@ -55,6 +55,15 @@ def test_the_benchmark_measures_the_servers_and_pytriton_beside_them(pytriton_py
     for name, reps in doc["per_rep"].items():
         assert all(r["errors"] == 0 for r in reps), f"{name}: requests failed"
     assert set(doc["server_exit_codes"].values()) == {0}
+    # The batching server's CPU a request by kind of thread, for both workloads: the model's share
+    # and the event loop's are never zero, none is negative, and the table prints them.
+    by_thread = doc["server_ms_per_request_medians"]
+    assert set(by_thread) == {"w2_server_256", "w3_on"}, by_thread
+    for name, kinds in by_thread.items():
+        assert set(kinds) == {"event loop", "gRPC", "model instances", "other"}, kinds
+        assert kinds["model instances"] > 0 and kinds["event loop"] > 0 and min(kinds.values()) >= 0, (name, kinds)
+    assert by_thread["w2_server_256"]["model instances"] > by_thread["w3_on"]["model instances"]  # 256 rows vs 8
+    assert "server CPU ms a request" in doc["stdout"]
 
     # PyTriton ran with the batching teacher-server's layout and answered what the model computes.
     pt = doc["pytriton"]
