@@ -1,13 +1,15 @@
 """Running a benchmark's quick form as its user does, for the smoke tests: ``python -m
 benchmarks.<module> <args>`` in a fresh process (``run_benchmark``), or its ``main(args)`` in the
 test's own (``run_benchmark_main``, a torch import cheaper), its JSON written to a temporary
-directory (``DISTILL_BENCH_RESULTS``), so the measured files in benchmarks/results are never touched."""
+directory (``DISTILL_BENCH_RESULTS``), so the measured files in benchmarks/results are never touched;
+and the checks every such run's figures must pass (``positive``, ``machine_recorded``)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -76,3 +78,15 @@ def run_benchmark_main(main: Callable[[list[str]], int], args: list[str], result
     doc["exit_code"] = code
     doc["stdout"] = out.getvalue()
     return doc
+
+
+def positive(values: Mapping[str, Any]) -> None:
+    """Every figure of `values` is a positive finite number (a rate or a ratio a run produced)."""
+    bad = {k: v for k, v in values.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)}
+    assert not bad, f"not a positive finite figure: {bad}"
+
+
+def machine_recorded(doc: Mapping[str, Any]) -> None:
+    """The run's JSON says which machine measured it."""
+    m = doc["machine"]
+    assert m["cpu_count"] >= 1 and m["python"] and m["platform"]

@@ -16,25 +16,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from benchmarks import cache, mesh, soak
 from benchmarks.autoscale import run as autoscale
-from tests.bench_runs import run_benchmark, run_benchmark_main
+from tests.bench_runs import machine_recorded, positive, run_benchmark, run_benchmark_main
 
 pytestmark = pytest.mark.slow
-
-
-def _positive(values: dict[str, Any]) -> None:
-    bad = {k: v for k, v in values.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)}
-    assert not bad, f"not a positive finite figure: {bad}"
-
-
-def _machine(doc: dict[str, Any]) -> None:
-    m = doc["machine"]
-    assert m["cpu_count"] >= 1 and m["python"] and m["platform"]
 
 
 @pytest.mark.timeout(330)
@@ -43,12 +32,12 @@ def test_mesh_w1_and_w5_run_and_report_sane_figures(tmp_path: Path) -> None:
     # mode still runs over the mesh, and W5 still kills one teacher while another takes its work.
     doc = run_benchmark_main(mesh.main, ["--quick", "--reps", "1", "--steps", "10", "--teachers", "1",
                                          "--w5-teachers", "2"], tmp_path, name="mesh_quick_teachers1_w5teachers2")
-    _machine(doc)
+    machine_recorded(doc)
     assert len(doc["machine"]["load_average_at_start"]) == 3
     w1 = doc["w1"]
     assert set(w1["medians_samples_per_s"]) == {"pure", "inline", "service"}
-    _positive(w1["medians_samples_per_s"])
-    _positive(w1["ratios"])
+    positive(w1["medians_samples_per_s"])
+    positive(w1["ratios"])
     assert w1["outputs_checked"] > 0 and w1["wrong_outputs"] == 0
     assert w1["server_exit_codes"] == [0]
     # W5: the teacher with work in flight is SIGKILLed; every batch arrives once, in order, correct.
@@ -64,18 +53,18 @@ def test_cache_runs_and_reports_sane_figures(tmp_path: Path) -> None:
     # One live teacher for the loop and record sections (each teacher server is seconds of CPU).
     doc = run_benchmark_main(cache.main, ["--quick", "--reps", "1", "--teachers", "1"], tmp_path, name="cache_quick")
     assert doc["settings"]["teachers"] == 1
-    _machine(doc)
+    machine_recorded(doc)
     loop = doc["loop"]
-    _positive(loop["medians_samples_per_s"])
-    _positive(loop["ratios"])
+    positive(loop["medians_samples_per_s"])
+    positive(loop["ratios"])
     assert loop["wrong_outputs"] == {"store": 0, "live": 0}
     assert loop["outputs_checked"]["store"] > 0 and loop["store"]["duplicates"] == 0
-    _positive({"record_vs_serving": doc["record"]["record_vs_serving"]})
+    positive({"record_vs_serving": doc["record"]["record_vs_serving"]})
     # The CV example's 10 fp16 logits are 20 bytes a sample; the LLM's top-20 fp16 values and int16
     # ids 80 bytes a token; the store's keys and framing come on top.
     assert 20 < doc["cv_bytes"]["bytes_per_sample"] < 100
     assert 80 < doc["llm_bytes"]["bytes_per_token"] < 160
-    _positive(doc["integrity"]["median_mb_per_s"])
+    positive(doc["integrity"]["median_mb_per_s"])
 
 
 @pytest.mark.timeout(120)
@@ -85,9 +74,9 @@ def test_discovery_propagation_runs_and_reports_sane_figures(tmp_path: Path) -> 
     assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["etcd"].startswith("etcd Version")
     for name in ("join", "join_raw_put", "leave_on_exit"):
         assert doc[name]["n"] == 3 and len(doc["raw_s"][name]) == 3
-        _positive({k: doc[name][k] for k in ("median_ms", "max_ms", "min_ms")})
+        positive({k: doc[name][k] for k in ("median_ms", "max_ms", "min_ms")})
     assert doc["crash"]["n"] == 1 and doc["crash"]["ttl_s"] == 1.0
-    _positive({"crash": doc["crash"]["median_ms"]})
+    positive({"crash": doc["crash"]["median_ms"]})
 
 
 @pytest.mark.timeout(270)
@@ -98,7 +87,7 @@ def test_soak_runs_and_reports_sane_figures(tmp_path: Path, monkeypatch: pytest.
     doc = run_benchmark_main(soak.main, ["--quick", "--minutes", "0.1", "--warmup", "2", "--interval", "2",
                                          "--students", "2", "--teachers", "2"], tmp_path, name="soak_quick",
                              exit_codes=(0, 1))
-    _machine(doc)
+    machine_recorded(doc)
     assert doc["verdict"]["errors_ok"]
     assert doc["exit_code"] == 0 or not doc["verdict"]["rss_ok"]
     totals = doc["totals"]
@@ -108,9 +97,9 @@ def test_soak_runs_and_reports_sane_figures(tmp_path: Path, monkeypatch: pytest.
     assert totals["samples"] == sum(st["samples"] for st in doc["students"].values()) > 0
     assert totals["samples"] == 32 * totals["batches"]
     assert len(doc["timeline"]) == 3  # 6 s in windows of 2 s
-    _positive({f"window {i}": w["samples_per_s"] for i, w in enumerate(doc["timeline"])})
+    positive({f"window {i}": w["samples_per_s"] for i, w in enumerate(doc["timeline"])})
     assert {r["process"] for r in doc["rss"]} == {"etcd", "teacher0", "teacher1", "student0", "student1"}
-    _positive({r["process"]: r["rss_end_mb"] for r in doc["rss"]})
+    positive({r["process"]: r["rss_end_mb"] for r in doc["rss"]})
     assert (tmp_path / "soak_quick.png").stat().st_size > 0
 
 
@@ -120,18 +109,18 @@ def test_autoscale_w4_runs_and_reports_sane_figures(tmp_path: Path, monkeypatch:
     # enough for both pools to train every phase (the first one also opens the first reader).
     monkeypatch.setattr(autoscale, "RESULTS_DIR", tmp_path)  # where its plot goes
     doc = run_benchmark_main(autoscale.main, ["--quick", "--phases", "3,2,2"], tmp_path, name="autoscale_quick")
-    _machine(doc)
+    machine_recorded(doc)
     assert doc["settings"]["phases_s"] == [3.0, 2.0, 2.0] and doc["oracle"]["needed"] == [1, 3, 1]
     assert [s["mode"] for s in doc["summaries"]] == ["autoscaled", "fixed"]
     for s in doc["summaries"]:
         assert s["reader_failures"] == 0 and s["errors"] == [], s["mode"]
-        _positive({f"{s['mode']} phase {i}": n for i, n in enumerate(s["samples_per_phase"])})
-        _positive({f"{s['mode']} capacity": s["measured_teacher_capacity"], "teacher-s": s["teacher_seconds"]})
+        positive({f"{s['mode']} phase {i}": n for i, n in enumerate(s["samples_per_phase"])})
+        positive({f"{s['mode']} capacity": s["measured_teacher_capacity"], "teacher-s": s["teacher_seconds"]})
     autoscaled, fixed = doc["runs"]
     # The autoscaler brought the empty pool to its minimum of 1 and published why; that teacher registered.
     first = autoscaled["decisions"][0]
     assert (first["action"], first["from"], first["desired"]) == ("up", 0, 1) and first["reason"]
     assert any(e["event"] == "registered" for e in autoscaled["registry_events"])
     assert len(fixed["teachers"]) == 3
-    _positive({"throughput_vs_fixed": doc["comparison"]["headline"]["throughput_vs_fixed"]})
+    positive({"throughput_vs_fixed": doc["comparison"]["headline"]["throughput_vs_fixed"]})
     assert (tmp_path / "autoscale_quick.png").stat().st_size > 0
