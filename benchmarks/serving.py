@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.serving [--reps 7] [--quick] [--threads N --instances N --delay-us N]
                                            [--pytriton | --no-pytriton] [--device cuda:0 --compute-dtype FP16]
-                                           [--server-cpus 0-1 --client-cpus 2-3]
+                                           [--server-cpus 0-1 --client-cpus 2-3] [--streams]
 
 W2: how much of the machine's in-process RefTeacher throughput at batch 256 survives the trip
 through teacher-server. A = `model(x)` in this process; B = the server kept saturated by a few
@@ -24,6 +24,13 @@ batching on / PyTriton (goal > 1.0). It runs when PyTriton's virtualenv is built
 test suite builds it) and the run is on the CPU in FP32; `--pytriton` insists (and builds the
 virtualenv, about 2 minutes once), `--no-pytriton` leaves it out. --server-arg flags are
 teacher-server's only; --server-env applies to PyTriton too.
+
+Clients send one ModelInfer call a request (tritonclient's `infer`). With --streams, each server
+variant (teacher-server's and PyTriton's W2, W3 with batching) is also measured with every client
+on one ModelStreamInfer stream of its own, a request written and its answer read in turn
+(tritonclient's `start_stream` + `async_stream_infer`), in the same repetitions; those variants
+and their ratios carry the suffix `_stream`. A message on an open stream costs gRPC's Python
+server far less than a call, so the pair says what the calls themselves cost.
 
 The in-process baselines run the model exactly as the server is told to (`--threads` torch
 threads, and `--instances` concurrent model(x) loops on their own threads; by default all cores
@@ -106,6 +113,7 @@ W3_GOAL_VS_OFF = 3.0
 W3_GOAL_VS_INPROC_256 = 0.85  # batch-8 requests batched, against the in-process batch-256 rate
 W2_GOAL_VS_PYTRITON = 1.3  # at least 1.3x PyTriton serving the same model
 W3_GOAL_VS_PYTRITON = 1.0  # ahead of PyTriton (strictly above)
+STREAM_SUFFIX = "_stream"  # a variant's twin with every client on a ModelStreamInfer stream (--streams)
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class Settings:
     pytriton: str = "auto"  # on | off | auto: on when its venv is built and the run is CPU FP32
     server_cpus: tuple[int, ...] = ()  # the servers' and the in-process baselines' cores; (): this process's
     client_cpus: tuple[int, ...] = ()  # the load generator's cores; () with server_cpus ()
+    streams: bool = False  # measure each server variant over ModelStreamInfer streams too
 
     @property
     def choice(self) -> DeviceChoice:
@@ -286,30 +295,36 @@ async def run(s: Settings) -> dict[str, Any]:
                     return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
                                              workers=s.server_instances)
 
+            def load(server: str, req: Any, batch: int, clients: int, *, transport: str,
+                     profile: bool = False) -> Callable[[], Awaitable[Measurement]]:
+                return lambda: measure_server(
+                    stubs[server], req, batch=batch, concurrency=clients, warmup_s=s.warmup_s,
+                    duration_s=s.duration_s, server_pids=pids,
+                    profile_pid=servers[server].pid if profile else None, transport=transport)
+
+            # Unary calls always; with --streams, each server variant's twin over streams beside it
+            # ("_stream"), in the same repetitions (batching off only over unary calls).
+            transports = [("unary", ""), *([("stream", STREAM_SUFFIX)] if s.streams else [])]
             variants: dict[str, Callable[[], Awaitable[Measurement]]] = {}
             if want_w2:
                 variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
-                variants["w2_server_256"] = lambda: measure_server(
-                    stubs["batching_on"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
-                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids,
-                    profile_pid=servers["batching_on"].pid)
-                if pt is not None:
-                    variants["w2_pytriton_256"] = lambda: measure_server(
-                        stubs["pytriton"], w2_req, batch=s.w2_batch, concurrency=s.requests_in_flight,
-                        warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                for transport, suffix in transports:
+                    variants["w2_server_256" + suffix] = load("batching_on", w2_req, s.w2_batch, s.requests_in_flight,
+                                                              transport=transport, profile=True)
+                    if pt is not None:
+                        variants["w2_pytriton_256" + suffix] = load("pytriton", w2_req, s.w2_batch,
+                                                                    s.requests_in_flight, transport=transport)
             if want_w3:
                 variants["w3_inprocess_8"] = lambda: inprocess(s.w3_batch)
-                variants["w3_on"] = lambda: measure_server(
-                    stubs["batching_on"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
-                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids,
-                    profile_pid=servers["batching_on"].pid)
-                variants["w3_off"] = lambda: measure_server(
-                    stubs["batching_off"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
-                    warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
-                if pt is not None:
-                    variants["w3_pytriton"] = lambda: measure_server(
-                        stubs["pytriton"], w3_req, batch=s.w3_batch, concurrency=s.w3_clients,
-                        warmup_s=s.warmup_s, duration_s=s.duration_s, server_pids=pids)
+                for transport, suffix in transports:
+                    variants["w3_on" + suffix] = load("batching_on", w3_req, s.w3_batch, s.w3_clients,
+                                                      transport=transport, profile=True)
+                    if not suffix:
+                        variants["w3_off"] = load("batching_off", w3_req, s.w3_batch, s.w3_clients,
+                                                  transport=transport)
+                    if pt is not None:
+                        variants["w3_pytriton" + suffix] = load("pytriton", w3_req, s.w3_batch, s.w3_clients,
+                                                                transport=transport)
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
             contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos) if s.max_foreign_cores > 0 else None
 
@@ -385,11 +400,12 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
                 "smoke test only" if s.quick else f"noisy: fewer than {MIN_QUIET_PAIRS} quiet pairs"),
         }
 
-    add_ratio("w2_server_over_inprocess", "w2_server_256", "w2_inprocess_256", W2_GOAL)
+    for x in ("", STREAM_SUFFIX):  # the stream twins' ratios carry the same goals
+        add_ratio("w2_server_over_inprocess" + x, "w2_server_256" + x, "w2_inprocess_256", W2_GOAL)
+        add_ratio("w3_on_over_inprocess_256" + x, "w3_on" + x, "w2_inprocess_256", W3_GOAL_VS_INPROC_256)
+        add_ratio("w2_server_over_pytriton" + x, "w2_server_256" + x, "w2_pytriton_256" + x, W2_GOAL_VS_PYTRITON)
+        add_ratio("w3_on_over_pytriton" + x, "w3_on" + x, "w3_pytriton" + x, W3_GOAL_VS_PYTRITON, above=True)
     add_ratio("w3_on_over_off", "w3_on", "w3_off", W3_GOAL_VS_OFF)
-    add_ratio("w3_on_over_inprocess_256", "w3_on", "w2_inprocess_256", W3_GOAL_VS_INPROC_256)
-    add_ratio("w2_server_over_pytriton", "w2_server_256", "w2_pytriton_256", W2_GOAL_VS_PYTRITON)
-    add_ratio("w3_on_over_pytriton", "w3_on", "w3_pytriton", W3_GOAL_VS_PYTRITON, above=True)
     cpu_medians = {
         k: {
             "client_cores": median([m.cpu.client_cores for m in v if m.cpu]),
@@ -432,6 +448,10 @@ def report(doc: dict[str, Any]) -> str:
         "w3_off": "W3 server batching OFF, 64 x batch 8",
         "w2_pytriton_256": "W2 PyTriton saturated, batch 256",
         "w3_pytriton": "W3 PyTriton batching, 64 x batch 8",
+        "w2_server_256_stream": "W2 B server saturated, batch 256 (streams)",
+        "w2_pytriton_256_stream": "W2 PyTriton saturated, batch 256 (streams)",
+        "w3_on_stream": "W3 server batching ON, 64 x batch 8 (streams)",
+        "w3_pytriton_stream": "W3 PyTriton batching, 64 x batch 8 (streams)",
     }
     rows = []
     for k, label in labels.items():
@@ -447,6 +467,10 @@ def report(doc: dict[str, Any]) -> str:
         "w3_on_over_inprocess_256": "W3 batching on / in-process batch 256",
         "w2_server_over_pytriton": "W2 server / PyTriton (batch 256)",
         "w3_on_over_pytriton": "W3 batching on / PyTriton (64 x batch 8)",
+        "w2_server_over_inprocess_stream": "W2 streams: server / in-process",
+        "w3_on_over_inprocess_256_stream": "W3 streams: batching on / in-process batch 256",
+        "w2_server_over_pytriton_stream": "W2 streams: server / PyTriton",
+        "w3_on_over_pytriton_stream": "W3 streams: batching on / PyTriton",
     }
     for k, label in names.items():
         if k in doc["ratios"]:
@@ -473,6 +497,9 @@ def report(doc: dict[str, Any]) -> str:
         out.append(f"cores: servers and in-process baselines {m['server_cpus']} (the servers ran on "
                    f"{sorted({c for cs in m['servers_ran_on'].values() for c in cs})}), load generator "
                    f"{m['client_cpus']}")
+    out.append("clients send: one ModelInfer call a request" + (
+        "; (streams): one ModelStreamInfer stream a client, a request at a time" if doc["settings"].get("streams")
+        else ""))
     pt = doc.get("pytriton") or {}
     out.append(f"PyTriton side: {pt.get('why', 'not recorded')}" + (
         f"; {pt['instances']} instance(s) x {pt['torch_threads']} torch thread(s), max batch {pt['max_batch_size']}, "
@@ -507,6 +534,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--w3-clients", type=int, default=64, help="concurrent batch-8 clients for W3 (default 64)")
     p.add_argument("--channels", type=int, default=1, help="gRPC channels per server in the client (default 1)")
     p.add_argument("--only", choices=["all", "w2", "w3"], default="all")
+    p.add_argument("--streams", action="store_true",
+                   help="measure each server variant (teacher-server and PyTriton, W2 and W3 with batching) a "
+                   "second time with every client on one ModelStreamInfer stream of its own, in the same "
+                   "repetitions")
     p.add_argument("--max-foreign-cores", type=float, default=Settings.max_foreign_cores,
                    help="wait for, and re-measure past, this much CPU used by other processes (0: off)")
     p.add_argument("--gate-budget", type=float, default=None,
@@ -556,7 +587,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         extra_server_args=tuple(a.server_arg), server_env=tuple(a.server_env), out=a.out,
         device=a.device, compute_dtype=a.compute_dtype,
         pytriton={True: "on", False: "off", None: "auto"}[a.pytriton],
-        server_cpus=server_cpus, client_cpus=client_cpus,
+        server_cpus=server_cpus, client_cpus=client_cpus, streams=a.streams,
     )
 
 

@@ -243,9 +243,14 @@ async def measure_server(
     duration_s: float,
     server_pids: Sequence[int],
     profile_pid: int | None = None,
+    transport: str = "unary",
 ) -> Measurement:
     """Keep `concurrency` requests in flight for warm-up + duration; rate over the window (the
     request's own model's statistics say how the server batched).
+
+    `transport` is how each client sends: "unary", one ModelInfer call a request (tritonclient's
+    `infer`), or "stream", one ModelStreamInfer stream a client for the whole run, a request
+    written and its answer read in turn (tritonclient's `start_stream` + `async_stream_infer`).
 
     The rate comes from `burst_rate` over the completions seen in the window. Requests still in
     flight when the window ends are awaited, not cancelled, so the server is idle (not computing
@@ -258,28 +263,55 @@ async def measure_server(
     done: list[tuple[float, int]] = []  # (completion time, samples) inside the window
     errors = 0
 
-    async def client(stub: Any) -> None:
+    def failed(what: str) -> None:
         nonlocal errors
+        errors += 1
+        if errors > 100:
+            raise RuntimeError(f"too many failed requests; last: {what}")
+
+    async def unary_client(stub: Any) -> None:
         while not stop:
             try:
                 await stub.ModelInfer(request, timeout=60)
             except grpc.aio.AioRpcError as e:
-                errors += 1
-                if errors > 100:
-                    raise RuntimeError(f"too many failed requests; last: {e.code().name}: {e.details()}") from e
+                failed(f"{e.code().name}: {e.details()}")
                 continue
             if window_open:
                 done.append((loop.time(), batch))
 
+    async def stream_client(stub: Any) -> None:
+        # One stream for the whole run (its deadline: warm-up, window and a margin to drain).
+        call = stub.ModelStreamInfer(timeout=warmup_s + duration_s + 120)
+        try:
+            while not stop:
+                await call.write(request)
+                answer = await call.read()
+                if answer is grpc.aio.EOF:
+                    raise RuntimeError(f"the server ended the stream: {await call.code()} {await call.details()}")
+                if answer.error_message:
+                    failed(answer.error_message)
+                    continue
+                if window_open:
+                    done.append((loop.time(), batch))
+            await call.done_writing()
+            await call.code()  # the server ends the stream once it has answered everything
+        finally:
+            if not call.done():
+                call.cancel()
+
+    if transport not in ("unary", "stream"):
+        raise ValueError(f"transport {transport!r}: unary or stream")
+    client = unary_client if transport == "unary" else stream_client
+
     tasks = [asyncio.create_task(client(stubs[i % len(stubs)])) for i in range(concurrency)]
     try:
-        await asyncio.sleep(warmup_s)
+        await _sleep_or_fail(tasks, warmup_s)
         stats0 = await server_stats(stubs[0], request.model_name)
         meter = CpuMeter(server_pids)
         threads0 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
         meter.start()
         window_open = True
-        await asyncio.sleep(duration_s)
+        await _sleep_or_fail(tasks, duration_s)
         window_open = False
         cpu = meter.stop()
         threads1 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
@@ -307,6 +339,13 @@ async def measure_server(
         m.server_latency_ms = st.request_ns / st.requests / 1e6
         m.server_queue_ms = st.queue_ns / st.requests / 1e6
     return m
+
+
+async def _sleep_or_fail(tasks: Sequence[asyncio.Task[None]], seconds: float) -> None:
+    """Wait `seconds`, or raise at once what a client raised (its requests keep failing)."""
+    done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+    for t in done:
+        t.result()
 
 
 def burst_rate(done: Sequence[tuple[float, int]], batch_interval_s: float) -> tuple[float, float]:

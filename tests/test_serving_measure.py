@@ -1,0 +1,101 @@
+"""The W2/W3 load generator (`benchmarks.serving_measure.measure_server`) against a real batching
+teacher-server, in both of its transports: unary calls and one ModelStreamInfer stream a client.
+Both keep their clients' requests flowing, the server's statistics show batching merged them, and
+a refused request is counted, then fails the measurement with the server's own words. With
+`--streams` the benchmark's report carries each server variant's stream twin and its ratios."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from tritonclient.grpc import service_pb2_grpc
+
+from benchmarks import serving
+from benchmarks.cpu import CpuUsage
+from benchmarks.serving_measure import Measurement, make_request, measure_server, open_channel
+from teacher_server import ServerConfig
+from teacher_server.config import BatchingConfig
+from tests.servers import ServerThread
+
+REF = "examples.refteacher:build"
+
+
+@pytest.fixture(scope="module")
+def ref_server() -> Iterator[ServerThread]:
+    cfg = ServerConfig(model=REF, name="ref_teacher", device="cpu", instances=1,
+                       batching=BatchingConfig(max_batch_size=64, max_queue_delay_us=2000))
+    with ServerThread(cfg) as s:
+        yield s
+
+
+async def _measure(url: str, transport: str, model: str = "ref_teacher") -> Measurement:
+    channel = open_channel(url)
+    try:
+        request, _ = make_request(8)
+        request.model_name = model
+        return await asyncio.wait_for(measure_server(
+            [service_pb2_grpc.GRPCInferenceServiceStub(channel)], request, batch=8, concurrency=16, warmup_s=0.2,
+            duration_s=1.0, server_pids=[], transport=transport), timeout=60)
+    finally:
+        await channel.close()
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_both_transports_keep_the_clients_requests_flowing_and_batched(ref_server: ServerThread,
+                                                                     transport: str) -> None:
+    m = asyncio.run(_measure(ref_server.url, transport))
+    assert m.errors == 0
+    assert m.requests > 0 and m.samples_per_s > 0
+    assert m.server_batches and m.server_batches > 0
+    # 16 clients x 8 rows in flight: the server merged requests into batches of more than one.
+    assert m.mean_server_batch is not None and m.mean_server_batch > 8
+
+
+def test_a_stream_whose_requests_are_refused_fails_the_measurement_with_the_servers_words(
+        ref_server: ServerThread) -> None:
+    with pytest.raises(RuntimeError, match=r"too many failed requests; last: NOT_FOUND: .*no_such_model"):
+        asyncio.run(_measure(ref_server.url, "stream", model="no_such_model"))
+
+
+def test_an_unknown_transport_is_refused() -> None:
+    with pytest.raises(ValueError, match="unary or stream"):
+        asyncio.run(measure_server([], make_request(8)[0], batch=8, concurrency=1, warmup_s=0.1, duration_s=0.1,
+                                   server_pids=[], transport="carrier-pigeon"))
+
+
+def _rep(rate: float, server: bool) -> Measurement:
+    cpu = CpuUsage(wall_s=2.0, client_cores=0.1 if server else 1.9, server_cores=1.8 if server else 0.0,
+                   foreign_cores=0.0)
+    return Measurement(rate, 10, 2.0, cpu)
+
+
+def test_with_streams_each_server_variant_has_a_stream_twin_with_the_same_goals() -> None:
+    rates = {"w2_inprocess_256": 1000.0, "w2_server_256": 900.0, "w2_server_256_stream": 940.0,
+             "w2_pytriton_256": 800.0, "w2_pytriton_256_stream": 700.0, "w3_inprocess_8": 300.0,
+             "w3_on": 500.0, "w3_on_stream": 800.0, "w3_off": 100.0, "w3_pytriton": 450.0,
+             "w3_pytriton_stream": 1000.0}
+    per_rep = {k: [_rep(v, "inprocess" not in k) for _ in range(5)] for k, v in rates.items()}
+    doc = serving.summarise(serving.Settings(reps=5, streams=True), per_rep, {})
+    doc["machine"] |= {"servers_ran_on": {}}
+    r = doc["ratios"]
+    assert r["w2_server_over_inprocess_stream"]["headline"] == pytest.approx(0.94)
+    assert r["w2_server_over_inprocess_stream"]["goal"] == r["w2_server_over_inprocess"]["goal"] == 0.95
+    assert r["w3_on_over_inprocess_256_stream"]["headline"] == pytest.approx(0.8)
+    assert r["w3_on_over_inprocess_256_stream"]["verdict"] == "below goal"
+    assert r["w2_server_over_pytriton_stream"]["headline"] == pytest.approx(940 / 700)
+    assert r["w2_server_over_pytriton_stream"]["verdict"] == "PASS"
+    # each twin against PyTriton over the same transport
+    assert r["w3_on_over_pytriton_stream"]["headline"] == pytest.approx(0.8)
+    assert r["w3_on_over_pytriton_stream"]["verdict"] == "below goal"
+    assert "w3_on_over_off_stream" not in r  # batching off runs over unary calls only
+    text = serving.report(doc)
+    for line in ("W3 server batching ON, 64 x batch 8 (streams)", "W3 streams: batching on / in-process batch 256",
+                 "W2 streams: server / PyTriton", "one ModelStreamInfer stream a client"):
+        assert line in text
+
+
+def test_the_streams_flag_is_off_unless_asked_for() -> None:
+    assert not serving.parse_args([]).streams
+    assert serving.parse_args(["--streams"]).streams
