@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -225,6 +226,30 @@ def pytriton_args(s: Settings, venv: Path, env: dict[str, str]) -> dict[str, Any
     }
 
 
+def survive_peer(measure: Callable[[], Awaitable[Measurement]], process: subprocess.Popen[bytes], log: Path,
+                 died: list[str], load: str) -> Callable[[], Awaitable[Measurement | None]]:
+    """A peer's measurement that ends the peer's side of the comparison, not the run, when the
+    peer's process has exited under it (PyTriton has: Triton's Python backend, SIGSEGV under
+    stream load). `died` gets why, once; every later call returns None without measuring. A
+    failure while the process still runs is raised as it is."""
+
+    async def peer() -> Measurement | None:
+        if died:
+            return None
+        try:
+            return await measure()
+        except Exception:
+            code = process.poll()
+            if code is None:
+                raise
+            died.append(f"PyTriton exited ({f'signal {-code}' if code < 0 else f'code {code}'}) while {load} "
+                        f"loaded it; its log: {log}")
+            print(f"  {died[0]}: its variants are left out", flush=True)
+            return None
+
+    return peer
+
+
 def print_rep(rep: int, name: str, m: Measurement) -> None:
     """One progress line per measurement, so a long run shows noise as it happens."""
     line = f"  rep {rep + 1} {name:<16} {m.samples_per_s:9,.0f} samples/s"
@@ -295,17 +320,25 @@ async def run(s: Settings) -> dict[str, Any]:
                     return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
                                              workers=s.server_instances)
 
+            pt_died: list[str] = []  # why PyTriton stopped, once it has: its variants are left out
+
             def load(server: str, req: Any, batch: int, clients: int, *, transport: str,
-                     profile: bool = False) -> Callable[[], Awaitable[Measurement]]:
-                return lambda: measure_server(
-                    stubs[server], req, batch=batch, concurrency=clients, warmup_s=s.warmup_s,
-                    duration_s=s.duration_s, server_pids=pids,
-                    profile_pid=servers[server].pid if profile else None, transport=transport)
+                     profile: bool = False) -> Callable[[], Awaitable[Measurement | None]]:
+                def measure() -> Awaitable[Measurement]:
+                    return measure_server(
+                        stubs[server], req, batch=batch, concurrency=clients, warmup_s=s.warmup_s,
+                        duration_s=s.duration_s, server_pids=pids,
+                        profile_pid=servers[server].pid if profile else None, transport=transport)
+
+                if server != "pytriton":
+                    return measure  # our own server failing fails the run
+                assert pt is not None
+                return survive_peer(measure, pt.process, pt.log, pt_died, f"{transport} clients")
 
             # Unary calls always; with --streams, each server variant's twin over streams beside it
             # ("_stream"), in the same repetitions (batching off only over unary calls).
             transports = [("unary", ""), *([("stream", STREAM_SUFFIX)] if s.streams else [])]
-            variants: dict[str, Callable[[], Awaitable[Measurement]]] = {}
+            variants: dict[str, Callable[[], Awaitable[Measurement | None]]] = {}
             if want_w2:
                 variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
                 for transport, suffix in transports:
@@ -328,11 +361,15 @@ async def run(s: Settings) -> dict[str, Any]:
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
             contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos) if s.max_foreign_cores > 0 else None
 
-            discarded: dict[str, list[Measurement]] = {}
-            per_rep = await ainterleave(
-                s.reps, variants, print_rep, before=gate.wait if s.max_foreign_cores > 0 else None,
-                redo_if=contaminated, discarded=discarded,
+            discarded: dict[str, list[Measurement | None]] = {}
+            measured = await ainterleave(
+                s.reps, variants, lambda rep, name, m: m is not None and print_rep(rep, name, m),
+                before=gate.wait if s.max_foreign_cores > 0 else None,
+                redo_if=None if contaminated is None else lambda m: m is not None and contaminated(m),
+                discarded=discarded,
             )
+            per_rep = {k: [m for m in v if m is not None] for k, v in measured.items()
+                       if not (pt_died and "pytriton" in k)}
         finally:
             for cs in chans.values():
                 for c in cs:
@@ -348,7 +385,9 @@ async def run(s: Settings) -> dict[str, Any]:
         {"instances": pt.instances, "torch_threads": s.server_threads, "max_batch_size": pt.max_batch_size,
          "max_queue_delay_us": s.delay_us, "log": str(pt.log)} if pt is not None else {})
     doc["quiet_gate"] = gate.as_dict()
-    doc["discarded"] = {k: [m.as_dict() for m in v] for k, v in discarded.items()}
+    doc["discarded"] = {k: [m.as_dict() for m in v if m is not None] for k, v in discarded.items()}
+    if pt_died:
+        doc["pytriton"]["died"] = pt_died[0]
     return doc
 
 
@@ -503,7 +542,8 @@ def report(doc: dict[str, Any]) -> str:
     pt = doc.get("pytriton") or {}
     out.append(f"PyTriton side: {pt.get('why', 'not recorded')}" + (
         f"; {pt['instances']} instance(s) x {pt['torch_threads']} torch thread(s), max batch {pt['max_batch_size']}, "
-        f"queue delay {pt['max_queue_delay_us']} us" if pt.get("enabled") else ""))
+        f"queue delay {pt['max_queue_delay_us']} us" if pt.get("enabled") else "") + (
+        f"\nPyTriton died: {pt['died']}; its variants are left out" if pt.get("died") else ""))
     return "\n".join(out)
 
 

@@ -2,12 +2,17 @@
 teacher-server, in both of its transports: unary calls and one ModelStreamInfer stream a client.
 Both keep their clients' requests flowing, the server's statistics show batching merged them, and
 a refused request is counted, then fails the measurement with the server's own words. With
-`--streams` the benchmark's report carries each server variant's stream twin and its ratios."""
+`--streams` the benchmark's report carries each server variant's stream twin and its ratios; a
+peer (PyTriton) that dies under its load leaves the run instead of ending it."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from tritonclient.grpc import service_pb2_grpc
@@ -17,6 +22,7 @@ from benchmarks.cpu import CpuUsage
 from benchmarks.serving_measure import Measurement, make_request, measure_server, open_channel
 from teacher_server import ServerConfig
 from teacher_server.config import BatchingConfig
+from tests.bench_runs import positive, run_benchmark_main
 from tests.servers import ServerThread
 
 REF = "examples.refteacher:build"
@@ -99,3 +105,51 @@ def test_with_streams_each_server_variant_has_a_stream_twin_with_the_same_goals(
 def test_the_streams_flag_is_off_unless_asked_for() -> None:
     assert not serving.parse_args([]).streams
     assert serving.parse_args(["--streams"]).streams
+
+
+def test_a_peer_that_died_under_its_load_leaves_the_run_and_one_alive_fails_it(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    async def refused() -> Measurement:
+        calls.append(1)
+        raise ConnectionError("the peer's port refused the connection")
+
+    died: list[str] = []
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(ConnectionError):  # still running: the failure is the run's
+            asyncio.run(serving.survive_peer(refused, alive, tmp_path / "log", died, "stream clients")())
+        assert not died
+        alive.send_signal(signal.SIGSEGV)
+        alive.wait(timeout=30)
+        measure = serving.survive_peer(refused, alive, tmp_path / "log", died, "stream clients")
+        assert asyncio.run(measure()) is None
+        assert died == [f"PyTriton exited (signal {int(signal.SIGSEGV)}) while stream clients loaded it; "
+                        f"its log: {tmp_path / 'log'}"]
+        assert asyncio.run(measure()) is None and len(calls) == 2  # not measured again
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Path) -> None:
+    # The smallest run of the real benchmark with --streams (PyTriton left out: its side runs in
+    # tests/test_serving_pytriton_bench.py): the stream twins of the batching server are measured
+    # in the same repetition as their unary selves, with the same goals, and reported.
+    doc = run_benchmark_main(serving.main, ["--quick", "--streams", "--no-pytriton", "--reps", "1",
+                                            "--warmup", "0.3", "--duration", "1", "--instances", "1", "--threads",
+                                            "1", "--max-foreign-cores", "0", "--out", "serving_streams_test"],
+                             tmp_path, name="serving_streams_test")
+    assert doc["settings"]["streams"] is True
+    assert set(doc["medians_samples_per_s"]) == {"w2_inprocess_256", "w2_server_256", "w2_server_256_stream",
+                                                 "w3_inprocess_8", "w3_on", "w3_off", "w3_on_stream"}
+    positive(doc["medians_samples_per_s"])
+    (stream,) = doc["per_rep"]["w3_on_stream"]
+    assert stream["errors"] == 0 and stream["mean_server_batch"] > 8  # 64 streams' requests were batched
+    for name, goal in (("w2_server_over_inprocess_stream", serving.W2_GOAL),
+                       ("w3_on_over_inprocess_256_stream", serving.W3_GOAL_VS_INPROC_256)):
+        assert doc["ratios"][name]["goal"] == goal and doc["ratios"][name]["headline"] > 0, name
+    assert {"w2_server_256_stream", "w3_on_stream"} <= set(doc["server_ms_per_request_medians"])
+    assert "W3 server batching ON, 64 x batch 8 (streams)" in doc["stdout"]
+    assert set(doc["server_exit_codes"].values()) == {0}
