@@ -114,6 +114,7 @@ W3_GOAL_VS_OFF = 3.0
 W3_GOAL_VS_INPROC_256 = 0.85  # batch-8 requests batched, against the in-process batch-256 rate
 W2_GOAL_VS_PYTRITON = 1.3  # at least 1.3x PyTriton serving the same model
 W3_GOAL_VS_PYTRITON = 1.0  # ahead of PyTriton (strictly above)
+PEER_EXIT_WAIT_S = 15.0  # how long a failed peer measurement waits to see whether the peer exited
 STREAM_SUFFIX = "_stream"  # a variant's twin with every client on a ModelStreamInfer stream (--streams)
 
 
@@ -227,21 +228,23 @@ def pytriton_args(s: Settings, venv: Path, env: dict[str, str]) -> dict[str, Any
 
 
 def survive_peer(measure: Callable[[], Awaitable[Measurement]], process: subprocess.Popen[bytes], log: Path,
-                 died: list[str], load: str) -> Callable[[], Awaitable[Measurement | None]]:
+                 died: list[str], load: str, *, exit_wait_s: float = PEER_EXIT_WAIT_S
+                 ) -> Callable[[], Awaitable[Measurement | None]]:
     """A peer's measurement that ends the peer's side of the comparison, not the run, when the
-    peer's process has exited under it (PyTriton has: Triton's Python backend, SIGSEGV under
-    stream load). `died` gets why, once; every later call returns None without measuring. A
-    failure while the process still runs is raised as it is."""
+    peer's process exits under it, within `exit_wait_s` of the failure (PyTriton has: Triton's
+    Python backend, SIGSEGV under stream load). `died` gets why, once; every later call returns
+    None without measuring. A failure while the process still runs is raised as it is."""
 
     async def peer() -> Measurement | None:
         if died:
             return None
         try:
             return await measure()
-        except Exception:
-            code = process.poll()
-            if code is None:
-                raise
+        except Exception as error:
+            try:  # its launcher exits a moment after the server under it
+                code = await asyncio.to_thread(process.wait, exit_wait_s)
+            except subprocess.TimeoutExpired:
+                raise error from None  # the peer still runs: the measurement's own failure
             died.append(f"PyTriton exited ({f'signal {-code}' if code < 0 else f'code {code}'}) while {load} "
                         f"loaded it; its log: {log}")
             print(f"  {died[0]}: its variants are left out", flush=True)

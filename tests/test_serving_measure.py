@@ -118,7 +118,8 @@ def test_a_peer_that_died_under_its_load_leaves_the_run_and_one_alive_fails_it(t
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with pytest.raises(ConnectionError):  # still running: the failure is the run's
-            asyncio.run(serving.survive_peer(refused, alive, tmp_path / "log", died, "stream clients")())
+            asyncio.run(serving.survive_peer(refused, alive, tmp_path / "log", died, "stream clients",
+                                             exit_wait_s=0.5)())
         assert not died
         alive.send_signal(signal.SIGSEGV)
         alive.wait(timeout=30)
