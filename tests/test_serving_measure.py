@@ -3,7 +3,8 @@ teacher-server, in both of its transports: unary calls and one ModelStreamInfer 
 Both keep their clients' requests flowing, the server's statistics show batching merged them, and
 a refused request is counted, then fails the measurement with the server's own words. With
 `--streams` the benchmark's report carries each server variant's stream twin and its ratios; a
-peer (PyTriton) that dies under its load leaves the run instead of ending it."""
+peer (PyTriton) that dies under its load leaves the run instead of ending it. The floor under
+both (`benchmarks.grpc_floor`, a bare gRPC server) runs at its smallest."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from benchmarks import serving
+from benchmarks import grpc_floor, serving
 from benchmarks.cpu import CpuUsage
 from benchmarks.serving_measure import Measurement, make_request, measure_server, open_channel
 from teacher_server import ServerConfig
@@ -154,3 +155,16 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
     assert {"w2_server_256_stream", "w3_on_stream"} <= set(doc["server_ms_per_request_medians"])
     assert "W3 server batching ON, 64 x batch 8 (streams)" in doc["stdout"]
     assert set(doc["server_exit_codes"].values()) == {0}
+
+
+def test_the_grpc_floor_measures_a_bare_servers_cpu_a_message_both_ways(tmp_path: Path) -> None:
+    # benchmarks.grpc_floor at its smallest: the bare server answered every variant (W2's and W3's
+    # message sizes, unary and stream), its CPU a message is positive, and the table prints it.
+    doc = run_benchmark_main(grpc_floor.main, ["--quick"], tmp_path, name="grpc_floor")
+    names = {f"{w}_{t}" for w in ("w2", "w3") for t in ("unary", "stream")}
+    assert set(doc["server_ms_per_message_medians"]) == names
+    positive(doc["server_ms_per_message_medians"])
+    positive(doc["messages_per_s_medians"])
+    assert doc["workloads"]["w2"] == {"rows": 256, "clients": 4, "request_bytes": 256 * 3072 * 4,
+                                      "answer_bytes": 256 * 400}
+    assert "W3: 8 rows (98,304 B), 64 clients" in doc["stdout"]
