@@ -3,7 +3,8 @@
 `deserialize_infer` is the request deserializer of ModelInfer / ModelStreamInfer: it splits the
 received bytes into a small protobuf header and zero-copy views of the raw inputs
 (`protos.kserve.parse_infer_request`) and hands the lifecycle an `InferRequest` over them.
-`build_response` encodes outputs back, and `grpc_status` maps a typed refusal to its gRPC code.
+`response_parts` encodes outputs back (sent as bytes, the outputs copied once), and `grpc_status`
+maps a typed refusal to its gRPC code.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from protos.kserve import (
     NONFINITE_ROWS_PARAMETER,
     REFUSAL_METADATA,
     WireFormatError,
+    length_delimited,
     parse_infer_request,
     service_pb2,
 )
@@ -126,13 +128,32 @@ def deserialize_infer(data: bytes) -> InferRequest:
                             malformed=f"malformed ModelInferRequest: {e}")
 
 
-def build_response(request: InferRequest, model_name: str, version: str, outputs: list[EncodedOutput],
-                   nonfinite_rows: Sequence[int] = ()) -> service_pb2.ModelInferResponse:
-    """The response; rows whose outputs are not finite are named in its `NONFINITE_ROWS_PARAMETER`."""
-    resp = service_pb2.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
+_RAW_OUTPUT_FIELD = service_pb2.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER
+_STREAM_ANSWER_FIELD = service_pb2.ModelStreamInferResponse.INFER_RESPONSE_FIELD_NUMBER
+
+
+def response_parts(request: InferRequest, model_name: str, version: str, outputs: list[EncodedOutput],
+                   nonfinite_rows: Sequence[int] = ()) -> list[object]:
+    """A ModelInferResponse's wire bytes as parts for one join: every field but the raw outputs
+    serialized by protobuf, then each output's bytes framed as a `raw_output_contents` field
+    (protobuf takes fields in any order), so the outputs are copied once, by the join, and never
+    into a message. Rows whose outputs are not finite are named in `NONFINITE_ROWS_PARAMETER`."""
+    header = service_pb2.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
     if nonfinite_rows:
-        resp.parameters[NONFINITE_ROWS_PARAMETER].string_param = ",".join(map(str, nonfinite_rows))
+        header.parameters[NONFINITE_ROWS_PARAMETER].string_param = ",".join(map(str, nonfinite_rows))
     for name, dtype, shape, _ in outputs:
-        resp.outputs.add(name=name, datatype=dtype, shape=shape)
-    resp.raw_output_contents.extend(raw for *_, raw in outputs)
-    return resp
+        header.outputs.add(name=name, datatype=dtype, shape=shape)
+    parts: list[object] = [header.SerializeToString()]
+    for *_, raw in outputs:
+        parts += length_delimited(_RAW_OUTPUT_FIELD, [raw])
+    return parts
+
+
+def encode_response(parts: list[object]) -> bytes:
+    """ModelInfer's answer from `response_parts`."""
+    return b"".join(parts)  # type: ignore[arg-type]
+
+
+def encode_stream_answer(parts: list[object]) -> bytes:
+    """ModelStreamInfer's answer (`infer_response` set) from `response_parts`, in the same one join."""
+    return b"".join(length_delimited(_STREAM_ANSWER_FIELD, parts))  # type: ignore[arg-type]

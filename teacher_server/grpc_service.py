@@ -21,7 +21,15 @@ import grpc
 
 from protos.kserve import service_pb2, service_pb2_grpc
 from teacher_server.errors import InferError
-from teacher_server.grpc_codec import build_response, deserialize_infer, error_details, error_metadata, grpc_status
+from teacher_server.grpc_codec import (
+    deserialize_infer,
+    encode_response,
+    encode_stream_answer,
+    error_details,
+    error_metadata,
+    grpc_status,
+    response_parts,
+)
 from teacher_server.infer_request import InferRequest
 from teacher_server.lifecycle import RequestLifecycle, ServingState
 from teacher_server.model_description import config_message, metadata_message
@@ -152,16 +160,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise  # unreachable: abort raises
 
     # ---- inference -----------------------------------------------------------------------
-    async def _infer(self, request: InferRequest) -> tuple[service_pb2.ModelInferResponse, int]:
-        """The response to one request and the bytes of output it carries."""
+    async def _infer(self, request: InferRequest) -> tuple[list[object], int]:
+        """The response to one request as wire parts (`response_parts`), and the bytes of output
+        it carries."""
         result = await self._lifecycle.infer(request)
         model = self._lifecycle.model
         size = sum(len(raw) for *_, raw in result.outputs)
-        return build_response(request, model.name, model.version, result.outputs, result.nonfinite_rows), size
+        return response_parts(request, model.name, model.version, result.outputs, result.nonfinite_rows), size
 
-    async def ModelInfer(self, request: InferRequest, context: Any) -> service_pb2.ModelInferResponse:
+    async def ModelInfer(self, request: InferRequest, context: Any) -> bytes:
         try:
-            return (await self._infer(request))[0]
+            return encode_response((await self._infer(request))[0])
         except InferError as e:
             await context.abort(grpc_status(e), error_details(e), trailing_metadata=error_metadata(e))
             raise  # unreachable: abort raises
@@ -176,7 +185,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         reads therefore stalls its own stream (HTTP/2 flow control then stops its sender) instead
         of growing the server.
         """
-        out: asyncio.Queue[tuple[service_pb2.ModelStreamInferResponse, int] | None] = asyncio.Queue()
+        out: asyncio.Queue[tuple[bytes, int] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
         mine = ByteBudget(STREAM_MAX_UNSENT_BYTES)
         shared = self._unsent
@@ -184,17 +193,17 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def one(req: InferRequest) -> None:
             try:
-                resp, size = await self._infer(req)
+                parts, size = await self._infer(req)
                 mine.charge(size)
                 shared.charge(size)
-                out.put_nowait((service_pb2.ModelStreamInferResponse(infer_response=resp), size))
+                out.put_nowait((encode_stream_answer(parts), size))
             except InferError as e:
                 out.put_nowait((service_pb2.ModelStreamInferResponse(
                     error_message=f"{grpc_status(e).name}: {error_details(e)}",
                     infer_response=service_pb2.ModelInferResponse(
                         id=req.id, model_name=req.model_name, model_version=req.model_version
                     ),
-                ), 0))
+                ).SerializeToString(), 0))
             except BaseException:
                 slots.release()  # no answer will be sent for this request
                 raise
@@ -204,7 +213,8 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 it = aiter(request_iterator)
                 while True:
                     await slots.acquire()
-                    await _room(mine, shared)
+                    if not (mine.has_room and shared.has_room):
+                        await _room(mine, shared)
                     try:
                         req = await anext(it)
                     except StopAsyncIteration:
@@ -284,7 +294,8 @@ def _unimplemented(name: str) -> Any:
 def add_inference_service(servicer: InferenceService, server: grpc.aio.Server) -> None:
     """Register the service from its descriptor, as the generated helper would, except that the two
     inference methods receive a protocol-neutral `InferRequest` over zero-copy views of the raw
-    inputs instead of a parsed ModelInferRequest, whose accessors copy every raw buffer."""
+    inputs instead of a parsed ModelInferRequest, whose accessors copy every raw buffer, and answer
+    with wire bytes whose outputs were copied once, not a message that copies them twice."""
     service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
     for method in service.methods:
@@ -292,10 +303,12 @@ def add_inference_service(servicer: InferenceService, server: grpc.aio.Server) -
         response_type = getattr(service_pb2, method.output_type.name)
         inference = method.name in ("ModelInfer", "ModelStreamInfer")
         deserialize = deserialize_infer if inference else request_type.FromString
+        # The inference methods answer with wire bytes already (`grpc_codec.response_parts`).
+        serialize = None if inference else response_type.SerializeToString
         factory = (grpc.stream_stream_rpc_method_handler if method.client_streaming and method.server_streaming
                    else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=deserialize,
-                                        response_serializer=response_type.SerializeToString)
+                                        response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
