@@ -20,7 +20,9 @@ PyTriton side (W2 and W3): NVIDIA's PyTriton (the real Triton core) serves the s
 instances, the same torch threads, max batch size --max-batch and a dynamic batcher whose queue
 delay is --delay-us. The same load generator drives it with the same requests, interleaved with
 the other variants in every repetition. Headlines: W2 server / PyTriton (goal >= 1.3) and W3
-batching on / PyTriton (goal > 1.0). It runs when PyTriton's virtualenv is built already (the
+batching on / PyTriton (goal > 1.0). With --streams a second PyTriton serves the stream variants
+alone; a PyTriton that dies mid-run takes only its own variants out of the results (the JSON and
+the table say why). It runs when PyTriton's virtualenv is built already (the
 test suite builds it) and the run is on the CPU in FP32; `--pytriton` insists (and builds the
 virtualenv, about 2 minutes once), `--no-pytriton` leaves it out. --server-arg flags are
 teacher-server's only; --server-env applies to PyTriton too.
@@ -227,6 +229,13 @@ def pytriton_args(s: Settings, venv: Path, env: dict[str, str]) -> dict[str, Any
     }
 
 
+def _peer_of(variant: str) -> str | None:
+    """The PyTriton server a variant loads (its stream twins have one of their own), or None."""
+    if "pytriton" not in variant:
+        return None
+    return "pytriton" + (STREAM_SUFFIX if variant.endswith(STREAM_SUFFIX) else "")
+
+
 def survive_peer(measure: Callable[[], Awaitable[Measurement]], process: subprocess.Popen[bytes], log: Path,
                  died: list[str], load: str, *, exit_wait_s: float = PEER_EXIT_WAIT_S
                  ) -> Callable[[], Awaitable[Measurement | None]]:
@@ -279,6 +288,9 @@ async def run(s: Settings) -> dict[str, Any]:
     pt_venv, pt_why = pytriton_venv_for(s)
     print(f"PyTriton side: {pt_why}", flush=True)
     pt: PyTritonServer | None = None
+    # With --streams, a second PyTriton for the stream variants alone: Triton's Python backend has
+    # crashed (SIGSEGV) under W3's 64 streams, and that must not take the unary comparison with it.
+    peers: dict[str, PyTritonServer] = {}
     with contextlib.ExitStack() as stack:
         env = dict(os.environ) | dict(s.server_env_pairs)
         servers = {"batching_on": TeacherProcess(server_args(s, batching=True), label="batching-on", env=env,
@@ -292,7 +304,10 @@ async def run(s: Settings) -> dict[str, Any]:
             for p in servers.values():
                 p.launch()
             if pt_venv is not None:  # PyTriton starts while the teacher-servers load
-                pt = stack.enter_context(pytriton_server(**pytriton_args(s, pt_venv, dict(s.server_env_pairs))))
+                for key in ("pytriton", *(["pytriton" + STREAM_SUFFIX] if s.streams else [])):
+                    peers[key] = stack.enter_context(pytriton_server(**pytriton_args(s, pt_venv,
+                                                                                    dict(s.server_env_pairs))))
+                pt = peers["pytriton"]
         if s.client_cpus:  # before any channel: gRPC's threads are this process's too
             pin_process(s.client_cpus)
         for p in servers.values():
@@ -301,10 +316,10 @@ async def run(s: Settings) -> dict[str, Any]:
         affinity = {k: sorted(os.sched_getaffinity(p.pid)) for k, p in servers.items()}
         print("servers: " + ", ".join(f"{k} pid {p.pid} at {p.endpoint}" for k, p in servers.items()), flush=True)
         endpoints = {k: p.endpoint for k, p in servers.items()}
-        if pt is not None:
-            endpoints["pytriton"] = pt.grpc_url
-            pids += pt.pids()
-            print(f"pytriton: pids {pt.pids()} at {pt.grpc_url}, log {pt.log}", flush=True)
+        for key, peer in peers.items():
+            endpoints[key] = peer.grpc_url
+            pids += peer.pids()
+            print(f"{key}: pids {peer.pids()} at {peer.grpc_url}, log {peer.log}", flush=True)
 
         chans = {k: [open_channel(e) for _ in range(max(1, s.channels))] for k, e in endpoints.items()}
         try:
@@ -323,7 +338,7 @@ async def run(s: Settings) -> dict[str, Any]:
                     return measure_inprocess(model, batch, s.warmup_s, s.duration_s, server_pids=pids,
                                              workers=s.server_instances)
 
-            pt_died: list[str] = []  # why PyTriton stopped, once it has: its variants are left out
+            died: dict[str, list[str]] = {k: [] for k in peers}  # why a PyTriton stopped: its variants leave
 
             def load(server: str, req: Any, batch: int, clients: int, *, transport: str,
                      profile: bool = False) -> Callable[[], Awaitable[Measurement | None]]:
@@ -333,10 +348,10 @@ async def run(s: Settings) -> dict[str, Any]:
                         duration_s=s.duration_s, server_pids=pids,
                         profile_pid=servers[server].pid if profile else None, transport=transport)
 
-                if server != "pytriton":
+                if server not in peers:
                     return measure  # our own server failing fails the run
-                assert pt is not None
-                return survive_peer(measure, pt.process, pt.log, pt_died, f"{transport} clients")
+                return survive_peer(measure, peers[server].process, peers[server].log, died[server],
+                                    f"{transport} clients")
 
             # Unary calls always; with --streams, each server variant's twin over streams beside it
             # ("_stream"), in the same repetitions (batching off only over unary calls).
@@ -348,7 +363,7 @@ async def run(s: Settings) -> dict[str, Any]:
                     variants["w2_server_256" + suffix] = load("batching_on", w2_req, s.w2_batch, s.requests_in_flight,
                                                               transport=transport, profile=True)
                     if pt is not None:
-                        variants["w2_pytriton_256" + suffix] = load("pytriton", w2_req, s.w2_batch,
+                        variants["w2_pytriton_256" + suffix] = load("pytriton" + suffix, w2_req, s.w2_batch,
                                                                     s.requests_in_flight, transport=transport)
             if want_w3:
                 variants["w3_inprocess_8"] = lambda: inprocess(s.w3_batch)
@@ -359,7 +374,7 @@ async def run(s: Settings) -> dict[str, Any]:
                         variants["w3_off"] = load("batching_off", w3_req, s.w3_batch, s.w3_clients,
                                                   transport=transport)
                     if pt is not None:
-                        variants["w3_pytriton" + suffix] = load("pytriton", w3_req, s.w3_batch, s.w3_clients,
+                        variants["w3_pytriton" + suffix] = load("pytriton" + suffix, w3_req, s.w3_batch, s.w3_clients,
                                                                 transport=transport)
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
             contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos) if s.max_foreign_cores > 0 else None
@@ -372,25 +387,27 @@ async def run(s: Settings) -> dict[str, Any]:
                 discarded=discarded,
             )
             per_rep = {k: [m for m in v if m is not None] for k, v in measured.items()
-                       if not (pt_died and "pytriton" in k)}
+                       if not any(why and _peer_of(k) == peer for peer, why in died.items())}
         finally:
             for cs in chans.values():
                 for c in cs:
                     await c.close()
         exit_codes = {k: p.stop() for k, p in servers.items()}
-    if pt is not None:  # stopped when the stack closed
-        exit_codes["pytriton"] = pt.process.returncode
+    for key, peer in peers.items():  # stopped when the stack closed
+        exit_codes[key] = peer.process.returncode
 
     doc = summarise(s, per_rep, exit_codes)
     doc["machine"]["servers_ran_on"] = affinity
     doc["output_max_abs_diff"] = output_diffs
     doc["pytriton"] = {"enabled": pt is not None, "why": pt_why, "venv": str(pt_venv) if pt_venv else None} | (
         {"instances": pt.instances, "torch_threads": s.server_threads, "max_batch_size": pt.max_batch_size,
-         "max_queue_delay_us": s.delay_us, "log": str(pt.log)} if pt is not None else {})
+         "max_queue_delay_us": s.delay_us, "log": str(pt.log)} if pt is not None else {}) | (
+        {"stream_log": str(peers["pytriton" + STREAM_SUFFIX].log)} if "pytriton" + STREAM_SUFFIX in peers else {})
     doc["quiet_gate"] = gate.as_dict()
     doc["discarded"] = {k: [m.as_dict() for m in v if m is not None] for k, v in discarded.items()}
-    if pt_died:
-        doc["pytriton"]["died"] = pt_died[0]
+    for key, why in died.items():
+        if why:
+            doc["pytriton"]["died" + key.removeprefix("pytriton")] = why[0]
     return doc
 
 
@@ -545,8 +562,11 @@ def report(doc: dict[str, Any]) -> str:
     pt = doc.get("pytriton") or {}
     out.append(f"PyTriton side: {pt.get('why', 'not recorded')}" + (
         f"; {pt['instances']} instance(s) x {pt['torch_threads']} torch thread(s), max batch {pt['max_batch_size']}, "
-        f"queue delay {pt['max_queue_delay_us']} us" if pt.get("enabled") else "") + (
-        f"\nPyTriton died: {pt['died']}; its variants are left out" if pt.get("died") else ""))
+        f"queue delay {pt['max_queue_delay_us']} us" if pt.get("enabled") else ""))
+    for key, why in pt.items():
+        if key.startswith("died"):
+            out.append(f"PyTriton{' (streams)' if key.endswith(STREAM_SUFFIX) else ''} died: {why}; its variants "
+                       "are left out")
     return "\n".join(out)
 
 

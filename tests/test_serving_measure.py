@@ -168,3 +168,9 @@ def test_the_grpc_floor_measures_a_bare_servers_cpu_a_message_both_ways(tmp_path
     assert doc["workloads"]["w2"] == {"rows": 256, "clients": 4, "request_bytes": 256 * 3072 * 4,
                                       "answer_bytes": 256 * 400}
     assert "W3: 8 rows (98,304 B), 64 clients" in doc["stdout"]
+
+
+def test_each_pytriton_variant_belongs_to_the_pytriton_of_its_transport() -> None:
+    assert serving._peer_of("w2_pytriton_256") == serving._peer_of("w3_pytriton") == "pytriton"
+    assert serving._peer_of("w2_pytriton_256_stream") == serving._peer_of("w3_pytriton_stream") == "pytriton_stream"
+    assert serving._peer_of("w3_on_stream") is None and serving._peer_of("w2_inprocess_256") is None
