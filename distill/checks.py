@@ -204,6 +204,16 @@ def cache_mode_choice(text: str) -> str:
     return text
 
 
+TRANSPORTS: tuple[str, ...] = ("call", "stream")
+"""How a reader sends chunks to a KServe teacher (``transport``): see ``ReaderOptions``."""
+
+
+def transport_choice(text: str) -> str:
+    if text not in TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
+    return text
+
+
 def checked(check: Callable[[Any], _T], name: str, value: Any) -> _T:
     """``check(value)``, its ValueError prefixed with the flag or option name it is about."""
     try:

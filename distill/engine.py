@@ -88,7 +88,7 @@ class Engine:
                                   pin_memory=options.pin_memory)
         self._meter = meter
         self._tasks: set[asyncio.Task[Any]] = set()
-        connect = connect or grpc_connector(options.client_tls, options.headers)
+        connect = connect or grpc_connector(options.client_tls, options.headers, options.transport)
         self._services = {s: Service(TeacherPool(s, options, connect, self._spawn_aux)) for s in options.services}
         for svc in self._services.values():
             svc.router.on_by_length = self._resize

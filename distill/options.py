@@ -26,6 +26,7 @@ from distill.checks import (
     CACHE_MODES,
     FALLBACKS,
     NONFINITE,
+    TRANSPORTS,
     cache_mode_choice,
     checked,
     fallback_choice,
@@ -47,6 +48,7 @@ from distill.checks import (
     service_name,
     teacher_list,
     torch_device,
+    transport_choice,
 )
 from distill.config import ClientTLS, RouterConfig
 from distill.declare import Flag, declared, document, option
@@ -251,6 +253,12 @@ class ReaderOptions:
                   "Triton that restricts its API: triton-grpc-protocol-<key>=<token>. Without =VALUE the value comes "
                   "from $DISTILL_HEADER_<KEY> (upper case, other characters as _), which keeps it off the command "
                   "line"))
+    transport: str = option(
+        "call", help="how chunks go to a KServe teacher: 'call', one ModelInfer call a chunk, its deadline kept by "
+        "gRPC and its work dropped by the teacher once the call is given up; or 'stream', every chunk on one "
+        "ModelStreamInfer stream a teacher, which costs a teacher-server's host about a third as much a small "
+        "request (docs/guides/reader.md), its deadline kept here (a chunk given up is still computed)",
+        check=transport_choice, flag=Flag(choices=TRANSPORTS))
     cache: str | os.PathLike[str] | None = option(  # noqa: RUF009 (option() is dataclasses.field)
         None, help="a teacher-output store's directory (distill.cache, docs/cache.md): samples it holds are not "
         "asked of a teacher, and teacher answers are written to it off the training thread", check=os.fspath,

@@ -142,12 +142,13 @@ def _header(req: ChunkRequest) -> bytes:
     return data
 
 
-def encode_request(req: ChunkRequest) -> bytes:
+def encode_request(req: ChunkRequest, wire_id: str | None = None) -> bytes:
     """A ModelInferRequest's wire bytes: the request's header (serialized by protobuf once per shape of
-    request, then reused), its id, then each input's rows copied once (a bundle's pieces joined in
-    that copy). Protobuf parsers take fields in any order, so the result is a valid ModelInferRequest
-    for any server."""
-    parts: list[Any] = [_header(req), *length_delimited(_ID_FIELD, [req.request_id.encode()])]
+    request, then reused), its id (`wire_id`, else the request's), then each input's rows copied once
+    (a bundle's pieces joined in that copy). Protobuf parsers take fields in any order, so the result
+    is a valid ModelInferRequest for any server."""
+    rid = req.request_id if wire_id is None else wire_id
+    parts: list[Any] = [_header(req), *length_delimited(_ID_FIELD, [rid.encode()])]
     for name, f in req.inputs.items():
         if f.datatype == "BYTES":  # texts: serialised per row (distill.text_fields)
             parts += length_delimited(RAW_INPUT_FIELD, [text_rows(inputs[name], a, b) for inputs, a, b in req.parts])
@@ -375,10 +376,11 @@ class TeacherClient:
         await self._channel.close(grace=None)
 
 
-def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None
+def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None, transport: str = "call"
                    ) -> Callable[[str, TeacherRecord], InferenceClient]:
     """How the reader opens a client per teacher, by its registry record's `protocol`: KServe v2
-    over gRPC ("" or "kserve"), or an engine in its own protocol ("vllm", "sglang":
+    over gRPC ("" or "kserve"; `transport` "stream" sends its chunks on one ModelStreamInfer stream,
+    `distill.teacher_stream`), or an engine in its own protocol ("vllm", "sglang":
     `distill.engines`, under the record's HTTP `path`). Plaintext, unless the reader was given TLS
     settings or the teacher registered as TLS (then the system's root certificates verify it).
     ValueError for a protocol this reader does not know."""
@@ -392,6 +394,10 @@ def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None
                                  headers=headers)
         credentials = configured if configured is not None else (
             grpc.ssl_channel_credentials() if record.tls else None)
+        if transport == "stream":
+            from distill.teacher_stream import StreamingTeacherClient  # subclasses TeacherClient: not above
+
+            return StreamingTeacherClient(endpoint, credentials, server_name, headers)
         return TeacherClient(endpoint, credentials, server_name, headers)
 
     return connect

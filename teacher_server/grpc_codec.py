@@ -154,6 +154,19 @@ def encode_response(parts: list[object]) -> bytes:
     return b"".join(parts)  # type: ignore[arg-type]
 
 
+def encode_stream_error(request: InferRequest, error: InferError) -> bytes:
+    """ModelStreamInfer's answer to a refused request: `error_message` is the gRPC code's name, ": "
+    and the refusal's message (a stream has no status a request), and the refusal's facts, when it
+    has them, ride as the answer's `REFUSAL_METADATA` parameter (JSON), where a call carries them
+    as trailing metadata."""
+    answer = service_pb2.ModelInferResponse(id=request.id, model_name=request.model_name,
+                                            model_version=request.model_version)
+    for key, value in error_metadata(error):
+        answer.parameters[key].string_param = value
+    return service_pb2.ModelStreamInferResponse(error_message=f"{grpc_status(error).name}: {error_details(error)}",
+                                                infer_response=answer).SerializeToString()
+
+
 def encode_stream_answer(parts: list[object]) -> bytes:
     """ModelStreamInfer's answer (`infer_response` set) from `response_parts`, in the same one join."""
     return b"".join(length_delimited(_STREAM_ANSWER_FIELD, parts))  # type: ignore[arg-type]

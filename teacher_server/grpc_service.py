@@ -5,7 +5,8 @@ maps typed refusals to gRPC codes; it holds no request state of its own. Metadat
 answers mirror what Triton reports for a PyTorch model with dynamic batching, so `tritonclient`,
 `perf_analyzer` and our student treat this server and a real Triton the same way. Streaming
 requests run concurrently and answer in completion order, matched by `id`; a failed stream
-request answers with `error_message` and the stream goes on. A stream that does not read its
+request answers with `error_message` ("CODE: details", its facts as the answer's
+`REFUSAL_METADATA` parameter) and the stream goes on. A stream that does not read its
 answers stops being read itself (bounded answers in flight and unsent bytes, per stream and in
 all), and a client that cancels ends its stream quietly.
 """
@@ -25,6 +26,7 @@ from teacher_server.grpc_codec import (
     deserialize_infer,
     encode_response,
     encode_stream_answer,
+    encode_stream_error,
     error_details,
     error_metadata,
     grpc_status,
@@ -198,12 +200,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 shared.charge(size)
                 out.put_nowait((encode_stream_answer(parts), size))
             except InferError as e:
-                out.put_nowait((service_pb2.ModelStreamInferResponse(
-                    error_message=f"{grpc_status(e).name}: {error_details(e)}",
-                    infer_response=service_pb2.ModelInferResponse(
-                        id=req.id, model_name=req.model_name, model_version=req.model_version
-                    ),
-                ).SerializeToString(), 0))
+                out.put_nowait((encode_stream_error(req, e), 0))
             except BaseException:
                 slots.release()  # no answer will be sent for this request
                 raise

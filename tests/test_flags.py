@@ -13,6 +13,7 @@ from distill.flags import HeaderArg, header_env_var, headers_map
 
 KEYS = {
     "teachers",
+    "transport",
     "registry",
     "service",
     "model",
@@ -86,6 +87,7 @@ def test_static_teachers_with_defaults() -> None:
         "token_logprobs": None,
         "token_ranks": None,
         "headers": {},
+        "transport": "call",
         "parameters": {},
         "tls_ca": None,
         "tls_cert": None,
@@ -119,6 +121,7 @@ def test_registry_with_service_and_every_flag() -> None:
             "--distill_temperature", "2",
             "--no-distill_topk_tail",
             "--distill_header", "Triton-GRPC-Protocol-Triton-Access-Token=s3cret-token",
+            "--distill_transport", "stream",
             "--distill_route_by", "teacher",
             "--distill_default_teacher", "math",
         ]
@@ -143,6 +146,7 @@ def test_registry_with_service_and_every_flag() -> None:
     assert opts["logprobs"] is True and opts["temperature"] == 2.0 and opts["topk_tail"] is False
     assert opts["headers"] == {"triton-grpc-protocol-triton-access-token": "s3cret-token"}  # name lower-cased
     assert opts["route_by"] == "teacher" and opts["default_teacher"] == "math"
+    assert opts["transport"] == "stream"
 
 
 def test_addresses_are_normalised() -> None:
@@ -173,6 +177,7 @@ def test_group_is_named_distillation_and_parser_is_returned() -> None:
         "--distill_read_ahead_mb",
         "--distill_teacher_batch_size",
         "--distill_hedge_ms",
+        "--distill_transport",
         "--distill_model",
         "--distill_fingerprint",
         "--distill_on_fingerprint_change",
