@@ -136,6 +136,10 @@ class StreamingTeacherClient(TeacherClient):
                                    f"no answer on the stream within {timeout:g} s") from None
         finally:
             stream.waiting.pop(wire_id, None)
+            if not waiter.done():
+                waiter.cancel()
+            elif not waiter.cancelled():
+                waiter.exception()  # read: a failure the stream set after the write failed is not logged
         return decode_response(answer, request)
 
     async def _send(self, stream: _Stream, data: bytes) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,3 +224,26 @@ def test_a_reader_over_streams_delivers_every_batch_once_through_a_sigkill(tmp_p
         stats = reader.stats()
     assert seen == list(range(60))
     assert stats.samples == 60 * 16
+
+
+def test_a_teacher_not_listening_fails_the_request_at_once_and_nothing_is_left_unread() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    async def main() -> None:
+        reported: list[dict[str, object]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        client = StreamingTeacherClient(f"127.0.0.1:{port}")
+        try:
+            for i in range(3):  # each request opens a stream again, and fails the same way
+                with pytest.raises(TeacherCallError) as refused:
+                    await asyncio.wait_for(client.infer(_chunk(_rows(i), f"{i}:0:0"), timeout=30), timeout=20)
+                assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await client.close()
+        gc.collect()
+        await asyncio.sleep(0.1)
+        assert not reported, reported  # no failure set on a future nobody awaited
+
+    asyncio.run(main())
