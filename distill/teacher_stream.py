@@ -48,21 +48,40 @@ def stream_error(message: str, answer: service_pb2.ModelInferResponse) -> Teache
     return call_error(code, details if code != grpc.StatusCode.UNKNOWN else message, metadata)
 
 
-def _sent(send: asyncio.Future[None]) -> None:
-    """A write's outcome, read once its request was given up (else asyncio logs it as unread)."""
-    if not send.cancelled():
-        send.exception()
-
-
 class _Stream:
-    """One open ModelStreamInfer call, the requests waiting on it by wire id, and its reader."""
+    """One open ModelStreamInfer call, the requests waiting on it by wire id, its writer and reader.
+
+    Requests are written by one task of the stream's own, in the order they were queued: a request
+    given up (deadline, a hedge's loser) never cancels a write, which would cancel the whole stream
+    with every other request on it. The first of the two tasks to see the stream fail ends it:
+    every request still waiting on it fails with that failure."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self.call = call
         self.waiting: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
-        self.writing = asyncio.Lock()  # grpc takes one write at a time
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.ended = False
+        self.writer = asyncio.create_task(self._write(), name="teacher-stream-writer")
         self.reader = asyncio.create_task(self._read(), name="teacher-stream-reader")
+
+    def end(self, error: Exception) -> None:
+        """The stream is over: fail what waits on it (once; later calls find nothing waiting)."""
+        self.ended = True
+        for waiter in self.waiting.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            self.end(call_error(e.code(), e.details() or "", e.trailing_metadata()))
+        except Exception as e:  # grpc's UsageError or InvalidStateError: the call ended under the write
+            self.end(TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"the stream to the teacher ended: {e!r}"))
+        self.call.cancel()  # the reader then ends too
 
     async def _read(self) -> None:
         error: Exception
@@ -88,10 +107,14 @@ class _Stream:
             error = TeacherGoneError("the stream to the teacher was closed: the teacher left")
             raise
         finally:
-            self.ended = True
-            for waiter in self.waiting.values():
-                if not waiter.done():
-                    waiter.set_exception(error)
+            self.end(error)
+            self.writer.cancel()
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.writer.cancel()
+        self.reader.cancel()
+        await asyncio.gather(self.writer, self.reader, return_exceptions=True)
 
 
 class StreamingTeacherClient(TeacherClient):
@@ -122,14 +145,9 @@ class StreamingTeacherClient(TeacherClient):
         wire_id = f"{request.request_id}#{next(self._ids)}"
         waiter: asyncio.Future[service_pb2.ModelInferResponse] = asyncio.get_running_loop().create_future()
         stream.waiting[wire_id] = waiter
-        # The write is a task of its own, shielded: grpc cancels the whole stream when a write is
-        # cancelled, and a request given up mid-write (deadline, a hedge's loser) must not take the
-        # others waiting on the stream with it. Its outcome is read there or by `_sent`.
-        send = asyncio.ensure_future(self._send(stream, encode_request(request, wire_id)))
-        send.add_done_callback(_sent)
+        stream.outbox.put_nowait(encode_request(request, wire_id))
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.shield(send)
                 answer = await waiter
         except TimeoutError:
             raise TeacherCallError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -139,27 +157,12 @@ class StreamingTeacherClient(TeacherClient):
             if not waiter.done():
                 waiter.cancel()
             elif not waiter.cancelled():
-                waiter.exception()  # read: a failure the stream set after the write failed is not logged
+                waiter.exception()  # read: a failure set as this request gave up is not logged
         return decode_response(answer, request)
-
-    async def _send(self, stream: _Stream, data: bytes) -> None:
-        async with stream.writing:
-            if stream.ended:  # ended while this waited to write: the reader has failed the rest
-                raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, "the stream to the teacher ended")
-            try:
-                await stream.call.write(data)
-            except grpc.aio.AioRpcError as e:
-                raise call_error(e.code(), e.details() or "", e.trailing_metadata()) from None
-            except grpc.aio.UsageError:
-                raise TeacherGoneError(f"the stream to {self.endpoint} was closed: the teacher left") from None
-            except asyncio.InvalidStateError:  # the call ended before its reader said so
-                raise TeacherCallError(grpc.StatusCode.UNAVAILABLE, "the stream to the teacher ended") from None
 
     async def close(self) -> None:
         self._closed = True
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.call.cancel()
-            stream.reader.cancel()
-            await asyncio.gather(stream.reader, return_exceptions=True)
+            await stream.close()
         await super().close()

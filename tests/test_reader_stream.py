@@ -138,11 +138,11 @@ def test_a_request_given_up_mid_write_leaves_the_others_on_the_stream(slow: Serv
             xs = [_rows(10 + i) for i in range(6)]
             small = [asyncio.create_task(client.infer(_chunk(x, f"{i + 2}:0:0"), timeout=30))
                      for i, x in enumerate(xs)]
-            for _ in range(1000):  # bounded: until the big request is being written
-                if stream.writing.locked():
+            for _ in range(1000):  # bounded: until the writer has taken the big request, the small ones queued
+                if stream.outbox.qsize() == len(xs):
                     break
                 await asyncio.sleep(0)
-            assert stream.writing.locked()
+            assert stream.outbox.qsize() == len(xs)
             big.cancel()  # a hedge's loser, a closing reader: given up while its bytes go out
             with pytest.raises(asyncio.CancelledError):
                 await big
