@@ -203,6 +203,22 @@ def test_submitted_batches_carry_their_own_temperature_and_a_refusal_its_facts(
             reader.submit(batches[0], temperature=0)
 
 
+def test_over_a_stream_answers_are_the_same_and_a_refusal_keeps_its_facts(
+        teacher: dict[str, Any], reference: torch.nn.Module) -> None:
+    """transport="stream": the same values as over calls, and a refusal arriving as a stream
+    message still carries its facts (the id, its row and position, the vocabulary)."""
+    with DistillReader(None, teachers=f"127.0.0.1:{teacher['port']}", inputs=INPUTS, outputs=["LOGITS"],
+                       token_logprobs=True, temperature=TEMPERATURE, timeout=30.0, transport="stream") as reader:
+        batch = _padded_batch((5, 7, 3), seed=40)
+        _check(reference, batch, reader.score(batch), TEMPERATURE)
+        bad = _padded_batch((6,) * 6, seed=41)
+        bad["input_ids"][5, 3] = VOCAB
+        with pytest.raises(BatchRejectedError) as refused:
+            reader.score(bad)
+        assert refused.value.refusal == InputRefusal("vocabulary", "INPUT_IDS", VOCAB, VOCAB, (5, 3))
+        _check(reference, batch, reader.score(batch), TEMPERATURE)  # the stream goes on
+
+
 def test_a_batch_no_teacher_answers_settles_at_its_deadline(llama_dir: Path, tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         t = TeacherProcess(_args(llama_dir), label="lone", cwd=REPO, log=tmp_path / "lone.log", stop_grace=5.0)
