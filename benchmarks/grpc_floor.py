@@ -37,7 +37,7 @@ import uvloop
 
 from benchmarks.common import format_table, interleave, machine_info, median, run_and_report
 from benchmarks.cpu import process_cpu_seconds
-from benchmarks.pinning import CpuListError, check_split, on_cores, parse_cpu_list, pin_process
+from benchmarks.pinning import CpuListError, on_cores, parse_split, pin_process
 
 SERVICE = "floor.Floor"
 ROW_BYTES = 3 * 32 * 32 * 4  # a RefTeacher row: FP32 [3, 32, 32]
@@ -247,15 +247,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     reps = a.reps if a.reps is not None else (1 if a.quick else Settings.reps)
     if reps < 1:
         p.error("--reps must be >= 1")
-    server_cpus: tuple[int, ...] = ()
-    client_cpus: tuple[int, ...] = ()
-    if a.server_cpus or a.client_cpus:
-        try:
-            server_cpus = parse_cpu_list(a.server_cpus) if a.server_cpus else ()
-            client_cpus = parse_cpu_list(a.client_cpus) if a.client_cpus else ()
-            check_split(server_cpus, client_cpus)
-        except CpuListError as e:
-            p.error(str(e))
+    try:
+        server_cpus, client_cpus = parse_split(a.server_cpus, a.client_cpus)
+    except CpuListError as e:
+        p.error(str(e))
     duration = a.duration if a.duration is not None else (0.5 if a.quick else Settings.duration_s)
     return Settings(reps=reps, warmup_s=0.2 if a.quick else Settings.warmup_s, duration_s=duration, quick=a.quick,
                     server_cpus=server_cpus, client_cpus=client_cpus, out=a.out)

@@ -36,6 +36,17 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def parse_split(server_text: str, client_text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`--server-cpus` and `--client-cpus` as core tuples, both empty when neither is given;
+    CpuListError for lists that cannot be used here (one without the other, shared, not ours)."""
+    if not server_text and not client_text:
+        return (), ()
+    server = parse_cpu_list(server_text) if server_text else ()
+    client = parse_cpu_list(client_text) if client_text else ()
+    check_split(server, client)
+    return server, client
+
+
 def check_split(server: Iterable[int], client: Iterable[int]) -> None:
     """Both sets usable by this process and apart; CpuListError otherwise."""
     server, client = set(server), set(client)

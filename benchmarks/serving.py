@@ -91,7 +91,7 @@ from benchmarks.common import (
 )
 from benchmarks.cpu import QuietGate
 from benchmarks.device import DeviceChoice, InProcessModel, add_device_args
-from benchmarks.pinning import CpuListError, check_split, on_cores, parse_cpu_list, pin_process
+from benchmarks.pinning import CpuListError, on_cores, parse_split, pin_process
 from benchmarks.pytriton_env import PyTritonServer, cached_venv, pytriton_server, pytriton_venv
 from benchmarks.serving_measure import (
     CLASSES,
@@ -629,15 +629,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--server-env takes KEY=VALUE")
     if a.pytriton and (a.device != "cpu" or a.compute_dtype != "FP32"):
         p.error("--pytriton serves the model on the CPU in FP32: drop --device/--compute-dtype, or --pytriton")
-    server_cpus: tuple[int, ...] = ()
-    client_cpus: tuple[int, ...] = ()
-    if a.server_cpus or a.client_cpus:  # check_split refuses one without the other
-        try:
-            server_cpus = parse_cpu_list(a.server_cpus) if a.server_cpus else ()
-            client_cpus = parse_cpu_list(a.client_cpus) if a.client_cpus else ()
-            check_split(server_cpus, client_cpus)
-        except CpuListError as e:
-            p.error(str(e))
+    try:
+        server_cpus, client_cpus = parse_split(a.server_cpus, a.client_cpus)
+    except CpuListError as e:
+        p.error(str(e))
     return Settings(
         reps=reps,
         warmup_s=_pick(a.warmup, a.quick, 0.3, Settings.warmup_s),

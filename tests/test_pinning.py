@@ -3,6 +3,7 @@ and the load generator's cores apart, and affinity that a thread gives the threa
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 
@@ -59,13 +60,18 @@ def test_a_thread_started_on_pinned_cores_keeps_them_and_pin_process_moves_every
     assert os.sched_getaffinity(0) == mine
 
 
-def test_the_serving_benchmark_refuses_one_side_alone_or_cores_it_may_not_use(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import serving
-
+@pytest.mark.parametrize("bench", ["serving", "grpc_floor"])
+def test_the_serving_benchmarks_refuse_one_side_alone_or_cores_they_may_not_use(
+        bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(f"benchmarks.{bench}")
     beyond = max(os.sched_getaffinity(0)) + 1000
     for args, says in ((["--server-cpus", "0"], "give both --server-cpus and --client-cpus"),
                        (["--server-cpus", str(beyond), "--client-cpus", "0"], "are not among this process's")):
         with pytest.raises(SystemExit) as e:
-            serving.parse_args(args)
+            module.parse_args(args)
         assert e.value.code == 2 and says in capsys.readouterr().err
+    mine = sorted(os.sched_getaffinity(0))
+    assert module.parse_args([]).server_cpus == ()
+    if len(mine) > 1:
+        s = module.parse_args(["--server-cpus", str(mine[-1]), "--client-cpus", str(mine[0])])
+        assert (s.server_cpus, s.client_cpus) == ((mine[-1],), (mine[0],))
