@@ -1,7 +1,7 @@
 """W1 mesh efficiency and W5 failover (docs/design/workloads.md).
 
     .venv/bin/python -m benchmarks.mesh [--reps 5] [--quick] [--teachers 2 --w5-teachers 3]
-                                        [--device cuda:0 --compute-dtype FP16]
+                                        [--device cuda:0 --compute-dtype FP16] [--transport stream]
 
 W1 asks how much of a training loop's speed survives when its teacher moves out of the loop and
 behind the mesh. The accelerator is emulated (examples/emulated.py): the teacher sleeps 20 ms
@@ -88,6 +88,7 @@ class Settings:
     prefetch: int = 4  # DistillReader default
     timeout_s: float = 10.0  # DistillReader default chunk deadline
     hedge_after_s: float | str | None = "auto"  # DistillReader's default: adaptive hedging
+    transport: str = "call"  # DistillReader's default: a call a chunk ("stream": one stream a teacher)
     server_threads: int = 1  # torch threads per teacher server: the "accelerator" needs no CPU
     client_threads: int = 1  # torch threads in this process
     max_queue_delay_us: int = SERVER_QUEUE_DELAY_US  # teacher-server default
@@ -212,6 +213,7 @@ def run_w1(s: Settings, stack: contextlib.ExitStack, gate: QuietGate, pids: list
     reader = stack.enter_context(DistillReader(
         loader, teachers=",".join(endpoints), inputs=["INPUT"], outputs=["LOGITS"], prefetch=s.prefetch,
         timeout=s.timeout_s, hedge_after=s.hedge_after_s, device=s.device if s.choice.cuda else None,
+        transport=s.transport,
     ))
     mismatches = 0
     checked = 0
@@ -323,7 +325,7 @@ def run_w5(s: Settings, gate: QuietGate) -> dict[str, Any]:
         print("W5 teachers: " + ", ".join(f"pid {p.pid} at {p.endpoint}" for p in servers), flush=True)
         reader = stack.enter_context(DistillReader(
             loader, teachers=",".join(p.endpoint for p in servers), inputs=["INPUT"], outputs=["LOGITS"],
-            prefetch=s.prefetch, timeout=s.timeout_s, hedge_after=s.hedge_after_s,
+            prefetch=s.prefetch, timeout=s.timeout_s, hedge_after=s.hedge_after_s, transport=s.transport,
         ))
         gate.own_pids = [os.getpid(), *(p.pid for p in servers)]
         gate.wait_blocking()
@@ -449,6 +451,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                    help="W5's teacher servers, one of them killed (default 3; at least 2)")
     p.add_argument("--hedge-after", type=_hedge, default="auto",
                    help="the reader's hedge_after: auto (the reader's default), off, or seconds")
+    p.add_argument("--transport", choices=["call", "stream"], default="call",
+                   help="the reader's transport: a call a chunk (default) or one stream a teacher")
     add_device_args(p)
     a = p.parse_args(argv)
     s = Settings(only=a.only, w5_signal=a.w5_signal, device=a.device, compute_dtype=a.compute_dtype)
@@ -464,7 +468,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         s = replace(s, teachers=a.teachers)
     if a.w5_teachers is not None:
         s = replace(s, w5_teachers=a.w5_teachers)
-    s = replace(s, hedge_after_s=a.hedge_after)
+    s = replace(s, hedge_after_s=a.hedge_after, transport=a.transport)
     if s.reps < 1 or s.steps < 1 or s.teachers < 1:
         p.error("--reps, --steps and --teachers must be >= 1")
     if s.w5_teachers < 2:
@@ -491,6 +495,8 @@ def result_name(s: Settings) -> str:
         parts.append(f"timeout{s.timeout_s:g}")
     if s.hedge_after_s != Settings.hedge_after_s:
         parts.append("hedgeoff" if s.hedge_after_s is None else f"hedge{s.hedge_after_s:g}")
+    if s.transport != Settings.transport:
+        parts.append(s.transport)
     return "_".join(parts)
 
 
