@@ -56,6 +56,7 @@ from distill.batches import (
     signature_of,
 )
 from distill.cache.errors import require_store
+from distill.connector import grpc_connector
 from distill.dispatch import Dispatcher
 from distill.errors import BatchRejectedError
 from distill.liveness import CallWatch
@@ -66,9 +67,6 @@ from distill.routing_keys import RoutePlan, RouteTable
 from distill.routing_rows import check_routed_outputs, offer_routed, routed_rows_to_send
 from distill.service import Service
 from distill.stats import ConsumptionMeter, ReaderStats, RoutedRows, demand_report, reader_stats
-from distill.teacher_client import (
-    grpc_connector,
-)
 from distill.types import FieldArray, OutputCache, ParameterValue, StoredRows
 
 log = logging.getLogger("distill.reader")

@@ -19,14 +19,13 @@ type is the verdict the engine's retry policy reads:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import grpc
 import numpy as np
 import torch
 
-from discovery.base import TeacherRecord
 from distill.call_errors import (
     MalformedAnswerError,
     ModelChoiceError,
@@ -39,7 +38,6 @@ from distill.call_errors import (
     call_error,
 )
 from distill.config import ClientTLS
-from distill.engines.connect import engine_client
 from distill.outputs import VALID_ROWS, per_sample_shape, wanted_outputs
 from distill.text_fields import text_rows
 from distill.types import ChunkRequest, TeacherMetadata, TensorMeta
@@ -77,7 +75,6 @@ __all__ = [
     "call_error",
     "decode_response",
     "encode_request",
-    "grpc_connector",
 ]
 
 log = logging.getLogger(__name__)
@@ -374,30 +371,3 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
-
-
-def grpc_connector(tls: ClientTLS | None, headers: Mapping[str, str] | None, transport: str = "call"
-                   ) -> Callable[[str, TeacherRecord], InferenceClient]:
-    """How the reader opens a client per teacher, by its registry record's `protocol`: KServe v2
-    over gRPC ("" or "kserve"; `transport` "stream" sends its chunks on one ModelStreamInfer stream,
-    `distill.teacher_stream`), or an engine in its own protocol ("vllm", "sglang":
-    `distill.engines`, under the record's HTTP `path`). Plaintext, unless the reader was given TLS
-    settings or the teacher registered as TLS (then the system's root certificates verify it).
-    ValueError for a protocol this reader does not know."""
-    configured = tls.credentials() if tls is not None else None
-    server_name = tls.server_name if tls is not None else None
-
-    def connect(endpoint: str, record: TeacherRecord) -> InferenceClient:
-        protocol = record.protocol.lower()
-        if protocol not in ("", "kserve"):
-            return engine_client(protocol, endpoint, record.path, tls=tls, registered_tls=record.tls,
-                                 headers=headers)
-        credentials = configured if configured is not None else (
-            grpc.ssl_channel_credentials() if record.tls else None)
-        if transport == "stream":
-            from distill.teacher_stream import StreamingTeacherClient  # subclasses TeacherClient: not above
-
-            return StreamingTeacherClient(endpoint, credentials, server_name, headers)
-        return TeacherClient(endpoint, credentials, server_name, headers)
-
-    return connect

@@ -23,7 +23,8 @@ import torch
 from discovery.base import TeacherRecord
 from distill import DistillReader
 from distill.call_errors import RequestRejectedError, TeacherCallError, TeacherGoneError
-from distill.teacher_client import TeacherClient, grpc_connector
+from distill.connector import grpc_connector
+from distill.teacher_client import TeacherClient
 from distill.teacher_stream import StreamingTeacherClient
 from distill.types import ChunkRequest, FieldArray
 from teacher_server import BatchingConfig, ServerConfig
@@ -65,13 +66,16 @@ def _expected(x: np.ndarray) -> torch.Tensor:
 
 
 def test_the_reader_connects_over_streams_when_asked() -> None:
-    record = TeacherRecord(endpoint="127.0.0.1:1")
-    stream = grpc_connector(None, None, "stream")("127.0.0.1:1", record)
-    call = grpc_connector(None, None)("127.0.0.1:1", record)
-    assert isinstance(stream, StreamingTeacherClient)
-    assert type(call) is TeacherClient
-    asyncio.run(stream.close())
-    asyncio.run(call.close())
+    async def main() -> None:  # a grpc.aio channel belongs to the loop it is made on
+        record = TeacherRecord(endpoint="127.0.0.1:1")
+        stream = grpc_connector(None, None, "stream")("127.0.0.1:1", record)
+        call = grpc_connector(None, None)("127.0.0.1:1", record)
+        assert isinstance(stream, StreamingTeacherClient)
+        assert type(call) is TeacherClient
+        await stream.close()
+        await call.close()
+
+    asyncio.run(main())
 
 
 def test_concurrent_requests_each_get_their_own_answer_on_one_stream(affine: ServerThread) -> None:

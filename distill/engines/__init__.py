@@ -5,7 +5,7 @@
 reader's routing, hedging, failover and exactly-once delivery treat them like any KServe teacher:
 one HTTP request per chunk, decoded into exactly the tensors a teacher-server returns for the same
 request, and the same verdict types for failures (`distill.engines.http`). The reader's connector
-(`distill.teacher_client.grpc_connector`) picks the client by the teacher's registry record
+(`distill.connector.grpc_connector`) picks the client by the teacher's registry record
 (`protocol`, `path`, `tls`; `engine_client`).
 """
 

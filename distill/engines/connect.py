@@ -1,5 +1,5 @@
 """An engine's client by the protocol a teacher's registry record names (the reader's connector,
-`distill.teacher_client.grpc_connector`, calls it for every record that is not KServe).
+`distill.connector.grpc_connector`, calls it for every record that is not KServe).
 
 "vllm" is a vLLM OpenAI server (`VllmClient`), "sglang" an SGLang server (`SglangClient`), both over
 HTTP under the record's `path` prefix; "" and "kserve" are KServe v2 gRPC teachers (`TeacherClient`).
