@@ -256,8 +256,8 @@ class ReaderOptions:
     transport: str = option(
         "call", help="how chunks go to a KServe teacher: 'call', one ModelInfer call a chunk, its deadline kept by "
         "gRPC and its work dropped by the teacher once the call is given up; or 'stream', every chunk on one "
-        "ModelStreamInfer stream a teacher, which costs a teacher-server's host about a third as much a small "
-        "request (docs/guides/reader.md), its deadline kept here (a chunk given up is still computed)",
+        "ModelStreamInfer stream a teacher, where gRPC's own cost a small chunk is about a third of a call's "
+        "(docs/guides/reader.md), its deadline kept here (a chunk given up is still computed)",
         check=transport_choice, flag=Flag(choices=TRANSPORTS))
     cache: str | os.PathLike[str] | None = option(  # noqa: RUF009 (option() is dataclasses.field)
         None, help="a teacher-output store's directory (distill.cache, docs/cache.md): samples it holds are not "
