@@ -179,7 +179,8 @@ def test_a_model_without_padded_inputs_shows_no_batch_cost() -> None:
 
 
 def _cpu_teacher_floor(cost_aware_floor: bool | None) -> dict[str, float]:
-    """A padded CPU teacher (`tests.seq_models`) after 40 requests of lengths 4..60, 4 clients at a time."""
+    """A padded CPU teacher (`tests.seq_models`) after 40 requests of lengths 4..200, 4 clients at a time: lengths
+    far enough apart that the cost a position stands out of the fixed cost on a busy machine."""
     import concurrent.futures
 
     import tritonclient.grpc as tg
@@ -203,7 +204,7 @@ def _cpu_teacher_floor(cost_aware_floor: bool | None) -> dict[str, float]:
             c.close()
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            list(pool.map(send, [int(n) for n in rng.integers(4, 61, size=40)], timeout=60))
+            list(pool.map(send, [int(n) for n in rng.integers(4, 201, size=40)], timeout=60))
         assert s.server is not None and s.server.metrics_port is not None
         return scrape_metrics(s.server.metrics_port, ("teacher_batch_fixed_seconds",
                                                       "teacher_batch_position_seconds", "teacher_padding_floor"))
@@ -217,7 +218,7 @@ def test_a_cpu_teacher_keeps_the_floor_as_set_unless_told() -> None:
     told = _cpu_teacher_floor(True)
     budget = BatchingConfig(max_batch_size=8).token_budget
     fixed, per_position = told["teacher_batch_fixed_seconds"], told["teacher_batch_position_seconds"]
-    assert per_position > 0, "40 batches of lengths 4..60 are enough to fit"
+    assert per_position > 0, "40 batches of lengths 4..200 are enough to fit"
     assert told["teacher_padding_floor"] == pytest.approx(0.85 * budget / (budget + fixed / per_position))
 
 
