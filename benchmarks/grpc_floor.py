@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import subprocess
+import json
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -38,6 +38,8 @@ import uvloop
 from benchmarks.common import format_table, interleave, machine_info, median, run_and_report
 from benchmarks.cpu import process_cpu_seconds
 from benchmarks.pinning import CpuListError, on_cores, parse_split, pin_process
+from benchmarks.procs import ReportingChild
+from benchmarks.serving_measure import sleep_or_fail
 
 SERVICE = "floor.Floor"
 ROW_BYTES = 3 * 32 * 32 * 4  # a RefTeacher row: FP32 [3, 32, 32]
@@ -60,8 +62,9 @@ class Settings:
 
 
 # ---- the server (a process of its own) -----------------------------------------------------------
-def serve(port_file: str) -> None:
-    """Answer every unary call and every stream message with the answer its size asks for."""
+def serve() -> None:
+    """Answer every unary call and every stream message with the answer its size asks for; say
+    `{"ev": "ready", "port": N}` on stdout once listening, and stop at EOF on stdin (`FloorServer`)."""
     answers = {rows * ROW_BYTES: b"\0" * (rows * ANSWER_ROW_BYTES) for rows, _ in WORKLOADS.values()}
 
     def answer(request: bytes) -> bytes:
@@ -84,17 +87,24 @@ def serve(port_file: str) -> None:
         }),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        _announce(port_file, port)
-        await server.wait_for_termination()
+        print(json.dumps({"ev": "ready", "port": port}), flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # until the benchmark closes our stdin
+        await server.stop(None)
 
     uvloop.run(main())
 
 
-def _announce(port_file: str, port: int) -> None:
-    """The port, written whole (the parent polls for the file)."""
-    with open(port_file + ".tmp", "w") as f:
-        f.write(str(port))
-    os.replace(port_file + ".tmp", port_file)
+class FloorServer(ReportingChild):
+    """The floor server as a child of the benchmark (`procs.ReportingChild`): its port once ready."""
+
+    port = 0
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "benchmarks.grpc_floor", "--serve"]
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        if ev.get("ev") == "ready":
+            self.port = int(ev["port"])
 
 
 # ---- the load ------------------------------------------------------------------------------------
@@ -144,17 +154,13 @@ async def load(port: int, server_pid: int, rows: int, clients: int, *, transport
 
         tasks = [asyncio.create_task(client()) for _ in range(clients)]
         try:
-            done, _ = await asyncio.wait(tasks, timeout=s.warmup_s, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
+            await sleep_or_fail(tasks, s.warmup_s)
             cpu0, t0 = process_cpu_seconds(server_pid), time.perf_counter()
             counting = True
-            done, _ = await asyncio.wait(tasks, timeout=s.duration_s, return_when=asyncio.FIRST_EXCEPTION)
+            await sleep_or_fail(tasks, s.duration_s)
             counting = False
             cpu1, t1 = process_cpu_seconds(server_pid), time.perf_counter()
             messages = count
-            for t in done:
-                t.result()
             stop = True
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
         finally:
@@ -165,44 +171,31 @@ async def load(port: int, server_pid: int, rows: int, clients: int, *, transport
     return Measurement(messages, t1 - t0, cpu1 - cpu0)
 
 
-def start_server(s: Settings, port_file: str) -> tuple[subprocess.Popen[bytes], int]:
-    """The floor server as a process (on --server-cpus), and its port once it listens."""
-    with on_cores(s.server_cpus) if s.server_cpus else contextlib.nullcontext():
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.grpc_floor", "--serve", port_file])
-    deadline = time.monotonic() + 60
-    while not os.path.exists(port_file):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the floor server did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-    with open(port_file) as f:
-        return proc, int(f.read())
-
-
 def run(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="grpc-floor-") as tmp:
-        return _run(s, os.path.join(tmp, "port"))
+        server = FloorServer("grpc-floor-server", Path(tmp) / "server.log")
+        try:
+            with on_cores(s.server_cpus) if s.server_cpus else contextlib.nullcontext():
+                server.launch()
+            server.wait_ready(time.monotonic() + 60)
+            return _run(s, server.port, server.pid)
+        finally:
+            server.close(10.0)
 
 
-def _run(s: Settings, port_file: str) -> dict[str, Any]:
-    proc, port = start_server(s, port_file)
-    try:
-        if s.client_cpus:
-            pin_process(s.client_cpus)
-        def variant(workload: str, transport: str) -> Callable[[], Measurement]:
-            rows, clients = WORKLOADS[workload]
-            return lambda: uvloop.run(load(port, proc.pid, rows, clients, transport=transport, s=s))
+def _run(s: Settings, port: int, server_pid: int) -> dict[str, Any]:
+    if s.client_cpus:
+        pin_process(s.client_cpus)
 
-        variants = {f"{w}_{t}": variant(w, t) for w in WORKLOADS for t in TRANSPORTS}
+    def variant(workload: str, transport: str) -> Callable[[], Measurement]:
+        rows, clients = WORKLOADS[workload]
+        return lambda: uvloop.run(load(port, server_pid, rows, clients, transport=transport, s=s))
 
-        def progress(rep: int, name: str, m: Measurement) -> None:
-            print(f"  rep {rep + 1} {name:<10} {m.per_s:9,.0f} messages/s  server {m.server_ms_per_message:.3f} "
-                  "CPU ms a message", flush=True)
+    def progress(rep: int, name: str, m: Measurement) -> None:
+        print(f"  rep {rep + 1} {name:<10} {m.per_s:9,.0f} messages/s  server {m.server_ms_per_message:.3f} "
+              "CPU ms a message", flush=True)
 
-        per_rep = interleave(s.reps, variants, progress)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    per_rep = interleave(s.reps, {f"{w}_{t}": variant(w, t) for w in WORKLOADS for t in TRANSPORTS}, progress)
     return {
         "benchmark": "grpc_floor (gRPC's Python server alone, W2 and W3 message sizes)",
         "machine": machine_info() | {"server_cpus": list(s.server_cpus) or None,
@@ -259,7 +252,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--serve"]:
-        serve(args[1])
+        serve()
         return 0
     s = parse_args(args)
     return run_and_report(lambda: run(s), s.out, report)

@@ -305,13 +305,13 @@ async def measure_server(
 
     tasks = [asyncio.create_task(client(stubs[i % len(stubs)])) for i in range(concurrency)]
     try:
-        await _sleep_or_fail(tasks, warmup_s)
+        await sleep_or_fail(tasks, warmup_s)
         stats0 = await server_stats(stubs[0], request.model_name)
         meter = CpuMeter(server_pids)
         threads0 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
         meter.start()
         window_open = True
-        await _sleep_or_fail(tasks, duration_s)
+        await sleep_or_fail(tasks, duration_s)
         window_open = False
         cpu = meter.stop()
         threads1 = thread_cpu_seconds(profile_pid) if profile_pid is not None else {}
@@ -341,7 +341,7 @@ async def measure_server(
     return m
 
 
-async def _sleep_or_fail(tasks: Sequence[asyncio.Task[None]], seconds: float) -> None:
+async def sleep_or_fail(tasks: Sequence[asyncio.Task[None]], seconds: float) -> None:
     """Wait `seconds`, or raise at once what a client raised (its requests keep failing)."""
     done, _ = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
     for t in done:
