@@ -62,6 +62,7 @@ from benchmarks.cpu import CpuMeter, CpuUsage, QuietGate
 from benchmarks.device import DeviceChoice, add_device_args
 from benchmarks.mesh_report import ok, report
 from distill import DistillReader
+from distill.checks import TRANSPORTS
 from examples.emulated import BATCH, TEACHER_MS_ENV, EmulatedTeacher, W1Loader, build, student_step
 from teacher_server.launch import TeacherProcess, start_all
 
@@ -451,7 +452,7 @@ def parse_args(argv: list[str] | None) -> Settings:
                    help="W5's teacher servers, one of them killed (default 3; at least 2)")
     p.add_argument("--hedge-after", type=_hedge, default="auto",
                    help="the reader's hedge_after: auto (the reader's default), off, or seconds")
-    p.add_argument("--transport", choices=["call", "stream"], default="call",
+    p.add_argument("--transport", choices=TRANSPORTS, default="call",
                    help="the reader's transport: a call a chunk (default) or one stream a teacher")
     add_device_args(p)
     a = p.parse_args(argv)

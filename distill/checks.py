@@ -25,6 +25,7 @@ __all__ = [
     "FALLBACKS",
     "NONFINITE",
     "OUTPUT_DTYPES",
+    "TRANSPORTS",
     "cache_mode_choice",
     "checked",
     "fallback_choice",
@@ -35,6 +36,7 @@ __all__ = [
     "non_negative_int",
     "nonfinite_choice",
     "normalize_inputs",
+    "one_of",
     "output_dtype_choice",
     "output_names",
     "parameter_arg",
@@ -46,6 +48,7 @@ __all__ = [
     "service_name",
     "teacher_list",
     "torch_device",
+    "transport_choice",
 ]
 
 _T = TypeVar("_T")
@@ -159,16 +162,19 @@ def non_negative_int(text: str | int) -> int:
     return value
 
 
-def nonfinite_choice(text: str) -> str:
-    if text not in NONFINITE:
-        raise ValueError(f"must be one of {', '.join(NONFINITE)}, got {text!r}")
-    return text
+def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """The check of an option that takes one of `choices`, exactly as written."""
+
+    def choice(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return choice
 
 
-def fallback_choice(text: str) -> str:
-    if text not in FALLBACKS:
-        raise ValueError(f"must be one of {', '.join(FALLBACKS)}, got {text!r}")
-    return text
+nonfinite_choice = one_of(NONFINITE)
+fallback_choice = one_of(FALLBACKS)
 
 
 def output_dtype_choice(text: str) -> str:
@@ -198,20 +204,14 @@ CACHE_MODES: tuple[str, ...] = ("read", "write", "read_write")
 """How a reader uses its teacher-output store (``cache_mode``): see ``ReaderOptions``."""
 
 
-def cache_mode_choice(text: str) -> str:
-    if text not in CACHE_MODES:
-        raise ValueError(f"must be one of {', '.join(CACHE_MODES)}, got {text!r}")
-    return text
+cache_mode_choice = one_of(CACHE_MODES)
 
 
 TRANSPORTS: tuple[str, ...] = ("call", "stream")
 """How a reader sends chunks to a KServe teacher (``transport``): see ``ReaderOptions``."""
 
 
-def transport_choice(text: str) -> str:
-    if text not in TRANSPORTS:
-        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
-    return text
+transport_choice = one_of(TRANSPORTS)
 
 
 def checked(check: Callable[[Any], _T], name: str, value: Any) -> _T:

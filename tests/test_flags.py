@@ -276,6 +276,10 @@ def test_hand_built_namespace_is_validated_too() -> None:
     args.distill_fallback = "retry"
     with pytest.raises(ValueError, match="--distill_fallback: must be one of error, hard_labels"):
         distill_options_from_args(args)
+    args = parse(["--distill_teachers", "a:1"])
+    args.distill_transport = "pigeon"
+    with pytest.raises(ValueError, match="--distill_transport: must be one of call, stream, got 'pigeon'"):
+        distill_options_from_args(args)
 
 
 def test_namespace_without_the_flags() -> None:
@@ -346,6 +350,7 @@ def test_bad_service(value: str, message: str, capsys: pytest.CaptureFixture[str
         ("--distill_hedge_ms", "-5", "must be >= 0"),
         ("--distill_hedge_ms", "inf", "finite"),
         ("--distill_fallback", "retry", "invalid choice"),
+        ("--distill_transport", "pigeon", "invalid choice"),
         ("--distill_top_k", "-1", "must be an integer >= 0"),
         ("--distill_top_k", "many", "expected an integer"),
         ("--distill_output_dtype", "FP8", "must be one of FP32, FP16, BF16"),
