@@ -49,9 +49,9 @@ from teacher_server import ServerConfig
 from teacher_server.registrar.load import read_figures
 from tests.etcd_fixtures import unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, load_reference, reference_logprobs, save_vllm_llama
+from tests.registrar_runs import HTTP_CAPABILITIES, entries, run_registrar, stop_proc, until
 from tests.servers import ServerThread, teacher_process
 from tests.sglang_server import SglangServer, sglang_server
-from tests.test_registrar import HTTP_CAPABILITIES, _entries, _registrar, _stop, _until
 from tests.vllm_env import VllmServer, vllm_server
 
 # The real vLLM's fixture builds the cached vLLM venv on a machine that lacks it (pip, minutes) and
@@ -300,7 +300,7 @@ def test_http_statuses_are_the_verdicts_the_grpc_client_gives(
             await client.close()
             await runner.cleanup()
 
-    asyncio.run(asyncio.wait_for(main(), 60))
+    asyncio.run(asyncio.until(main(), 60))
 
 
 def test_a_refused_connection_is_unavailable_and_metadata_comes_from_the_engine(sglang: SglangServer,
@@ -322,7 +322,7 @@ def test_a_refused_connection_is_unavailable_and_metadata_comes_from_the_engine(
             assert await client.ready(meta.model_name, 10.0)
             await client.close()
 
-    asyncio.run(asyncio.wait_for(main(), 60))
+    asyncio.run(asyncio.until(main(), 60))
 
 
 def test_static_lists_name_engines_item_by_item() -> None:
@@ -352,7 +352,7 @@ def test_engine_sessions_close(sglang: SglangServer) -> None:
         with pytest.raises(TeacherGoneError, match="closed"):
             await client.ready("", 10.0)
 
-    asyncio.run(asyncio.wait_for(main(), 60))
+    asyncio.run(asyncio.until(main(), 60))
 
 
 def test_registered_engine_records_are_called_in_their_protocols(
@@ -431,14 +431,14 @@ def test_a_real_vllm_is_registered_with_its_load_then_withdrawn_at_sigterm(vllm:
     service = unique_service("reg-real-vllm")
     reg_log = tmp_path / "registrar.log"
     with LocalEtcd() as etcd:
-        registrar = _registrar(["--engine", "vllm", "--url", vllm.url, "--model", "llama", "--registry",
-                                etcd.address, "--service", service, "--instance-id", "r-real"], reg_log)
+        registrar = run_registrar(["--engine", "vllm", "--url", vllm.url, "--model", "llama", "--registry",
+                                   etcd.address, "--service", service, "--instance-id", "r-real"], reg_log)
         try:
-            entry = _until(lambda: _entries(etcd, service).get("r-real"), 60, "the real vLLM's record", reg_log)
+            entry = until(lambda: entries(etcd, service).get("r-real"), 60, "the real vLLM's record", reg_log)
             rec = entry.record
             assert (rec.endpoint, rec.protocol, rec.path, rec.model_name) == (vllm.address, "vllm", "", "llama")
             assert rec.capabilities == HTTP_CAPABILITIES
-            loaded = _until(lambda: _entries(etcd, service)["r-real"].load, 30, "a published load", reg_log)
+            loaded = until(lambda: entries(etcd, service)["r-real"].load, 30, "a published load", reg_log)
             assert loaded.in_flight == 0 and loaded.queue_depth == 0 and not loaded.draining
 
             with urllib.request.urlopen(vllm.url + "/metrics", timeout=30) as resp:
@@ -448,7 +448,7 @@ def test_a_real_vllm_is_registered_with_its_load_then_withdrawn_at_sigterm(vllm:
 
             registrar.send_signal(signal.SIGTERM)
             assert registrar.wait(60) == 0
-            assert _entries(etcd, service) == {}
+            assert entries(etcd, service) == {}
             assert "drained: nothing in flight" in reg_log.read_text(), "the real metrics said nothing was in flight"
         finally:
-            _stop(registrar)
+            stop_proc(registrar)

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,9 +27,6 @@ import pytest
 import tritonclient.grpc as tg
 from google.protobuf import json_format
 
-from discovery import open_registry
-from discovery.base import TeacherEntry
-from discovery.errors import RegistryUnavailableError
 from discovery.local_etcd import LocalEtcd
 from distill.cli import main as distill_main
 from protos import registry_pb2
@@ -42,6 +38,14 @@ from teacher_server.registrar.load import LoadTracker, read_figures
 from teacher_server.registrar.probes import ProbeOptions, make_probe
 from tests.etcd_fixtures import arun, unique_service
 from tests.hf_models import VLLM_CONTEXT, VLLM_VOCAB, save_llama, save_vllm_llama
+from tests.registrar_runs import (
+    HTTP_CAPABILITIES,
+    entries,
+    run_registrar,
+    spawn,
+    stop_proc,
+    until,
+)
 from tests.sglang_server import sglang_server
 
 # Engines load in processes of their own: minutes on a loaded 2-core machine.
@@ -50,9 +54,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 _T = TypeVar("_T")
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
-FAST = ["--probe-interval", "0.2", "--unhealthy-after", "3", "--ttl", "5", "--probe-timeout", "2"]
-HTTP_CAPABILITIES = registry_pb2.Capabilities(declared=True, max_top_k=20, token_logprobs=True, score_ids=False,
-                                              text_prompts=True, chunked=False, full_outputs=False, tail=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,50 +86,6 @@ def _teacher_args(llama_dir: Path, *, port: str, http_port: str, metrics_port: s
     args = [sys.executable, "-m", "teacher_server", "--model", f"hf:{llama_dir}", "--name", "llama", "--device", "cpu",
             "--instances", "1", "--host", "127.0.0.1", "--port", port, "--http-port", http_port, "--drain-grace", "2"]
     return args + (["--metrics-port", metrics_port] if metrics_port is not None else [])
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return launch.spawn(argv, log=log, cwd=REPO, env={"PYTHONUNBUFFERED": "1"}, pdeathsig=True)
-
-
-def _registrar(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return _spawn([sys.executable, "-m", "distill.cli", "register", "--log-level", "DEBUG", *FAST, *args], log)
-
-
-def _entries(etcd: LocalEtcd, service: str) -> dict[str, TeacherEntry]:
-    """The service's records with their loads, read once (three tries: a loaded CI machine may miss
-    one connection handshake)."""
-    async def read() -> dict[str, TeacherEntry]:
-        async with open_registry(etcd.address) as registry:
-            snapshot = await registry.teachers(service)
-            loads = await registry.loads(service)
-            return {iid: TeacherEntry(e.record, loads.get(iid)) for iid, e in snapshot.items()}
-
-    for attempt in range(3):
-        try:
-            return arun(read())
-        except RegistryUnavailableError:
-            if attempt == 2:
-                raise
-            time.sleep(0.5)
-    raise AssertionError("unreachable")
-
-
-def _until(check: Callable[[], _T | None], timeout: float, what: str, *logs: Path) -> _T:
-    """Poll `check` every 0.1 s until it returns something truthy (returned); fail after `timeout` s."""
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            tails = "\n".join(f"--- {p.name}:\n{launch.log_tail(p, 40)}" for p in logs)
-            raise AssertionError(f"{what}: not within {timeout} s\n{tails}")
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    launch.stop(proc, grace=60.0)
 
 
 class MetricsServer:
@@ -177,17 +134,17 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
     service = unique_service("reg-vllm")
     port, http_port, metrics_port = (str(_free_port()) for _ in range(3))
     reg_log, engine_log = tmp_path / "registrar.log", tmp_path / "engine.log"
-    registrar = _registrar(["--engine", "vllm", "--url", f"http://127.0.0.1:{http_port}", "--metrics-url",
-                            f"http://127.0.0.1:{metrics_port}/metrics", "--registry", etcd.address, "--service",
-                            service, "--instance-id", "r-vllm"], reg_log)
+    registrar = run_registrar(["--engine", "vllm", "--url", f"http://127.0.0.1:{http_port}", "--metrics-url",
+                               f"http://127.0.0.1:{metrics_port}/metrics", "--registry", etcd.address, "--service",
+                               service, "--instance-id", "r-vllm"], reg_log)
     engine: subprocess.Popen[bytes] | None = None
     try:
-        _until(lambda: "waiting for the vllm engine" in reg_log.read_text(), 60, "the registrar probes", reg_log)
-        assert _entries(etcd, service) == {}, "no record before the engine answers"
+        until(lambda: "waiting for the vllm engine" in reg_log.read_text(), 60, "the registrar probes", reg_log)
+        assert entries(etcd, service) == {}, "no record before the engine answers"
 
-        engine = _spawn(_teacher_args(llama_dir, port=port, http_port=http_port, metrics_port=metrics_port),
-                        engine_log)
-        entry = _until(lambda: _entries(etcd, service).get("r-vllm"), 120, "the record once ready", reg_log, engine_log)
+        engine = spawn(_teacher_args(llama_dir, port=port, http_port=http_port, metrics_port=metrics_port),
+                       engine_log)
+        entry = until(lambda: entries(etcd, service).get("r-vllm"), 120, "the record once ready", reg_log, engine_log)
         rec = entry.record
         assert (rec.endpoint, rec.protocol, rec.path, rec.model_name) == (f"127.0.0.1:{http_port}", "vllm", "", "llama")
         assert rec.capabilities == HTTP_CAPABILITIES
@@ -196,7 +153,7 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
         assert [(t.name, t.datatype, list(t.shape)) for t in rec.outputs] == [("LOGITS", "FP32", [-1, -1])]
         assert (rec.max_batch_size, rec.batches_by_length, rec.device, rec.tls) == (256, True, "engine", False)
 
-        loaded = _until(lambda: _entries(etcd, service)["r-vllm"].load, 30, "a published load", reg_log)
+        loaded = until(lambda: entries(etcd, service)["r-vllm"].load, 30, "a published load", reg_log)
         assert loaded.instance_id == "r-vllm" and not loaded.draining and loaded.in_flight == 0
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
             figures = read_figures("kserve", resp.read().decode())
@@ -204,13 +161,13 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
 
         engine.kill()
         engine.wait(10)
-        _until(lambda: _entries(etcd, service) == {}, 30, "the record withdrawn after SIGKILL", reg_log)
+        until(lambda: entries(etcd, service) == {}, 30, "the record withdrawn after SIGKILL", reg_log)
         assert registrar.poll() is None, "the registrar waits for the engine to come back"
 
-        engine = _spawn(_teacher_args(llama_dir, port=port, http_port=http_port, metrics_port=metrics_port),
-                        engine_log)
-        back = _until(lambda: _entries(etcd, service).get("r-vllm"), 120, "the record after a restart", reg_log,
-                      engine_log)
+        engine = spawn(_teacher_args(llama_dir, port=port, http_port=http_port, metrics_port=metrics_port),
+                       engine_log)
+        back = until(lambda: entries(etcd, service).get("r-vllm"), 120, "the record after a restart", reg_log,
+                     engine_log)
         assert back.record.endpoint == f"127.0.0.1:{http_port}" and back.record.protocol == "vllm"
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as resp:
             card = json.loads(resp.read())["data"][0]
@@ -218,11 +175,11 @@ def test_vllm_engine_is_registered_only_while_it_answers(etcd: LocalEtcd, llama_
 
         registrar.send_signal(signal.SIGTERM)
         assert registrar.wait(60) == 0, launch.log_tail(reg_log, 40)
-        assert _entries(etcd, service) == {}
+        assert entries(etcd, service) == {}
     finally:
-        _stop(registrar)
+        stop_proc(registrar)
         if engine is not None:
-            _stop(engine)
+            stop_proc(engine)
 
 
 def test_sglang_probe_record_health_and_metrics(vllm_llama_dir: Path) -> None:
@@ -259,27 +216,27 @@ def test_sigterm_withdraws_first_then_waits_for_in_flight_work_then_stops_the_en
     metrics = MetricsServer('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="llama"} 2\n'
                             '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="llama"} 1\n')
     command = [*_teacher_args(llama_dir, port="0", http_port="{port}"), "--ready-file", str(ready)]
-    registrar = _registrar(["--engine", "vllm", "--url", f"http://127.0.0.1:{http_port}", "--metrics-url",
-                            metrics.url, "--registry", etcd.address, "--service", service, "--instance-id", "r-drain",
-                            "--drain-timeout", "60", "--stop-grace", "10", "--", *command], reg_log)
+    registrar = run_registrar(["--engine", "vllm", "--url", f"http://127.0.0.1:{http_port}", "--metrics-url",
+                               metrics.url, "--registry", etcd.address, "--service", service, "--instance-id",
+                               "r-drain", "--drain-timeout", "60", "--stop-grace", "10", "--", *command], reg_log)
     try:
-        _until(lambda: _entries(etcd, service).get("r-drain"), 120, "the record of the engine child", reg_log)
-        loaded = _until(lambda: _entries(etcd, service)["r-drain"].load, 30, "a published load", reg_log)
+        until(lambda: entries(etcd, service).get("r-drain"), 120, "the record of the engine child", reg_log)
+        loaded = until(lambda: entries(etcd, service)["r-drain"].load, 30, "a published load", reg_log)
         assert (loaded.in_flight, loaded.queue_depth, loaded.busy_fraction) == (3, 1, 1.0)
         engine_pid = int(json.loads(ready.read_text())["pid"])
 
         registrar.send_signal(signal.SIGTERM)
-        _until(lambda: _entries(etcd, service) == {}, 30, "the record withdrawn at SIGTERM", reg_log)
-        _until(lambda: "waiting up to 60 s" in reg_log.read_text(), 30, "the drain begins", reg_log)
+        until(lambda: entries(etcd, service) == {}, 30, "the record withdrawn at SIGTERM", reg_log)
+        until(lambda: "waiting up to 60 s" in reg_log.read_text(), 30, "the drain begins", reg_log)
         assert registrar.poll() is None, "the registrar waits while the engine has work in flight"
         assert _alive(engine_pid), "the engine serves its in-flight work after the record is gone"
 
         metrics.text = metrics.text.replace("} 2\n", "} 0\n").replace("} 1\n", "} 0\n")
         assert registrar.wait(60) == 0
-        _until(lambda: not _alive(engine_pid), 30, "the engine stopped after the drain", reg_log)
+        until(lambda: not _alive(engine_pid), 30, "the engine stopped after the drain", reg_log)
         assert "drained: nothing in flight" in reg_log.read_text()
     finally:
-        _stop(registrar)
+        stop_proc(registrar)
         metrics.close()
 
 
@@ -290,10 +247,10 @@ def test_kserve_engine_child_record_from_its_metadata_and_exit_when_it_dies(
     ready = tmp_path / "ready.json"
     reg_log = tmp_path / "registrar.log"
     command = [*_teacher_args(llama_dir, port="{port}", http_port="0"), "--ready-file", str(ready)]
-    registrar = _registrar(["--engine", "kserve", "--url", f"grpc://127.0.0.1:{port}", "--registry", etcd.address,
-                            "--service", service, "--instance-id", "r-kserve", "--", *command], reg_log)
+    registrar = run_registrar(["--engine", "kserve", "--url", f"grpc://127.0.0.1:{port}", "--registry", etcd.address,
+                               "--service", service, "--instance-id", "r-kserve", "--", *command], reg_log)
     try:
-        rec = _until(lambda: _entries(etcd, service).get("r-kserve"), 120, "the kserve record", reg_log).record
+        rec = until(lambda: entries(etcd, service).get("r-kserve"), 120, "the kserve record", reg_log).record
         client = tg.InferenceServerClient(f"127.0.0.1:{port}")
         meta = client.get_model_metadata("llama")
         config = client.get_model_config("llama").config
@@ -311,10 +268,10 @@ def test_kserve_engine_child_record_from_its_metadata_and_exit_when_it_dies(
 
         os.kill(int(json.loads(ready.read_text())["pid"]), signal.SIGKILL)
         assert registrar.wait(30) == 1
-        assert _entries(etcd, service) == {}
+        assert entries(etcd, service) == {}
         assert "the engine exited on its own" in reg_log.read_text()
     finally:
-        _stop(registrar)
+        stop_proc(registrar)
 
 
 def test_bad_engine_or_url_exits_2_and_an_engine_never_ready_exits_1(etcd: LocalEtcd,
