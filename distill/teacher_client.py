@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import grpc
 import numpy as np
@@ -259,8 +259,8 @@ class InferenceClient(Protocol):
 
 
 class TeacherClient:
-    """Owns the channel to one teacher endpoint; close() releases it. Every method raises
-    `TeacherCallError` / `TeacherGoneError` rather than gRPC's own exceptions."""
+    """Owns the channel to one teacher endpoint; close(), or leaving `async with`, releases it. Every
+    method raises `TeacherCallError` / `TeacherGoneError` rather than gRPC's own exceptions."""
 
     def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None, headers: Mapping[str, str] | None = None) -> None:
@@ -371,3 +371,9 @@ class TeacherClient:
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

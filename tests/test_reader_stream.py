@@ -80,8 +80,7 @@ def test_the_reader_connects_over_streams_when_asked() -> None:
 
 def test_concurrent_requests_each_get_their_own_answer_on_one_stream(affine: ServerThread) -> None:
     async def main() -> None:
-        client = StreamingTeacherClient(affine.url)
-        try:
+        async with StreamingTeacherClient(affine.url) as client:
             xs = [_rows(i) for i in range(40)]
             # the same chunk id for all: the stream's own ids keep the answers apart
             outs = await asyncio.gather(*(client.infer(_chunk(x, "7:0:0"), timeout=30) for x in xs))
@@ -90,16 +89,13 @@ def test_concurrent_requests_each_get_their_own_answer_on_one_stream(affine: Ser
             first = client._stream
             await client.infer(_chunk(xs[0], "8:0:0"), timeout=30)
             assert client._stream is first and first is not None and not first.ended  # one stream throughout
-        finally:
-            await client.close()
 
     asyncio.run(main())
 
 
 def test_a_refusal_is_typed_by_its_code_keeps_its_facts_and_the_stream_goes_on(affine: ServerThread) -> None:
     async def main() -> None:
-        client = StreamingTeacherClient(affine.url)
-        try:
+        async with StreamingTeacherClient(affine.url) as client:
             with pytest.raises(RequestRejectedError) as refused:
                 await client.infer(_chunk(_rows(1, width=7), "1:0:0"), timeout=30)  # the model takes 8 features
             assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -109,32 +105,26 @@ def test_a_refusal_is_typed_by_its_code_keeps_its_facts_and_the_stream_goes_on(a
             out = await client.infer(_chunk(x, "2:0:0"), timeout=30)
             assert torch.allclose(out["Y"], _expected(x), atol=1e-5)
             assert client._stream is stream
-        finally:
-            await client.close()
 
     asyncio.run(main())
 
 
 def test_a_deadline_fails_its_own_request_and_a_late_answer_is_dropped(slow: ServerThread) -> None:
     async def main() -> None:
-        client = StreamingTeacherClient(slow.url)
-        try:
+        async with StreamingTeacherClient(slow.url) as client:
             with pytest.raises(TeacherCallError) as late:
                 await client.infer(_chunk(_rows(3), "5:0:0"), timeout=0.05)
             assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             x = _rows(4)  # same chunk id as the one given up: its late answer must not be taken for this one
             out = await client.infer(_chunk(x, "5:0:0"), timeout=30)
             assert torch.allclose(out["Y"], _expected(x), atol=1e-5)
-        finally:
-            await client.close()
 
     asyncio.run(main())
 
 
 def test_a_request_given_up_mid_write_leaves_the_others_on_the_stream(slow: ServerThread) -> None:
     async def main() -> None:
-        client = StreamingTeacherClient(slow.url)
-        try:
+        async with StreamingTeacherClient(slow.url) as client:
             await client.infer(_chunk(_rows(0), "0:0:0"), timeout=30)  # the stream is open
             stream = client._stream
             assert stream is not None
@@ -154,8 +144,6 @@ def test_a_request_given_up_mid_write_leaves_the_others_on_the_stream(slow: Serv
             for x, out in zip(xs, outs, strict=True):
                 assert torch.allclose(out["Y"], _expected(x), atol=1e-5)
             assert client._stream is stream and not stream.ended
-        finally:
-            await client.close()
 
     asyncio.run(main())
 
@@ -183,8 +171,7 @@ def test_a_teacher_killed_under_its_stream_fails_what_waits_and_the_next_request
         ((proc, info),) = start_teachers(stack, [SLEEPY], tmp_path, env={"TEST_SLEEP_MS": "300"})
 
         async def main() -> None:
-            client = StreamingTeacherClient(info["endpoint"])
-            try:
+            async with StreamingTeacherClient(info["endpoint"]) as client:
                 x = _rows(7)
                 assert torch.allclose((await client.infer(_chunk(x, "0:0:0"), timeout=30))["Y"], _expected(x),
                                       atol=1e-5)
@@ -199,8 +186,6 @@ def test_a_teacher_killed_under_its_stream_fails_what_waits_and_the_next_request
                 with pytest.raises(TeacherCallError):
                     await client.infer(_chunk(_rows(9), "2:0:0"), timeout=5)
                 assert client._stream is not first  # a new stream was opened for it
-            finally:
-                await client.close()
 
         asyncio.run(main())
 
@@ -238,14 +223,11 @@ def test_a_teacher_not_listening_fails_the_request_at_once_and_nothing_is_left_u
     async def main() -> None:
         reported: list[dict[str, object]] = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
-        client = StreamingTeacherClient(f"127.0.0.1:{port}")
-        try:
+        async with StreamingTeacherClient(f"127.0.0.1:{port}") as client:
             for i in range(3):  # each request opens a stream again, and fails the same way
                 with pytest.raises(TeacherCallError) as refused:
                     await asyncio.wait_for(client.infer(_chunk(_rows(i), f"{i}:0:0"), timeout=30), timeout=20)
                 assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-        finally:
-            await client.close()
         gc.collect()
         await asyncio.sleep(0.1)
         assert not reported, reported  # no failure set on a future nobody awaited
