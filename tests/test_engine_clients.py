@@ -300,7 +300,7 @@ def test_http_statuses_are_the_verdicts_the_grpc_client_gives(
             await client.close()
             await runner.cleanup()
 
-    asyncio.run(asyncio.until(main(), 60))
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_refused_connection_is_unavailable_and_metadata_comes_from_the_engine(sglang: SglangServer,
@@ -322,7 +322,7 @@ def test_a_refused_connection_is_unavailable_and_metadata_comes_from_the_engine(
             assert await client.ready(meta.model_name, 10.0)
             await client.close()
 
-    asyncio.run(asyncio.until(main(), 60))
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_static_lists_name_engines_item_by_item() -> None:
@@ -352,7 +352,7 @@ def test_engine_sessions_close(sglang: SglangServer) -> None:
         with pytest.raises(TeacherGoneError, match="closed"):
             await client.ready("", 10.0)
 
-    asyncio.run(asyncio.until(main(), 60))
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_registered_engine_records_are_called_in_their_protocols(
