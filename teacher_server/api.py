@@ -52,6 +52,7 @@ import torch
 
 from discovery.aio import deadline
 from discovery.signals import StopSignals
+from teacher_server.malloc_tuning import tune_malloc
 from teacher_server.model import FLOAT_OUTPUT_DTYPES, LoadedModel, _probe, load_model, resolve_device
 from teacher_server.options import (
     CONFIG,
@@ -246,8 +247,9 @@ async def start(model: Any, **kwargs: Any) -> TeacherServer:
     """Load, warm up and start a teacher from async code; returns the running ``TeacherServer``.
 
     Takes ``serve``'s arguments except registration (use ``discovery``'s ``register()`` with
-    ``server.record()`` for that), ``ready_file`` and ``threads``. Loading and the warm-up run on
-    a worker thread, so the event loop keeps running meanwhile. Stop it with ``await server.stop()``
+    ``server.record()`` for that), ``ready_file``, ``threads`` and ``malloc_tuning`` (settings of
+    the whole process, which stays the caller's). Loading and the warm-up run on a worker thread, so
+    the event loop keeps running meanwhile. Stop it with ``await server.stop()``
     (drains first).
     """
     config, loaded = await asyncio.to_thread(_build, model, **kwargs)
@@ -273,6 +275,8 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     etcd refuses stop it before the model loads (RegistryAccessError).
     ``ready_file``: written with ``{endpoint, port, pid, ...}`` as JSON once serving.
     ``threads``: torch intra-op threads (default: the usable cores shared out between the instances).
+    ``malloc_tuning``: fix glibc malloc's thresholds for the process (`teacher_server.malloc_tuning`;
+    default True), so each batch does not fault its working memory in again.
     Everything else goes to ``prepare`` (device, max_batch_size, preprocess, instances, ...).
     The port opens before the model loads and warms up (health NOT_SERVING meanwhile), so a
     load failure is reported with the port already answering, as with the CLI.
@@ -282,6 +286,9 @@ def serve(model: Any, *, registry_options: dict[str, Any] | None = None, **optio
     given = {k: v for k, v in options.items() if k in LAUNCH}
     check_options(given, KEYWORDS)
     launch = LaunchSettings(**given)
+    if launch.malloc_tuning:  # before the model loads: its memory is the allocator's too
+        tuning = tune_malloc()
+        log.info("malloc: %s", tuning.detail)
     rest = {k: v for k, v in options.items() if k not in LAUNCH}
     config, loaded = _build(model, **{**launch_defaults(), **rest})
     registration = None

@@ -87,7 +87,8 @@ class ModelDeclaration:
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """What ``serve()`` and ``teacher-server`` add to a running server: registration, the ready file, threads."""
+    """What ``serve()`` and ``teacher-server`` add to a running server: registration, the ready file, threads,
+    the allocator's thresholds."""
 
     registry: str | None = setting(
         None, "etcd://host:2379[,host:2379]: register under a lease", group="registry", scope="serve")
@@ -101,6 +102,11 @@ class LaunchSettings:
     threads: int | None = setting(
         0, "torch intra-op threads per process (default: cores / instances)", group="model", type=int,
         scope="serve", check=at_least(0, "(0: cores / instances)"))
+    malloc_tuning: bool = setting(
+        True, "keep glibc malloc's defaults: memory freed after each batch goes back to the kernel and is "
+        "page-faulted in again by the next (default: fixed thresholds keep a batch's working memory mapped; "
+        "never over MALLOC_* variables, GLIBC_TUNABLES or an LD_PRELOAD allocator)", group="model",
+        flag="--no-malloc-tuning", kind="negated", scope="serve")
 
     def __post_init__(self) -> None:
         check_fields(self)

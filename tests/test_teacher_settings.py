@@ -44,7 +44,7 @@ def test_every_setting_is_one_flag_whose_default_is_the_keywords() -> None:
     # serve()'s keywords are exactly the declared ones: ServerConfig's own fields among them.
     config_fields = {s.name for s in settings_of(ServerConfig)}
     assert config_fields <= set(CONFIG) and not set(CONFIG) & set(LAUNCH)
-    assert {"ttl", "registry", "service", "ready_file", "threads"} == set(LAUNCH)
+    assert {"ttl", "registry", "service", "ready_file", "threads", "malloc_tuning"} == set(LAUNCH)
 
 
 def test_flags_that_differ_from_their_keyword_still_map_onto_it() -> None:
