@@ -34,6 +34,11 @@ on one ModelStreamInfer stream of its own, a request written and its answer read
 and their ratios carry the suffix `_stream`. A message on an open stream costs gRPC's Python
 server far less than a call, so the pair says what the calls themselves cost.
 
+--compare FLAG (repeatable) is an A/B test of a server option in one run: a second batching
+teacher-server starts with those flags added, and each batching variant of teacher-server (W2,
+W3, and their stream twins) is measured on it too (suffix `_cmp`), in the same repetitions; the
+ratios `*_over_compare` are the server as configured / the compared one, without a goal.
+
 The in-process baselines run the model exactly as the server is told to (`--threads` torch
 threads, and `--instances` concurrent model(x) loops on their own threads; by default all cores
 and one loop, the server's defaults), so a ratio measures what serving costs, not what a
@@ -118,6 +123,7 @@ W2_GOAL_VS_PYTRITON = 1.3  # at least 1.3x PyTriton serving the same model
 W3_GOAL_VS_PYTRITON = 1.0  # ahead of PyTriton (strictly above)
 PEER_EXIT_WAIT_S = 15.0  # how long a failed peer measurement waits to see whether the peer exited
 STREAM_SUFFIX = "_stream"  # a variant's twin with every client on a ModelStreamInfer stream (--streams)
+COMPARE_SUFFIX = "_cmp"  # a batching variant's twin on the server started with --compare's flags
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class Settings:
     server_cpus: tuple[int, ...] = ()  # the servers' and the in-process baselines' cores; (): this process's
     client_cpus: tuple[int, ...] = ()  # the load generator's cores; () with server_cpus ()
     streams: bool = False  # measure each server variant over ModelStreamInfer streams too
+    compare: tuple[str, ...] = ()  # flags of a second batching teacher-server measured beside the first (A/B)
 
     @property
     def choice(self) -> DeviceChoice:
@@ -298,6 +305,9 @@ async def run(s: Settings) -> dict[str, Any]:
         if want_w3:
             servers["batching_off"] = TeacherProcess(server_args(s, batching=False), label="batching-off", env=env,
                                                      cwd=REPO_ROOT, stop_grace=20.0)
+        if s.compare:
+            servers["compare"] = TeacherProcess([*server_args(s, batching=True), *s.compare], label="compare",
+                                                env=env, cwd=REPO_ROOT, stop_grace=20.0)
         for p in servers.values():  # cleanups first: an error while any is starting stops them all
             stack.callback(p.cleanup)
         with s.server_side():  # a child process starts on the cores of the thread that forks it
@@ -357,11 +367,15 @@ async def run(s: Settings) -> dict[str, Any]:
             # ("_stream"), in the same repetitions (batching off only over unary calls).
             transports = [("unary", ""), *([("stream", STREAM_SUFFIX)] if s.streams else [])]
             variants: dict[str, Callable[[], Awaitable[Measurement | None]]] = {}
+            # W3's goal is against the in-process batch-256 rate: measured with --only w3 too.
+            variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
             if want_w2:
-                variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
                 for transport, suffix in transports:
                     variants["w2_server_256" + suffix] = load("batching_on", w2_req, s.w2_batch, s.requests_in_flight,
                                                               transport=transport, profile=True)
+                    if s.compare:
+                        variants["w2_server_256" + suffix + COMPARE_SUFFIX] = load(
+                            "compare", w2_req, s.w2_batch, s.requests_in_flight, transport=transport, profile=True)
                     if pt is not None:
                         variants["w2_pytriton_256" + suffix] = load("pytriton" + suffix, w2_req, s.w2_batch,
                                                                     s.requests_in_flight, transport=transport)
@@ -370,6 +384,9 @@ async def run(s: Settings) -> dict[str, Any]:
                 for transport, suffix in transports:
                     variants["w3_on" + suffix] = load("batching_on", w3_req, s.w3_batch, s.w3_clients,
                                                       transport=transport, profile=True)
+                    if s.compare:
+                        variants["w3_on" + suffix + COMPARE_SUFFIX] = load(
+                            "compare", w3_req, s.w3_batch, s.w3_clients, transport=transport, profile=True)
                     if not suffix:
                         variants["w3_off"] = load("batching_off", w3_req, s.w3_batch, s.w3_clients,
                                                   transport=transport)
@@ -436,8 +453,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         medians[k] = median(q) if len(q) >= MIN_QUIET_PAIRS else medians_all[k]
     ratios: dict[str, dict[str, Any]] = {}
 
-    def add_ratio(name: str, num: str, den: str, goal: float, above: bool = False) -> None:
-        """`above`: the goal is to be strictly above `goal` (ahead of), not at least it."""
+    def add_ratio(name: str, num: str, den: str, goal: float | None, above: bool = False) -> None:
+        """`above`: the goal is to be strictly above `goal` (ahead of), not at least it. No goal:
+        a comparison (--compare), reported without a verdict."""
         if num not in rates or den not in rates:
             return
         paired = paired_ratios(rates[num], rates[den])
@@ -455,8 +473,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
             "per_rep": [round(r, 4) for r in paired],
             "goal": goal,
             "goal_op": ">" if above else ">=",
-            "verdict": ("PASS" if (headline > goal if above else headline >= goal) else "below goal") if trusted else (
-                "smoke test only" if s.quick else f"noisy: fewer than {MIN_QUIET_PAIRS} quiet pairs"),
+            "verdict": ("comparison" if goal is None else
+                        ("PASS" if (headline > goal if above else headline >= goal) else "below goal")) if trusted
+            else ("smoke test only" if s.quick else f"noisy: fewer than {MIN_QUIET_PAIRS} quiet pairs"),
         }
 
     for x in ("", STREAM_SUFFIX):  # the stream twins' ratios carry the same goals
@@ -465,6 +484,9 @@ def summarise(s: Settings, per_rep: dict[str, list[Measurement]], exit_codes: di
         add_ratio("w2_server_over_pytriton" + x, "w2_server_256" + x, "w2_pytriton_256" + x, W2_GOAL_VS_PYTRITON)
         add_ratio("w3_on_over_pytriton" + x, "w3_on" + x, "w3_pytriton" + x, W3_GOAL_VS_PYTRITON, above=True)
     add_ratio("w3_on_over_off", "w3_on", "w3_off", W3_GOAL_VS_OFF)
+    for x in ("", STREAM_SUFFIX):  # --compare: the server as it is / the one with the compared flags
+        add_ratio("w2_server_over_compare" + x, "w2_server_256" + x, "w2_server_256" + x + COMPARE_SUFFIX, None)
+        add_ratio("w3_on_over_compare" + x, "w3_on" + x, "w3_on" + x + COMPARE_SUFFIX, None)
     cpu_medians = {
         k: {
             "client_cores": median([m.cpu.client_cores for m in v if m.cpu]),
@@ -512,6 +534,10 @@ def report(doc: dict[str, Any]) -> str:
         "w3_on_stream": "W3 server batching ON, 64 x batch 8 (streams)",
         "w3_pytriton_stream": "W3 PyTriton batching, 64 x batch 8 (streams)",
     }
+    compared = " ".join(doc["settings"].get("compare") or ())
+    for k in ("w2_server_256", "w3_on"):
+        for x in ("", STREAM_SUFFIX):
+            labels[k + x + COMPARE_SUFFIX] = f"{labels[k + x]} [{compared}]"
     rows = []
     for k, label in labels.items():
         if k in med:
@@ -530,13 +556,18 @@ def report(doc: dict[str, Any]) -> str:
         "w3_on_over_inprocess_256_stream": "W3 streams: batching on / in-process batch 256",
         "w2_server_over_pytriton_stream": "W2 streams: server / PyTriton",
         "w3_on_over_pytriton_stream": "W3 streams: batching on / PyTriton",
+        "w2_server_over_compare": f"W2 server / server [{compared}]",
+        "w3_on_over_compare": f"W3 batching on / batching on [{compared}]",
+        "w2_server_over_compare_stream": f"W2 streams: server / server [{compared}]",
+        "w3_on_over_compare_stream": f"W3 streams: batching on / batching on [{compared}]",
     }
     for k, label in names.items():
         if k in doc["ratios"]:
             r = doc["ratios"][k]
             quiet = r["median_of_quiet_pairs"]
+            goal = "-" if r["goal"] is None else f"{r.get('goal_op', '>=')} {r['goal']}"
             rrows.append([label, float("nan") if quiet is None else quiet, f"{r['quiet_pairs']}/{r['pairs']}",
-                          r["median_of_all_pairs"], f"{r.get('goal_op', '>=')} {r['goal']}", r["verdict"]])
+                          r["median_of_all_pairs"], goal, r["verdict"]])
     out.append(format_table(["ratio", "median, quiet pairs", "quiet", "median, all pairs", "goal", "verdict"],
                             rrows))
     by_thread = doc.get("server_ms_per_request_medians") or {}
@@ -610,6 +641,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    help=f"disturbed measurements that may be taken again (default {Settings.max_redos}, "
                    "2 with --quick)")
     p.add_argument("--server-arg", action="append", default=[], help="extra teacher-server flag (repeatable)")
+    p.add_argument("--compare", action="append", default=[], metavar="FLAG",
+                   help="start a second batching teacher-server with this flag added (repeatable) and measure "
+                   "it beside the first in every repetition: W2 and W3 with batching, over streams too with "
+                   "--streams; ratios first / second (write it --compare=--flag or --compare=--flag=value)")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the servers, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     p.add_argument("--out", default="serving", help="results file: benchmarks/results/<OUT>.json (default serving)")
@@ -645,7 +680,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         extra_server_args=tuple(a.server_arg), server_env=tuple(a.server_env), out=a.out,
         device=a.device, compute_dtype=a.compute_dtype,
         pytriton={True: "on", False: "off", None: "auto"}[a.pytriton],
-        server_cpus=server_cpus, client_cpus=client_cpus, streams=a.streams,
+        server_cpus=server_cpus, client_cpus=client_cpus, streams=a.streams, compare=tuple(a.compare),
     )
 
 

@@ -103,6 +103,30 @@ def test_with_streams_each_server_variant_has_a_stream_twin_with_the_same_goals(
         assert line in text
 
 
+def test_compare_pairs_each_batching_variant_with_its_twin_on_the_compared_server() -> None:
+    rates = {"w2_inprocess_256": 1000.0, "w2_server_256": 900.0, "w2_server_256_cmp": 880.0,
+             "w3_inprocess_8": 300.0, "w3_on": 540.0, "w3_on_cmp": 500.0, "w3_on_stream": 800.0,
+             "w3_on_stream_cmp": 640.0, "w3_off": 100.0}
+    per_rep = {k: [_rep(v, "inprocess" not in k) for _ in range(5)] for k, v in rates.items()}
+    doc = serving.summarise(serving.Settings(reps=5, streams=True, compare=("--no-malloc-tuning",)), per_rep, {})
+    doc["machine"] |= {"servers_ran_on": {}}
+    r = doc["ratios"]
+    assert r["w3_on_over_compare"]["headline"] == pytest.approx(1.08)
+    assert r["w3_on_over_compare_stream"]["headline"] == pytest.approx(1.25)
+    assert r["w2_server_over_compare"]["headline"] == pytest.approx(900 / 880)
+    assert "w2_server_over_compare_stream" not in r  # its variants were not measured
+    assert {r[k]["goal"] for k in r if "compare" in k} == {None}
+    assert {r[k]["verdict"] for k in r if "compare" in k} == {"comparison"}
+    assert r["w3_on_over_inprocess_256"]["verdict"] == "below goal"  # the goals are unchanged
+    text = serving.report(doc)
+    for line in ("W3 server batching ON, 64 x batch 8 (streams) [--no-malloc-tuning]",
+                 "W3 streams: batching on / batching on [--no-malloc-tuning]"):
+        assert line in text
+    assert serving.parse_args(["--compare=--no-malloc-tuning", "--compare=--threads=1"]).compare == (
+        "--no-malloc-tuning", "--threads=1")
+    assert serving.parse_args([]).compare == ()
+
+
 def test_the_streams_flag_is_off_unless_asked_for() -> None:
     assert not serving.parse_args([]).streams
     assert serving.parse_args(["--streams"]).streams
@@ -141,11 +165,16 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
     # in the same repetition as their unary selves, with the same goals, and reported.
     doc = run_benchmark_main(serving.main, ["--quick", "--streams", "--no-pytriton", "--reps", "1",
                                             "--warmup", "0.3", "--duration", "1", "--instances", "1", "--threads",
-                                            "1", "--max-foreign-cores", "0", "--out", "serving_streams_test"],
+                                            "1", "--max-foreign-cores", "0", "--compare=--no-malloc-tuning",
+                                            "--out", "serving_streams_test"],
                              tmp_path, name="serving_streams_test")
     assert doc["settings"]["streams"] is True
+    # With --compare, each batching variant's twin on the compared server, in the same repetition.
     assert set(doc["medians_samples_per_s"]) == {"w2_inprocess_256", "w2_server_256", "w2_server_256_stream",
-                                                 "w3_inprocess_8", "w3_on", "w3_off", "w3_on_stream"}
+                                                 "w3_inprocess_8", "w3_on", "w3_off", "w3_on_stream",
+                                                 "w2_server_256_cmp", "w2_server_256_stream_cmp", "w3_on_cmp",
+                                                 "w3_on_stream_cmp"}
+    assert doc["ratios"]["w3_on_over_compare_stream"]["headline"] > 0
     positive(doc["medians_samples_per_s"])
     (stream,) = doc["per_rep"]["w3_on_stream"]
     assert stream["errors"] == 0 and stream["mean_server_batch"] > 8  # 64 streams' requests were batched
