@@ -18,7 +18,8 @@ come and go as mappings of their own, so one large answer is not held afterwards
 `serve()` (and so `teacher-server`) applies this at start unless told not to
 (``malloc_tuning=False``, ``--no-malloc-tuning``). It never overrides an allocator configured from
 outside the process: glibc's ``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` with ``glibc.malloc``
-settings, or another allocator preloaded with ``LD_PRELOAD`` (jemalloc, tcmalloc).
+settings, or another allocator preloaded with ``LD_PRELOAD`` (a library whose name says malloc:
+jemalloc, tcmalloc, mimalloc).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-# Environment variables that configure the allocator from outside the process.
+# Environment variables that configure glibc's allocator from outside the process.
 OUTSIDE_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                    "MALLOC_ARENA_MAX", "LD_PRELOAD")
+                    "MALLOC_ARENA_MAX")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def tune_malloc(environ: Mapping[str, str] | None = None) -> MallocTuning:
     outside = [name for name in OUTSIDE_SETTINGS if env.get(name)]
     if "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
         outside.append("GLIBC_TUNABLES")
+    if "malloc" in env.get("LD_PRELOAD", ""):  # libjemalloc, libtcmalloc, libmimalloc
+        outside.append("LD_PRELOAD")
     if outside:
         return MallocTuning(False, f"left as set from outside the process ({', '.join(outside)})")
     mallopt = ctypes.CDLL(None).mallopt

@@ -56,7 +56,7 @@ def _faults_a_round(mode: str) -> float:
 
 def _clean_env() -> dict[str, str]:
     env = dict(os.environ)
-    for name in (*OUTSIDE_SETTINGS, "GLIBC_TUNABLES"):
+    for name in (*OUTSIDE_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD"):
         env.pop(name, None)
     return env
 
@@ -70,21 +70,27 @@ def test_tuned_memory_freed_after_a_round_is_not_faulted_in_again() -> None:
     assert tuned < default / 20, (tuned, default)
 
 
-@pytest.mark.parametrize("outside", [*OUTSIDE_SETTINGS, "GLIBC_TUNABLES"])
+OUTSIDE = {**{name: "1" for name in OUTSIDE_SETTINGS}, "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1",
+           "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+
+
+@pytest.mark.parametrize("outside", OUTSIDE)
 def test_an_allocator_configured_from_outside_is_left_alone(outside: str) -> None:
-    value = "glibc.malloc.trim_threshold=1" if outside == "GLIBC_TUNABLES" else "1"
-    tuning = tune_malloc({outside: value})
+    tuning = tune_malloc({outside: OUTSIDE[outside]})
     assert not tuning.applied
     assert outside in tuning.detail
 
 
-def test_other_glibc_tunables_do_not_stop_it() -> None:
-    """GLIBC_TUNABLES without malloc settings (say, for pthreads) leaves malloc to us; checked in a
-    process of its own, since this one applies the settings."""
-    code = "from teacher_server.malloc_tuning import tune_malloc; print(tune_malloc().applied)"
-    env = {**_clean_env(), "PYTHONPATH": str(REPO), "GLIBC_TUNABLES": "glibc.pthread.rseq=0"}
+@pytest.mark.parametrize(("name", "value"), [("GLIBC_TUNABLES", "glibc.pthread.rseq=0"),
+                                             ("LD_PRELOAD", "libz.so.1")])
+def test_settings_that_are_not_the_allocators_do_not_stop_it(name: str, value: str) -> None:
+    """GLIBC_TUNABLES without malloc settings, or a preloaded library that is not an allocator,
+    leaves malloc to us; checked in a process of its own, since it applies the settings (the
+    variable is set once the process runs: only the check reads it)."""
+    code = (f"import os; os.environ[{name!r}] = {value!r}; "
+            "from teacher_server.malloc_tuning import tune_malloc; print(tune_malloc().applied)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          check=True, env=env)
+                          check=True, env={**_clean_env(), "PYTHONPATH": str(REPO)})
     assert proc.stdout.strip() == "True"
 
 
