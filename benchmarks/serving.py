@@ -38,6 +38,8 @@ server far less than a call, so the pair says what the calls themselves cost.
 teacher-server starts with those flags added, and each batching variant of teacher-server (W2,
 W3, and their stream twins) is measured on it too (suffix `_cmp`), in the same repetitions; the
 ratios `*_over_compare` are the server as configured / the compared one, without a goal.
+--compare-tree DIR runs the compared server from another checkout (a `git worktree` of an
+earlier commit), with --compare's flags if any: two versions of the server in one run.
 
 The in-process baselines run the model exactly as the server is told to (`--threads` torch
 threads, and `--instances` concurrent model(x) loops on their own threads; by default all cores
@@ -158,6 +160,11 @@ class Settings:
     client_cpus: tuple[int, ...] = ()  # the load generator's cores; () with server_cpus ()
     streams: bool = False  # measure each server variant over ModelStreamInfer streams too
     compare: tuple[str, ...] = ()  # flags of a second batching teacher-server measured beside the first (A/B)
+    compare_tree: str = ""  # a checkout the second server runs from instead of this one (A/B of two versions)
+
+    @property
+    def comparing(self) -> bool:
+        return bool(self.compare or self.compare_tree)
 
     @property
     def choice(self) -> DeviceChoice:
@@ -305,9 +312,11 @@ async def run(s: Settings) -> dict[str, Any]:
         if want_w3:
             servers["batching_off"] = TeacherProcess(server_args(s, batching=False), label="batching-off", env=env,
                                                      cwd=REPO_ROOT, stop_grace=20.0)
-        if s.compare:
-            servers["compare"] = TeacherProcess([*server_args(s, batching=True), *s.compare], label="compare",
-                                                env=env, cwd=REPO_ROOT, stop_grace=20.0)
+        if s.comparing:
+            tree = s.compare_tree or str(REPO_ROOT)
+            servers["compare"] = TeacherProcess(
+                [*server_args(s, batching=True), *s.compare], label="compare", cwd=tree, stop_grace=20.0,
+                env=env | {"PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])})
         for p in servers.values():  # cleanups first: an error while any is starting stops them all
             stack.callback(p.cleanup)
         with s.server_side():  # a child process starts on the cores of the thread that forks it
@@ -373,7 +382,7 @@ async def run(s: Settings) -> dict[str, Any]:
                 for transport, suffix in transports:
                     variants["w2_server_256" + suffix] = load("batching_on", w2_req, s.w2_batch, s.requests_in_flight,
                                                               transport=transport, profile=True)
-                    if s.compare:
+                    if s.comparing:
                         variants["w2_server_256" + suffix + COMPARE_SUFFIX] = load(
                             "compare", w2_req, s.w2_batch, s.requests_in_flight, transport=transport, profile=True)
                     if pt is not None:
@@ -384,7 +393,7 @@ async def run(s: Settings) -> dict[str, Any]:
                 for transport, suffix in transports:
                     variants["w3_on" + suffix] = load("batching_on", w3_req, s.w3_batch, s.w3_clients,
                                                       transport=transport, profile=True)
-                    if s.compare:
+                    if s.comparing:
                         variants["w3_on" + suffix + COMPARE_SUFFIX] = load(
                             "compare", w3_req, s.w3_batch, s.w3_clients, transport=transport, profile=True)
                     if not suffix:
@@ -534,7 +543,9 @@ def report(doc: dict[str, Any]) -> str:
         "w3_on_stream": "W3 server batching ON, 64 x batch 8 (streams)",
         "w3_pytriton_stream": "W3 PyTriton batching, 64 x batch 8 (streams)",
     }
-    compared = " ".join(doc["settings"].get("compare") or ())
+    settings = doc["settings"]
+    compared = " ".join([*(settings.get("compare") or ()),
+                         *([f"tree {settings['compare_tree']}"] if settings.get("compare_tree") else [])])
     for k in ("w2_server_256", "w3_on"):
         for x in ("", STREAM_SUFFIX):
             labels[k + x + COMPARE_SUFFIX] = f"{labels[k + x]} [{compared}]"
@@ -611,6 +622,17 @@ def _pick(given: N | None, quick: bool, quick_default: N, default: N) -> N:
     return quick_default if quick else default
 
 
+def _checkout(p: argparse.ArgumentParser, tree: str) -> str:
+    """--compare-tree as an absolute path, refused when it holds no teacher_server package."""
+    if not tree:
+        return ""
+    path = Path(tree).resolve()
+    if not (path / "teacher_server" / "__main__.py").is_file():
+        p.error(f"--compare-tree {tree}: no teacher_server/ there; give a checkout of this project "
+                "(git worktree add DIR COMMIT)")
+    return str(path)
+
+
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 7; 2 with --quick)")
@@ -645,6 +667,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                    help="start a second batching teacher-server with this flag added (repeatable) and measure "
                    "it beside the first in every repetition: W2 and W3 with batching, over streams too with "
                    "--streams; ratios first / second (write it --compare=--flag or --compare=--flag=value)")
+    p.add_argument("--compare-tree", default="", metavar="DIR",
+                   help="run the compared server (see --compare) from this checkout of the project instead, "
+                   "e.g. a `git worktree` of an earlier commit: this run's code against that one's")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for the servers, e.g. OMP_WAIT_POLICY=PASSIVE (repeatable)")
     p.add_argument("--out", default="serving", help="results file: benchmarks/results/<OUT>.json (default serving)")
@@ -681,6 +706,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         device=a.device, compute_dtype=a.compute_dtype,
         pytriton={True: "on", False: "off", None: "auto"}[a.pytriton],
         server_cpus=server_cpus, client_cpus=client_cpus, streams=a.streams, compare=tuple(a.compare),
+        compare_tree=_checkout(p, a.compare_tree),
     )
 
 

@@ -24,7 +24,7 @@ from benchmarks.serving_measure import Measurement, make_request, measure_server
 from teacher_server import ServerConfig
 from teacher_server.config import BatchingConfig
 from tests.bench_runs import positive, run_benchmark_main
-from tests.servers import ServerThread
+from tests.servers import REPO, ServerThread
 
 REF = "examples.refteacher:build"
 
@@ -125,6 +125,10 @@ def test_compare_pairs_each_batching_variant_with_its_twin_on_the_compared_serve
     assert serving.parse_args(["--compare=--no-malloc-tuning", "--compare=--threads=1"]).compare == (
         "--no-malloc-tuning", "--threads=1")
     assert serving.parse_args([]).compare == ()
+    assert not serving.parse_args([]).comparing
+    assert serving.parse_args(["--compare-tree", str(REPO)]).compare_tree == str(REPO.resolve())
+    with pytest.raises(SystemExit):  # not a checkout: refused before anything starts
+        serving.parse_args(["--compare-tree", str(REPO / "docs")])
 
 
 def test_the_streams_flag_is_off_unless_asked_for() -> None:
@@ -165,7 +169,7 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
     # in the same repetition as their unary selves, with the same goals, and reported.
     doc = run_benchmark_main(serving.main, ["--quick", "--streams", "--no-pytriton", "--reps", "1",
                                             "--warmup", "0.3", "--duration", "1", "--instances", "1", "--threads",
-                                            "1", "--max-foreign-cores", "0", "--compare=--no-malloc-tuning",
+                                            "1", "--max-foreign-cores", "0", "--compare=--no-malloc-tuning", "--compare-tree", str(REPO),
                                             "--out", "serving_streams_test"],
                              tmp_path, name="serving_streams_test")
     assert doc["settings"]["streams"] is True
@@ -175,6 +179,8 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
                                                  "w2_server_256_cmp", "w2_server_256_stream_cmp", "w3_on_cmp",
                                                  "w3_on_stream_cmp"}
     assert doc["ratios"]["w3_on_over_compare_stream"]["headline"] > 0
+    assert doc["settings"]["compare_tree"] == str(REPO.resolve())
+    assert f"[--no-malloc-tuning tree {REPO.resolve()}]" in doc["stdout"]
     positive(doc["medians_samples_per_s"])
     (stream,) = doc["per_rep"]["w3_on_stream"]
     assert stream["errors"] == 0 and stream["mean_server_batch"] > 8  # 64 streams' requests were batched
