@@ -169,8 +169,8 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
     # in the same repetition as their unary selves, with the same goals, and reported.
     doc = run_benchmark_main(serving.main, ["--quick", "--streams", "--no-pytriton", "--reps", "1",
                                             "--warmup", "0.3", "--duration", "1", "--instances", "1", "--threads",
-                                            "1", "--max-foreign-cores", "0", "--compare=--no-malloc-tuning", "--compare-tree", str(REPO),
-                                            "--out", "serving_streams_test"],
+                                            "1", "--max-foreign-cores", "0", "--compare=--no-malloc-tuning",
+                                            "--compare-tree", str(REPO), "--out", "serving_streams_test"],
                              tmp_path, name="serving_streams_test")
     assert doc["settings"]["streams"] is True
     # With --compare, each batching variant's twin on the compared server, in the same repetition.
