@@ -24,6 +24,7 @@ __all__ = [
     "access_refused",
     "call_error",
     "input_refusal",
+    "rpc_error",
 ]
 
 
@@ -70,6 +71,12 @@ def call_error(code: grpc.StatusCode, details: str, metadata: Any = None) -> Tea
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
         return TeacherOverloadedError(code, details)
     return TeacherCallError(code, details)
+
+
+def rpc_error(e: grpc.aio.AioRpcError) -> TeacherCallError:
+    """`call_error` for a call or stream that gRPC ended with an error: its code, details and
+    trailing metadata."""
+    return call_error(e.code(), e.details() or "", e.trailing_metadata())
 
 
 def input_refusal(metadata: Any) -> InputRefusal | None:

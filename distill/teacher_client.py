@@ -36,6 +36,7 @@ from distill.call_errors import (
     TeacherRefusedError,
     access_refused,
     call_error,
+    rpc_error,
 )
 from distill.config import ClientTLS
 from distill.outputs import VALID_ROWS, per_sample_shape, wanted_outputs
@@ -284,7 +285,7 @@ class TeacherClient:
             response: service_pb2.ModelInferResponse = await self._infer(wire, timeout=timeout,
                                                                           metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise call_error(e.code(), e.details() or "", e.trailing_metadata()) from None
+            raise rpc_error(e) from None
         except grpc.aio.UsageError:
             raise TeacherGoneError(f"the channel to {self.endpoint} was closed: the teacher left") from None
         except grpc.RpcError as e:

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import grpc
 import torch
 
-from distill.call_errors import TeacherCallError, TeacherGoneError, call_error
+from distill.call_errors import TeacherCallError, TeacherGoneError, call_error, rpc_error
 from distill.teacher_client import TeacherClient, decode_response, encode_request
 from distill.types import ChunkRequest
 from protos.kserve import REFUSAL_METADATA, service_pb2
@@ -78,7 +78,7 @@ class _Stream:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
-            self.end(call_error(e.code(), e.details() or "", e.trailing_metadata()))
+            self.end(rpc_error(e))
         except Exception as e:  # grpc's UsageError or InvalidStateError: the call ended under the write
             self.end(TeacherCallError(grpc.StatusCode.UNAVAILABLE, f"the stream to the teacher ended: {e!r}"))
         self.call.cancel()  # the reader then ends too
@@ -100,7 +100,7 @@ class _Stream:
                 else:
                     waiter.set_result(answer)
         except grpc.aio.AioRpcError as e:
-            error = call_error(e.code(), e.details() or "", e.trailing_metadata())
+            error = rpc_error(e)
         except Exception as e:  # grpc's UsageError once the channel closed, or an answer we cannot read
             error = TeacherGoneError(f"the stream to the teacher failed: {e}")
         except asyncio.CancelledError:
