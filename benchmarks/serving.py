@@ -376,32 +376,28 @@ async def run(s: Settings) -> dict[str, Any]:
             # ("_stream"), in the same repetitions (batching off only over unary calls).
             transports = [("unary", ""), *([("stream", STREAM_SUFFIX)] if s.streams else [])]
             variants: dict[str, Callable[[], Awaitable[Measurement | None]]] = {}
+
+            def batching(server_key: str, pytriton_key: str, req: Any, batch: int, clients: int) -> None:
+                """A workload's batching variants over each transport: teacher-server's, its twin on the
+                --compare server, PyTriton's."""
+                for transport, suffix in transports:
+                    variants[server_key + suffix] = load("batching_on", req, batch, clients, transport=transport,
+                                                         profile=True)
+                    if s.comparing:
+                        variants[server_key + suffix + COMPARE_SUFFIX] = load(
+                            "compare", req, batch, clients, transport=transport, profile=True)
+                    if pt is not None:
+                        variants[pytriton_key + suffix] = load("pytriton" + suffix, req, batch, clients,
+                                                               transport=transport)
+
             # W3's goal is against the in-process batch-256 rate: measured with --only w3 too.
             variants["w2_inprocess_256"] = lambda: inprocess(s.w2_batch)
             if want_w2:
-                for transport, suffix in transports:
-                    variants["w2_server_256" + suffix] = load("batching_on", w2_req, s.w2_batch, s.requests_in_flight,
-                                                              transport=transport, profile=True)
-                    if s.comparing:
-                        variants["w2_server_256" + suffix + COMPARE_SUFFIX] = load(
-                            "compare", w2_req, s.w2_batch, s.requests_in_flight, transport=transport, profile=True)
-                    if pt is not None:
-                        variants["w2_pytriton_256" + suffix] = load("pytriton" + suffix, w2_req, s.w2_batch,
-                                                                    s.requests_in_flight, transport=transport)
+                batching("w2_server_256", "w2_pytriton_256", w2_req, s.w2_batch, s.requests_in_flight)
             if want_w3:
                 variants["w3_inprocess_8"] = lambda: inprocess(s.w3_batch)
-                for transport, suffix in transports:
-                    variants["w3_on" + suffix] = load("batching_on", w3_req, s.w3_batch, s.w3_clients,
-                                                      transport=transport, profile=True)
-                    if s.comparing:
-                        variants["w3_on" + suffix + COMPARE_SUFFIX] = load(
-                            "compare", w3_req, s.w3_batch, s.w3_clients, transport=transport, profile=True)
-                    if not suffix:
-                        variants["w3_off"] = load("batching_off", w3_req, s.w3_batch, s.w3_clients,
-                                                  transport=transport)
-                    if pt is not None:
-                        variants["w3_pytriton" + suffix] = load("pytriton" + suffix, w3_req, s.w3_batch, s.w3_clients,
-                                                                transport=transport)
+                batching("w3_on", "w3_pytriton", w3_req, s.w3_batch, s.w3_clients)
+                variants["w3_off"] = load("batching_off", w3_req, s.w3_batch, s.w3_clients, transport="unary")
             gate = QuietGate(pids, max_foreign_cores=s.max_foreign_cores, budget_s=s.gate_budget_s)
             contaminated = redo_when_loaded(s.max_foreign_cores, s.max_redos) if s.max_foreign_cores > 0 else None
 
