@@ -29,6 +29,7 @@ __all__ = [
     "service_pb2",
     "service_pb2_grpc",
     "shape_numel",
+    "tensor_bytes",
 ]
 
 BY_LENGTH_PARAMETER = "batches_by_length"
@@ -157,6 +158,16 @@ def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     if dt.torch_dtype is torch.bfloat16:
         src = src.view(torch.int16)
     return dt.name, list(t.shape), src.numpy().tobytes()
+
+
+def tensor_bytes(t: torch.Tensor) -> tuple[str, memoryview]:
+    """(datatype name, flat byte view) of a CPU tensor's data in row-major order: no copy of a
+    contiguous tensor (one of any other), and the view keeps the tensor's memory alive."""
+    dt = datatype_of(t.dtype)
+    src = t.contiguous()
+    if dt.torch_dtype is torch.bfloat16:
+        src = src.view(torch.int16)
+    return dt.name, src.numpy().data.cast("B")
 
 
 def _varint(n: int) -> bytes:

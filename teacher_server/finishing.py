@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from protos.kserve import tensor_bytes
 from protos.outputs import SCORE_IDS, SCORED_LOGPROBS
 from teacher_server.outputs import EncodedOutput, NamedTensor, encode_named
 from teacher_server.spec import TensorSpec
@@ -35,6 +36,12 @@ from teacher_server.work import Work
 
 WholeOutput = tuple[str, torch.Tensor, TensorSpec]
 """One transformed output of a whole batch: (name, tensor, the model output's spec)."""
+
+# A whole-batch output whose memory is at most this many bytes is laid out once for the batch and
+# each request's answer views its own rows of it; a larger one is copied request by request, so
+# that an answer waiting on a slow client holds its own rows and not the whole batch's (a batch of
+# one request views its output whatever its size, unless the output is a view of more memory).
+SHARED_OUTPUT_MAX_BYTES = 4 << 20
 
 
 @dataclass
@@ -97,6 +104,37 @@ class BatchOutputs:
             offset += w.batch_size
         return result
 
+    def encoded(self) -> list[list[EncodedOutput]]:
+        """Each request's outputs, encoded for the wire (host tensors: read once the batch's copies
+        are done). A whole-batch output of which every request takes whole rows, up to
+        `SHARED_OUTPUT_MAX_BYTES`, is encoded once, each request's bytes a view of its rows: a
+        batch of 32 small requests then costs one copy (none when the output is contiguous)
+        instead of 32 copies and their Python."""
+        if self.whole is None:
+            return [encode_named(named) for named in self.split()]
+        columns = [self._encode_whole(name, t, spec) for name, t, spec in self.whole]
+        return [list(answer) for answer in zip(*columns, strict=True)]
+
+    def _encode_whole(self, name: str, t: torch.Tensor, spec: TensorSpec) -> list[EncodedOutput]:
+        """One whole-batch output, encoded per request (batch order)."""
+        held = t.untyped_storage().nbytes()  # what a view of t keeps alive
+        small = held <= SHARED_OUTPUT_MAX_BYTES or (len(self.works) == 1 and held == t.element_size() * t.numel())
+        shared = t.numel() > 0 and small and all(_cut(w, name, t, spec).shape == t.shape for w in self.works)
+        out: list[EncodedOutput] = []
+        offset = 0
+        if not shared:
+            for w in self.works:
+                out.extend(encode_named([(name, _cut(w, name, t[offset : offset + w.batch_size], spec))]))
+                offset += w.batch_size
+            return out
+        dtype, raw = tensor_bytes(t)
+        row = len(raw) // t.shape[0]
+        tail = list(t.shape[1:])
+        for w in self.works:
+            out.append((name, dtype, [w.batch_size, *tail], raw[offset * row : (offset + w.batch_size) * row]))
+            offset += w.batch_size
+        return out
+
     def split(self) -> list[list[NamedTensor]]:
         """Each request's outputs: its rows of the whole-batch tensors cut back to its length
         (views, no copies)."""
@@ -158,7 +196,7 @@ class Finisher:
             launched.event.synchronize()
         ready = time.perf_counter_ns()  # the device is done with the batch; the host's encoding follows
         with torch.inference_mode():
-            per_request = [encode_named(named) for named in launched.outputs.split()]
+            per_request = encode_batch(launched.outputs)
             nonfinite = launched.outputs.nonfinite()
         compute_ns = self._own.claim(launched.start_ns, time.perf_counter_ns())
         return BatchResult(per_request, compute_ns, self._device.claim(launched.start_ns, ready), nonfinite)
@@ -166,6 +204,11 @@ class Finisher:
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
+
+
+def encode_batch(outputs: BatchOutputs) -> list[list[EncodedOutput]]:
+    """The finishing stage's encoding of one batch: each request's outputs for the wire."""
+    return outputs.encoded()
 
 
 def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -231,7 +231,7 @@ def decode_infer(body: bytes, header_length: str | None, model_name: str, versio
         return DecodedInfer(InferRequest(model_name=model_name, model_version=version, malformed=str(e)))
 
 
-def _json_values(dtype: str, raw: bytes, shape: Sequence[int]) -> list[Any]:
+def _json_values(dtype: str, raw: bytes | memoryview, shape: Sequence[int]) -> list[Any]:
     if dtype == "BYTES":  # strings; bytes that are not UTF-8 as lone surrogates (binary_data keeps them)
         return [b.decode("utf-8", "surrogateescape") for b in decode_bytes(raw, shape_numel(shape))]
     dt = DATATYPES[dtype]
@@ -248,7 +248,7 @@ class EncodedResponse:
     for Inference-Header-Content-Length, None when the JSON is the whole body."""
 
     header: bytes
-    binary: Sequence[bytes]
+    binary: Sequence[bytes | memoryview]
     header_length: int | None
 
     @property
@@ -262,7 +262,7 @@ def encode_response(decoded: DecodedInfer, model_name: str, version: str,
     whose outputs are not finite named in its `parameters` (`NONFINITE_ROWS_PARAMETER`), as gRPC's
     response does."""
     out: list[dict[str, Any]] = []
-    binary: list[bytes] = []
+    binary: list[bytes | memoryview] = []
     for name, dtype, shape, raw in outputs:
         entry: dict[str, Any] = {"name": name, "datatype": dtype, "shape": shape}
         if decoded.wants_binary(name):

@@ -31,7 +31,7 @@ __all__ = ["CHUNK_BYTES", "EncodedOutput", "NamedTensor", "OutputContext", "Outp
            "encode_named", "encode_output", "transform_output"]
 
 # (name, datatype, shape, raw bytes) of one encoded output tensor, ready for the response.
-EncodedOutput = tuple[str, str, list[int], bytes]
+EncodedOutput = tuple[str, str, list[int], bytes | memoryview]
 # (name, tensor) of one transformed output, still on the model's device.
 NamedTensor = tuple[str, torch.Tensor]
 

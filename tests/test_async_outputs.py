@@ -21,7 +21,7 @@ from teacher_server.batcher import BatcherClosedError, BatchingConfig, DynamicBa
 from teacher_server.cli import build_parser, flag_values
 from teacher_server.instance import ModelInstance
 from teacher_server.model import load_model
-from teacher_server.outputs import EncodedOutput, NamedTensor
+from teacher_server.outputs import EncodedOutput
 from teacher_server.spec import SpecError
 from teacher_server.work import Work
 from tests import seq_models
@@ -31,23 +31,23 @@ MODEL = "tests.seq_models:causal_conv_lm"
 
 
 class HeldEncoder:
-    """Stands in for `finishing.encode_named`: each call says it started, waits for `release`
-    (bounded), and the call numbered `fail_call` (from 1) raises instead of encoding."""
+    """Stands in for `finishing.encode_batch`: each call (a batch) says it started, waits for
+    `release` (bounded), and the call numbered `fail_call` (from 1) raises instead of encoding."""
 
     def __init__(self, fail_call: int = 0) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
         self.calls = 0
         self.fail_call = fail_call
-        self._real = finishing.encode_named
+        self._real = finishing.encode_batch
 
-    def __call__(self, tensors: list[NamedTensor]) -> list[EncodedOutput]:
+    def __call__(self, outputs: finishing.BatchOutputs) -> list[list[EncodedOutput]]:
         self.calls += 1
         self.started.release()
         assert self.release.wait(60), "the test never released the finishing stage"
         if self.calls == self.fail_call:
             raise RuntimeError("encoding this batch broke")
-        return self._real(tensors)
+        return self._real(outputs)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def _open_gate() -> Iterator[None]:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldEncoder]:
     enc = HeldEncoder()
-    monkeypatch.setattr(finishing, "encode_named", enc)
+    monkeypatch.setattr(finishing, "encode_batch", enc)
     yield enc
     enc.release.set()
 
@@ -168,7 +168,7 @@ def test_an_instance_holds_at_most_two_batches_launched_and_not_answered(held: H
 def test_a_failure_while_finishing_fails_only_that_batchs_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     enc = HeldEncoder(fail_call=2)
     enc.release.set()
-    monkeypatch.setattr(finishing, "encode_named", enc)
+    monkeypatch.setattr(finishing, "encode_batch", enc)
     inst = _instance()
 
     async def main() -> None:
