@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from benchmarks import grpc_floor, serving
+from benchmarks import grpc_floor, instance_path, serving
 from benchmarks.cpu import CpuUsage
 from benchmarks.serving_measure import Measurement, make_request, measure_server, open_channel
 from teacher_server import ServerConfig
@@ -190,6 +190,26 @@ def test_the_benchmark_measures_w3_over_streams_beside_unary_calls(tmp_path: Pat
     assert {"w2_server_256_stream", "w3_on_stream"} <= set(doc["server_ms_per_request_medians"])
     assert "W3 server batching ON, 64 x batch 8 (streams)" in doc["stdout"]
     assert set(doc["server_exit_codes"].values()) == {0}
+
+
+def test_the_instance_path_times_a_batch_as_the_server_runs_it_and_as_model_x(tmp_path: Path) -> None:
+    # benchmarks.instance_path at its smallest: both models timed both ways, the instance's added
+    # time a request derived from them, and the table prints it.
+    doc = run_benchmark_main(instance_path.main, ["--quick", "--requests", "4"], tmp_path, name="instance_path")
+    variants = {f"{m}_{v}" for m in ("ref", "ref_hidden8") for v in ("inprocess", "instance")}
+    assert set(doc["ms_a_batch_medians"]) == variants
+    positive(doc["ms_a_batch_medians"])
+    small = doc["models"]["ref_hidden8"]
+    added = (small["instance_ms"] - small["inprocess_ms"]) * 1e3 / 4
+    assert small["added_us_a_request"] == pytest.approx(added, abs=0.01)
+    assert small["inprocess_over_instance"] > 0
+    assert "RefTeacher, hidden 8" in doc["stdout"] and "added us a request" in doc["stdout"]
+
+
+def test_the_instance_path_refuses_cores_it_may_not_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        instance_path.parse_args(["--cpus", "4096"])
+    assert "may run on cores" in capsys.readouterr().err
 
 
 def test_the_grpc_floor_measures_a_bare_servers_cpu_a_message_both_ways(tmp_path: Path) -> None:
