@@ -37,12 +37,6 @@ from teacher_server.work import Work
 WholeOutput = tuple[str, torch.Tensor, TensorSpec]
 """One transformed output of a whole batch: (name, tensor, the model output's spec)."""
 
-# A whole-batch output whose memory is at most this many bytes is laid out once for the batch and
-# each request's answer views its own rows of it; a larger one is copied request by request, so
-# that an answer waiting on a slow client holds its own rows and not the whole batch's (a batch of
-# one request views its output whatever its size, unless the output is a view of more memory).
-SHARED_OUTPUT_MAX_BYTES = 4 << 20
-
 
 @dataclass
 class BatchResult:
@@ -106,10 +100,12 @@ class BatchOutputs:
 
     def encoded(self) -> list[list[EncodedOutput]]:
         """Each request's outputs, encoded for the wire (host tensors: read once the batch's copies
-        are done). A whole-batch output of which every request takes whole rows, up to
-        `SHARED_OUTPUT_MAX_BYTES`, is encoded once, each request's bytes a view of its rows: a
-        batch of 32 small requests then costs one copy (none when the output is contiguous)
-        instead of 32 copies and their Python."""
+        are done). A whole-batch output of which every request takes whole rows is laid out once
+        and each request's bytes are a slice of it, copied: per request one slice instead of a
+        tensor's encoding, and an answer waiting on a slow client holds its own rows, never the
+        batch's. A batch of one request answers with a view of the output, no copy, unless the
+        output views more memory than its own or is pinned (a GPU batch's host copy, which goes
+        back to torch's pool of page-locked memory as soon as the batch is finished)."""
         if self.whole is None:
             return [encode_named(named) for named in self.split()]
         columns = [self._encode_whole(name, t, spec) for name, t, spec in self.whole]
@@ -117,22 +113,23 @@ class BatchOutputs:
 
     def _encode_whole(self, name: str, t: torch.Tensor, spec: TensorSpec) -> list[EncodedOutput]:
         """One whole-batch output, encoded per request (batch order)."""
-        held = t.untyped_storage().nbytes()  # what a view of t keeps alive
-        small = held <= SHARED_OUTPUT_MAX_BYTES or (len(self.works) == 1 and held == t.element_size() * t.numel())
-        shared = t.numel() > 0 and small and all(_cut(w, name, t, spec).shape == t.shape for w in self.works)
         out: list[EncodedOutput] = []
         offset = 0
-        if not shared:
+        if t.numel() == 0 or any(_cut(w, name, t, spec).shape != t.shape for w in self.works):
             for w in self.works:
                 out.extend(encode_named([(name, _cut(w, name, t[offset : offset + w.batch_size], spec))]))
                 offset += w.batch_size
             return out
+        t = t.contiguous()
         dtype, raw = tensor_bytes(t)
-        row = len(raw) // t.shape[0]
         tail = list(t.shape[1:])
+        if len(self.works) == 1 and t.untyped_storage().nbytes() == len(raw) and not t.is_pinned():
+            return [(name, dtype, [self.works[0].batch_size, *tail], raw)]
+        row = len(raw) // t.shape[0]
         for w in self.works:
-            out.append((name, dtype, [w.batch_size, *tail], raw[offset * row : (offset + w.batch_size) * row]))
-            offset += w.batch_size
+            end = offset + w.batch_size
+            out.append((name, dtype, [w.batch_size, *tail], raw[offset * row : end * row].tobytes()))
+            offset = end
         return out
 
     def split(self) -> list[list[NamedTensor]]:
