@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.common import format_table, interleave, machine_info, median, run_and_report
 from benchmarks.pinning import CpuListError, parse_cpu_list, pin_process
+from benchmarks.serving_measure import INPUT_SHAPE
 from examples.refteacher import RefTeacher
 from teacher_server.instance import ModelInstance
 from teacher_server.malloc_tuning import tune_malloc
@@ -37,7 +38,6 @@ from teacher_server.work import Work
 
 # name: RefTeacher's hidden width
 MODELS = {"ref": 2048, "ref_hidden8": 8}
-INPUT_SHAPE = (3, 32, 32)
 
 
 @dataclass(frozen=True)

@@ -153,11 +153,8 @@ def decode_contents(contents: service_pb2.InferTensorContents, dt: Datatype,
 
 def encode_tensor(t: torch.Tensor) -> tuple[str, list[int], bytes]:
     """(datatype name, shape, raw bytes) of a CPU tensor; one copy, into the bytes object."""
-    dt = datatype_of(t.dtype)
-    src = t.contiguous()
-    if dt.torch_dtype is torch.bfloat16:
-        src = src.view(torch.int16)
-    return dt.name, list(t.shape), src.numpy().tobytes()
+    name, raw = tensor_bytes(t)
+    return name, list(t.shape), raw.tobytes()
 
 
 def tensor_bytes(t: torch.Tensor) -> tuple[str, memoryview]:

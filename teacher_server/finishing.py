@@ -193,7 +193,7 @@ class Finisher:
             launched.event.synchronize()
         ready = time.perf_counter_ns()  # the device is done with the batch; the host's encoding follows
         with torch.inference_mode():
-            per_request = encode_batch(launched.outputs)
+            per_request = launched.outputs.encoded()
             nonfinite = launched.outputs.nonfinite()
         compute_ns = self._own.claim(launched.start_ns, time.perf_counter_ns())
         return BatchResult(per_request, compute_ns, self._device.claim(launched.start_ns, ready), nonfinite)
@@ -201,11 +201,6 @@ class Finisher:
     def close(self, wait: bool = True) -> None:
         """Stop the thread; batches not yet being finished are cancelled (their futures say so)."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
-
-
-def encode_batch(outputs: BatchOutputs) -> list[list[EncodedOutput]]:
-    """The finishing stage's encoding of one batch: each request's outputs for the wire."""
-    return outputs.encoded()
 
 
 def _cut(w: Work, name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

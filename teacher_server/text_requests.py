@@ -191,9 +191,10 @@ class TextRequests:
                 f"{ids_spec.max_length} positions; send shorter texts (at most {ids_spec.max_length} tokens each)",
                 {"kind": "context", "input": TEXT, "value": count, "limit": ids_spec.max_length, "index": [row]})
         b, t = tokenized.ids.shape
-        encoded: dict[str, EncodedOutput] = {TEXT_IDS: (TEXT_IDS, "INT64", [b, t], tokenized.ids.tobytes()),
-                   TEXT_SPANS: (TEXT_SPANS, "INT32", [b, t, 2], tokenized.spans.tobytes()),
-                   TEXT_MASK: (TEXT_MASK, "INT8", [b, t], tokenized.mask.tobytes())}
+        encoded: dict[str, EncodedOutput] = {
+            TEXT_IDS: (TEXT_IDS, "INT64", [b, t], tokenized.ids.tobytes()),
+            TEXT_SPANS: (TEXT_SPANS, "INT32", [b, t, 2], tokenized.spans.tobytes()),
+            TEXT_MASK: (TEXT_MASK, "INT8", [b, t], tokenized.mask.tobytes())}
         outputs = [encoded[n] for n in wanted_text]
         if request.outputs and not model_outputs:
             return TextPlan(None, outputs, b)

@@ -31,15 +31,15 @@ MODEL = "tests.seq_models:causal_conv_lm"
 
 
 class HeldEncoder:
-    """Stands in for `finishing.encode_batch`: each call (a batch) says it started, waits for
-    `release` (bounded), and the call numbered `fail_call` (from 1) raises instead of encoding."""
+    """Stands in for `BatchOutputs.encoded` (`install`): each call (a batch) says it started, waits
+    for `release` (bounded), and the call numbered `fail_call` (from 1) raises instead of encoding."""
 
     def __init__(self, fail_call: int = 0) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
         self.calls = 0
         self.fail_call = fail_call
-        self._real = finishing.encode_batch
+        self._real = finishing.BatchOutputs.encoded
 
     def __call__(self, outputs: finishing.BatchOutputs) -> list[list[EncodedOutput]]:
         self.calls += 1
@@ -48,6 +48,12 @@ class HeldEncoder:
         if self.calls == self.fail_call:
             raise RuntimeError("encoding this batch broke")
         return self._real(outputs)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def encoded(outputs: finishing.BatchOutputs) -> list[list[EncodedOutput]]:
+            return self(outputs)  # a function, so that the class binds it as a method
+
+        monkeypatch.setattr(finishing.BatchOutputs, "encoded", encoded)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +67,7 @@ def _open_gate() -> Iterator[None]:
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldEncoder]:
     enc = HeldEncoder()
-    monkeypatch.setattr(finishing, "encode_batch", enc)
+    enc.install(monkeypatch)
     yield enc
     enc.release.set()
 
@@ -168,7 +174,7 @@ def test_an_instance_holds_at_most_two_batches_launched_and_not_answered(held: H
 def test_a_failure_while_finishing_fails_only_that_batchs_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     enc = HeldEncoder(fail_call=2)
     enc.release.set()
-    monkeypatch.setattr(finishing, "encode_batch", enc)
+    enc.install(monkeypatch)
     inst = _instance()
 
     async def main() -> None:
